@@ -1,0 +1,70 @@
+"""Reference paged attention in plain PyTorch (runs on CPU and CUDA).
+
+KV cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V).
+K/V are always read through the block table; nothing is kept per sequence elsewhere.
+Grouped-query attention (Ainslie et al. 2023) via SDPA's `enable_gqa`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ferrum.attention.metadata import AttentionMetadata
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k, v: [T, Hkv, D] -> written at flat slots `slot_mapping` [T] of the paged cache."""
+    _, nb, bs, h, d = kv_cache.shape
+    kv_cache[0].view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    kv_cache[1].view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """One sequence's first `length` positions: [length, Hkv, D]."""
+    bs = cache.shape[1]
+    nblk = -(-length // bs)
+    return cache[block_table[:nblk]].flatten(0, 1)[:length]
+
+
+def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
+                      scale: float, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q: [T, H, D] (new tokens of all sequences, concatenated) -> [T, H, D].
+
+    Query j of a sequence sits at position context_len + j and sees keys 0..context_len + j
+    (causal with an offset). A chunk with no cached context uses the fresh k/v directly."""
+    out = torch.empty_like(q)
+    start = 0
+    for i, (qlen, ctx) in enumerate(zip(md.query_lens, md.context_lens)):
+        qi = q[start:start + qlen].transpose(0, 1)  # [H, qlen, D]
+        if ctx == 0:
+            ki, vi = k[start:start + qlen], v[start:start + qlen]
+            mask, causal = None, True
+        else:
+            total = ctx + qlen
+            ki = _gather(kv_cache[0], md.block_tables[i], total)
+            vi = _gather(kv_cache[1], md.block_tables[i], total)
+            # row j may see columns <= ctx + j
+            mask = (torch.arange(total, device=q.device)[None, :]
+                    <= (ctx + torch.arange(qlen, device=q.device))[:, None])
+            causal = False
+        o = F.scaled_dot_product_attention(
+            qi, ki.transpose(0, 1).to(q.dtype), vi.transpose(0, 1).to(q.dtype),
+            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+        out[start:start + qlen] = o.transpose(0, 1)
+        start += qlen
+    return out
+
+
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
+                     scale: float) -> torch.Tensor:
+    """q: [B, H, D], one token per sequence -> [B, H, D]; one batched SDPA over the
+    gathered blocks, positions >= seq_len masked out."""
+    B, M = md.block_tables.shape
+    bs = kv_cache.shape[2]
+    L = M * bs
+    k = kv_cache[0][md.block_tables].view(B, L, *kv_cache.shape[3:]).transpose(1, 2)
+    v = kv_cache[1][md.block_tables].view(B, L, *kv_cache.shape[3:]).transpose(1, 2)
+    mask = (torch.arange(L, device=q.device)[None, :] < md.seq_lens[:, None]).view(B, 1, 1, L)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype),
+                                       attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.squeeze(2)

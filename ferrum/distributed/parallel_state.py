@@ -1,0 +1,42 @@
+"""Tensor-parallel rank and group of this process. TP size 1 (the default) means every
+collective is a no-op, so the same layers run single-device and sharded."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass
+class _TPState:
+    rank: int = 0
+    size: int = 1
+    group: "dist.ProcessGroup | None" = None
+
+
+_TP = _TPState()
+
+
+def init_tensor_parallel(rank: int, size: int, group=None) -> None:
+    _TP.rank, _TP.size, _TP.group = rank, size, group
+
+
+def get_tp_rank() -> int:
+    return _TP.rank
+
+
+def get_tp_size() -> int:
+    return _TP.size
+
+
+def get_tp_group():
+    return _TP.group
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    """numerator / denominator, or TensorParallelError naming the sizes."""
+    from ferrum.errors import TensorParallelError
+    if numerator % denominator:
+        raise TensorParallelError(
+            f"{what} ({numerator}) is not divisible by tensor_parallel_size ({denominator})")
+    return numerator // denominator

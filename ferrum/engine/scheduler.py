@@ -1,0 +1,156 @@
+"""Iteration-level scheduler (Orca, Yu et al. 2022; vLLM): each step takes running decodes
+first (so inter-token latency stays flat), then continues chunked prefills, then admits
+waiting sequences, within a token budget (`max_num_batched_tokens`) and a cap on running
+sequences (`max_num_seqs`). When blocks run out it preempts by recompute: the
+latest-arrived running sequence gives up its blocks and goes back to the front of the queue.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ferrum.config import SchedulerConfig
+from ferrum.engine.block_manager import BlockManager
+from ferrum.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    num_tokens: int          # tokens computed for this sequence in this step
+
+    @property
+    def completes(self) -> bool:
+        """True when this chunk reaches the sequence's last token: its logits are sampled."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    decodes: list[ScheduledChunk] = field(default_factory=list)
+    prefills: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
+
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
+        self.config = config
+        self.bm = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence, front: bool = False) -> None:
+        seq.status = SequenceStatus.WAITING
+        (self.waiting.appendleft if front else self.waiting.append)(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked sample whose blocks are already allocated (n > 1)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.bm.free(seq.seq_id)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        self.add(seq, front=True)
+        out.preempted.append(seq)
+        self.num_preemptions += 1
+
+    def _reserve(self, seq: Sequence, total: int, scheduled: set[str], out: SchedulerOutput) -> bool:
+        """Make room for `seq` to cover `total` slots, preempting the latest-arrived running
+        sequences not yet scheduled this step (possibly `seq` itself). False if `seq` cannot
+        run this step."""
+        while not self.bm.can_append(seq.seq_id, total):
+            victims = [s for s in self.running if s.seq_id not in scheduled]
+            if not victims:
+                return False
+            victim = max(victims, key=lambda s: (s.arrival, s.index))
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[str] = set()
+
+        # 1. Decodes: running sequences with exactly one uncomputed token, oldest first.
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq.num_uncomputed != 1 or seq.status != SequenceStatus.RUNNING:
+                continue
+            if budget < 1:
+                break
+            if not self._reserve(seq, seq.num_tokens, scheduled, out):
+                continue
+            self.bm.append_slots(seq.seq_id, seq.num_tokens)
+            out.decodes.append(ScheduledChunk(seq, 1))
+            scheduled.add(seq.seq_id)
+            budget -= 1
+
+        # 2. Running sequences in the middle of a (chunked) prefill.
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if budget <= 0:
+                break
+            if seq.seq_id in scheduled or seq.num_uncomputed <= 1 or seq.status != SequenceStatus.RUNNING:
+                continue  # one-token steps are decodes (step 1)
+            n = self._chunk(seq.num_uncomputed, budget, first=not out.prefills)
+            if n == 0:
+                continue
+            total = seq.num_computed_tokens + n
+            if not self._reserve(seq, total, scheduled, out):
+                continue
+            self.bm.append_slots(seq.seq_id, total)
+            out.prefills.append(ScheduledChunk(seq, n))
+            scheduled.add(seq.seq_id)
+            budget -= n
+
+        # 3. Admit waiting sequences (FCFS; stop at the first that does not fit).
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            # A prefix-cache hit means fewer tokens to compute; the budget counts computed ones.
+            cached = self.bm.lookup_prefix(seq.token_ids)
+            n = self._chunk(seq.num_tokens - cached, budget, first=not out.prefills)
+            if n == 0 or not self.bm.can_allocate(seq.token_ids, n):
+                break
+            self.waiting.popleft()
+            cached = self.bm.allocate(seq.seq_id, seq.token_ids, cached + n)
+            seq.num_computed_tokens = cached
+            seq.num_cached_tokens = max(seq.num_cached_tokens, cached)
+            total = cached + n
+            self.bm.append_slots(seq.seq_id, total)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.prefills.append(ScheduledChunk(seq, n))
+            scheduled.add(seq.seq_id)
+            budget -= n
+        return out
+
+    def _chunk(self, remaining: int, budget: int, first: bool) -> int:
+        """Tokens to compute now. Without chunked prefill a prompt goes whole, and may exceed
+        the budget only when it is the step's first prefill (else it waits for a step)."""
+        if self.config.enable_chunked_prefill:
+            return min(remaining, budget)
+        if remaining <= budget or first:
+            return remaining
+        return 0

@@ -1,0 +1,69 @@
+"""A Sequence is one sample being generated: prompt ids, output ids, how many of its tokens
+already have K/V in the cache (`num_computed_tokens`), and its status. A Request groups the
+`n` samples of one API request."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ferrum.outputs import RequestMetrics
+from ferrum.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"      # not scheduled yet, or preempted (its cache was freed)
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, seq_id: str, request: "Request", index: int):
+        self.seq_id = seq_id
+        self.request = request
+        self.index = index
+        self.token_ids: list[int] = list(request.prompt_token_ids)  # prompt + output
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+        self.num_cached_tokens = 0          # prefix-cache hit at first scheduling
+        self.output_state = None            # ferrum.engine.stop_checker state, set by the engine
+        seed = request.params.seed
+        self.generator = None if seed is None else torch.Generator().manual_seed(seed + index)
+        self.logprobs: list[dict[int, float]] = []
+        self.cumulative_logprob = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def arrival(self) -> float:
+        return self.request.metrics.arrival_time
+
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.perf_counter()))
+    seqs: list[Sequence] = field(default_factory=list)
+    forked: bool = False                    # n > 1: children created after the first prefill
+
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.is_finished() for s in self.seqs)

@@ -1,0 +1,68 @@
+"""Named errors. Every error a user can cause derives from FerrumError; the CLI prints it
+on one line and the server maps it to an OpenAI-style JSON body (status in `http_status`)."""
+
+
+class FerrumError(Exception):
+    """Base of every ferrum error. `http_status` is what the server answers with."""
+
+    http_status = 500
+    error_type = "internal_error"
+
+
+class InvalidRequestError(FerrumError, ValueError):
+    """A request or parameter is out of range (bad sampling option, empty prompt, ...)."""
+
+    http_status = 400
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class PromptTooLongError(InvalidRequestError):
+    """Prompt tokens (+ max_tokens) exceed the model's context length (`max_model_len`)."""
+
+
+class ModelNotFoundError(FerrumError):
+    """No model by that name, path or hub id."""
+
+    http_status = 404
+    error_type = "not_found_error"
+
+
+class UnsupportedModelError(FerrumError):
+    """The architecture, quantization type or a config option is not implemented."""
+
+    http_status = 400
+    error_type = "invalid_request_error"
+
+
+class WeightLoadError(FerrumError):
+    """A weight file is unreadable, truncated, or lacks a tensor the model needs."""
+
+
+class OutOfKvCacheError(FerrumError):
+    """A single request needs more KV blocks than the whole pool holds."""
+
+    http_status = 400
+    error_type = "invalid_request_error"
+
+
+class CacheConfigError(FerrumError):
+    """The KV pool cannot hold even one sequence of max_model_len."""
+
+
+class TensorParallelError(FerrumError):
+    """Sizes do not divide over TP ranks, or a rank died / hung."""
+
+
+class EngineDeadError(FerrumError):
+    """The engine loop or a worker rank failed; no further requests can be served."""
+
+
+class QueueFullError(FerrumError):
+    """Too many waiting requests; the server answers 503 with Retry-After."""
+
+    http_status = 503
+    error_type = "server_overloaded"

@@ -1,0 +1,78 @@
+"""Bookkeeping shared by both executors: info, capabilities, live status, and the set of
+sequences whose caches were touched (released by `release_cache`)."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ferrum.config import EngineConfig, resolve_device, resolve_dtype
+from ferrum.interfaces import (DecodeInput, DecodeOutput, ExecutorCapabilities, ExecutorStatus,
+                               KvCacheHandle, ModelInfo, PrefillInput, PrefillOutput)
+from ferrum.loader.base import ModelSource
+from ferrum.executor.memory import compute_memory_requirements
+
+log = logging.getLogger("ferrum")
+
+
+class ExecutorBase:
+    def __init__(self, source: ModelSource, config: EngineConfig):
+        self.source, self.config = source, config
+        self.cfg = source.config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.tp = config.parallel.tensor_parallel_size
+        self.max_model_len = config.scheduler.max_model_len or self.cfg.max_position_embeddings
+        self.memory = compute_memory_requirements(self.cfg, self.dtype, self.tp)
+        self.num_blocks = 0
+        self._live: dict[str, KvCacheHandle] = {}
+        self._steps = {"prefill_steps": 0, "decode_steps": 0, "prefill_tokens": 0, "decode_tokens": 0}
+
+    # subclasses implement these two and set self.num_blocks
+    def _prefill(self, inp: PrefillInput) -> torch.Tensor: ...
+    def _decode(self, inp: DecodeInput) -> torch.Tensor: ...
+
+    def prefill(self, inp: PrefillInput) -> PrefillOutput:
+        logits = self._prefill(inp)
+        for ids, h in zip(inp.token_ids, inp.kv):
+            h.num_tokens += len(ids)
+            self._live[h.cache_id] = h
+        self._steps["prefill_steps"] += 1
+        self._steps["prefill_tokens"] += sum(map(len, inp.token_ids))
+        return PrefillOutput(logits, inp.kv)
+
+    def decode(self, inp: DecodeInput) -> DecodeOutput:
+        logits = self._decode(inp)
+        for h in inp.kv:
+            h.num_tokens += 1
+            self._live[h.cache_id] = h
+        self._steps["decode_steps"] += 1
+        self._steps["decode_tokens"] += len(inp.token_ids)
+        return DecodeOutput(logits, inp.kv)
+
+    def release_cache(self, cache_id: str) -> None:
+        self._live.pop(cache_id, None)
+
+    def info(self) -> ModelInfo:
+        c = self.cfg
+        return ModelInfo(c.architecture, c.vocab_size, c.hidden_size, c.num_hidden_layers,
+                         c.num_attention_heads, c.num_key_value_heads, c.head_dim, self.max_model_len,
+                         str(self.dtype).replace("torch.", ""), self.device, self.tp, c.num_params())
+
+    def capabilities(self) -> ExecutorCapabilities:
+        return ExecutorCapabilities(
+            max_batch_size=self.config.scheduler.max_num_seqs, max_seq_len=self.max_model_len,
+            block_size=self.config.cache.block_size, num_kv_blocks=self.num_blocks,
+            dtypes=["float32", "bfloat16", "float16"], devices=["cpu", "cuda"],
+            tensor_parallel_size=self.tp, pipeline_parallel_size=1,
+            cuda_graphs=getattr(self, "cuda_graphs", False), memory=self.memory)
+
+    def status(self) -> ExecutorStatus:
+        used = len({b for h in self._live.values() for b in h.block_table})
+        return ExecutorStatus(self.num_blocks, used, self.num_blocks - used, len(self._live), **self._steps)
+
+    def warmup(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass

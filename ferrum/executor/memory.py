@@ -1,0 +1,56 @@
+"""Memory requirements per TP rank, from the model config, dtype and TP size, and KV pool
+sizing from the memory actually available."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ferrum.config import CacheConfig, ModelConfig
+from ferrum.interfaces import MemoryRequirements
+
+log = logging.getLogger("ferrum")
+
+
+def compute_memory_requirements(cfg: ModelConfig, dtype: torch.dtype, tp: int) -> MemoryRequirements:
+    """param_bytes: sharded matrices / tp + replicated norms (embedding and LM head are
+    vocab-parallel; a tied head is counted once). kv_bytes_per_token: K+V of all layers for
+    this rank's KV heads (replicated when num_kv_heads < tp). activation_bytes_per_token:
+    hidden + q/k/v + 2x MLP intermediate + fp32 logits row, per rank."""
+    e = torch.finfo(dtype).bits // 8
+    h, i, L, D = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.head_dim
+    q = cfg.num_attention_heads * D // tp
+    kv_heads = max(1, cfg.num_key_value_heads // tp)
+    kv = kv_heads * D
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i // tp
+    if cfg.attention_bias:
+        per_layer += q + 2 * kv
+    norms = L * 2 * h + h + (2 * D * L if cfg.qk_norm else 0)
+    vocab_rows = -(-cfg.vocab_size // tp)
+    emb = vocab_rows * h * (1 if cfg.tie_word_embeddings else 2)
+    param_bytes = (L * per_layer + emb + norms) * e
+    kv_bytes_per_token = 2 * L * kv * e
+    act = (4 * h + q + 2 * kv + 2 * i // tp) * e + 4 * vocab_rows
+    return MemoryRequirements(param_bytes, kv_bytes_per_token, act, tp)
+
+
+def num_kv_blocks(mem: MemoryRequirements, cache: CacheConfig, device: str, max_model_len: int,
+                  max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """How many KV blocks this rank's pool gets.
+
+    CUDA: gpu_memory_utilization * total memory, minus what is allocated now (weights), minus
+    activation headroom for max_num_batched_tokens. CPU: `kv_cache_memory` bytes if given,
+    else enough for max_num_seqs * max_model_len tokens capped at 1 GiB."""
+    per_block = mem.kv_bytes_per_block(cache.block_size)
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    if device.startswith("cuda"):
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        used = total - free
+        budget = int(total * cache.gpu_memory_utilization) - used \
+            - mem.activation_bytes_per_token * max_num_batched_tokens * 4
+    elif cache.kv_cache_memory is not None:
+        budget = cache.kv_cache_memory
+    else:
+        budget = min(1 << 30, per_block * max_num_seqs * -(-max_model_len // cache.block_size))
+    return max(0, budget // per_block)

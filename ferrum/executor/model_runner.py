@@ -1,0 +1,107 @@
+"""Builds the model on one device (one TP rank), owns its paged KV cache, and runs one
+forward pass for a prefill batch or a decode batch. Used by the single-device executor and by
+every rank of the tensor-parallel executor."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ferrum.attention.metadata import AttentionMetadata, forward_context
+from ferrum.config import ModelConfig
+from ferrum.distributed.parallel_state import get_tp_size
+from ferrum.interfaces import KvCacheHandle
+from ferrum.loader.base import ModelSource
+from ferrum.loader.model_loader import init_dummy_weights, load_weights
+from ferrum.models.registry import get_model_class
+
+log = logging.getLogger("ferrum")
+
+
+class ModelRunner:
+    def __init__(self, source: ModelSource, device: str, dtype: torch.dtype,
+                 load_format: str = "auto", seed: int = 0, progress: bool = True):
+        self.cfg: ModelConfig = source.config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        cls = get_model_class(self.cfg)
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with self.device:
+                self.model = cls(self.cfg).eval()
+        finally:
+            torch.set_default_dtype(prev)
+        if load_format == "dummy" or source.fmt == "dummy":
+            init_dummy_weights(self.model, seed)
+        else:
+            load_weights(self.model, source.weights(), progress=progress)
+        self.attn_layers = [m for m in self.model.modules() if m.__class__.__name__ == "Attention"]
+        self.block_size = 16
+        self.num_blocks = 0
+
+    # ---- KV cache ---------------------------------------------------------------------
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """One [2, num_blocks, block_size, kv_heads_per_rank, head_dim] tensor per layer."""
+        self.num_blocks, self.block_size = num_blocks, block_size
+        a = self.attn_layers[0]
+        for layer in self.attn_layers:
+            layer.kv_cache = torch.zeros(2, num_blocks, block_size, a.num_kv_heads, a.head_dim,
+                                         dtype=self.dtype, device=self.device)
+
+    # ---- inputs -------------------------------------------------------------------------
+    def _block_tables(self, kv: list[KvCacheHandle]) -> torch.Tensor:
+        M = max(len(h.block_table) for h in kv)
+        return torch.tensor([h.block_table + [0] * (M - len(h.block_table)) for h in kv],
+                            dtype=torch.int64)
+
+    def _slots(self, bt: torch.Tensor, seq_idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        bs = self.block_size
+        return bt[seq_idx, pos // bs] * bs + pos % bs
+
+    # ---- forward ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, token_ids: list[list[int]], kv: list[KvCacheHandle]) -> torch.Tensor | None:
+        """Returns logits [num_seqs, vocab] float32 of each chunk's last token (TP rank 0;
+        None on other ranks)."""
+        qlens = [len(t) for t in token_ids]
+        ctx = [h.num_tokens for h in kv]
+        bt = self._block_tables(kv)
+        seq_idx = torch.repeat_interleave(torch.arange(len(kv)), torch.tensor(qlens))
+        starts = torch.tensor(ctx)
+        cu = torch.zeros(len(kv) + 1, dtype=torch.int64)
+        cu[1:] = torch.cumsum(torch.tensor(qlens), 0)
+        pos = starts[seq_idx] + torch.arange(cu[-1].item()) - cu[:-1][seq_idx]
+        dev = self.device
+        md = AttentionMetadata(
+            is_prefill=True,
+            slot_mapping=self._slots(bt, seq_idx, pos).to(dev, non_blocking=True),
+            block_tables=bt.to(dev, non_blocking=True),
+            seq_lens=torch.tensor([c + q for c, q in zip(ctx, qlens)], dtype=torch.int32).to(dev),
+            max_seq_len=max(c + q for c, q in zip(ctx, qlens)),
+            query_lens=qlens, context_lens=ctx, cu_seqlens_q=cu.to(dev))
+        ids = torch.tensor([t for seq in token_ids for t in seq], dtype=torch.int64).to(dev, non_blocking=True)
+        with forward_context(md):
+            hidden = self.model(ids, pos.to(dev, non_blocking=True))
+        last = (cu[1:] - 1).to(dev)
+        logits = self.model.compute_logits(hidden[last])
+        return None if logits is None else logits.float()
+
+    @torch.inference_mode()
+    def decode(self, token_ids: list[int], kv: list[KvCacheHandle]) -> torch.Tensor | None:
+        """One token per sequence; returns logits [num_seqs, vocab] float32 (TP rank 0)."""
+        B = len(kv)
+        bt = self._block_tables(kv)
+        pos = torch.tensor([h.num_tokens for h in kv], dtype=torch.int64)
+        dev = self.device
+        md = AttentionMetadata(
+            is_prefill=False,
+            slot_mapping=self._slots(bt, torch.arange(B), pos).to(dev, non_blocking=True),
+            block_tables=bt.to(dev, non_blocking=True),
+            seq_lens=(pos + 1).to(dev, non_blocking=True),
+            max_seq_len=int(pos.max()) + 1)
+        ids = torch.tensor(token_ids, dtype=torch.int64).to(dev, non_blocking=True)
+        with forward_context(md):
+            hidden = self.model(ids, pos.to(dev, non_blocking=True))
+        logits = self.model.compute_logits(hidden)
+        return None if logits is None else logits.float()

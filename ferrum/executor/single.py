@@ -1,0 +1,32 @@
+"""SingleDeviceExecutor: the whole model on one device (CPU or one GPU)."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ferrum.config import EngineConfig
+from ferrum.executor.base import ExecutorBase
+from ferrum.executor.memory import num_kv_blocks
+from ferrum.executor.model_runner import ModelRunner
+from ferrum.interfaces import DecodeInput, PrefillInput
+from ferrum.loader.base import ModelSource
+
+log = logging.getLogger("ferrum")
+
+
+class SingleDeviceExecutor(ExecutorBase):
+    def __init__(self, source: ModelSource, config: EngineConfig, progress: bool = True):
+        super().__init__(source, config)
+        torch.manual_seed(config.seed)
+        self.runner = ModelRunner(source, self.device, self.dtype, config.load_format, config.seed, progress)
+        s = config.scheduler
+        self.num_blocks = num_kv_blocks(self.memory, config.cache, self.device, self.max_model_len,
+                                        s.max_num_seqs, s.max_num_batched_tokens)
+        self.runner.allocate_kv_cache(self.num_blocks, config.cache.block_size)
+
+    def _prefill(self, inp: PrefillInput) -> torch.Tensor:
+        return self.runner.prefill(inp.token_ids, inp.kv)
+
+    def _decode(self, inp: DecodeInput) -> torch.Tensor:
+        return self.runner.decode(inp.token_ids, inp.kv)

@@ -1,0 +1,153 @@
+"""The model executor contract (GUIDE section 1).
+
+The engine talks to a model only through `ModelExecutor`. `SingleDeviceExecutor` and
+`TensorParallelExecutor` both implement it and the engine cannot tell them apart.
+
+Token flow for one step: the scheduler chooses sequences; the block manager gives each a
+`KvCacheHandle` (its block table); the executor writes the new tokens' K/V into the slots
+named by the table and returns logits for the last position of each sequence.
+
+Slot of token position p of a sequence: `block_table[p // block_size] * block_size +
+p % block_size` (the vLLM "slot mapping").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class KvCacheHandle:
+    """A sequence's paged KV cache: physical block ids, in order, of `block_size` tokens each.
+
+    `num_tokens` is how many positions already hold valid K/V *before* this step (the
+    context length). The block table must already cover every position this step writes.
+    """
+
+    cache_id: str
+    block_table: list[int]
+    num_tokens: int
+    block_size: int
+
+    def slot(self, pos: int) -> int:
+        return self.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+
+@dataclass
+class PrefillInput:
+    """New tokens for `len(token_ids)` sequences: a whole prompt or a chunk of one.
+
+    token_ids[i]: the chunk of sequence i (>= 1 tokens), at positions
+    `kv[i].num_tokens .. kv[i].num_tokens + len(token_ids[i]) - 1`; positions before the
+    chunk (prefix-cache hit or earlier chunks) are read from the cache, never recomputed.
+    """
+
+    token_ids: list[list[int]]
+    kv: list[KvCacheHandle]
+
+
+@dataclass
+class PrefillOutput:
+    """logits: [num_seqs, vocab_size] float32, for the last token of each chunk."""
+
+    logits: torch.Tensor
+    kv: list[KvCacheHandle]
+
+
+@dataclass
+class DecodeInput:
+    """One new token per running sequence, batched in one forward pass.
+
+    token_ids[i] sits at position `kv[i].num_tokens` of sequence i.
+    """
+
+    token_ids: list[int]
+    kv: list[KvCacheHandle]
+
+
+@dataclass
+class DecodeOutput:
+    """logits: [num_seqs, vocab_size] float32."""
+
+    logits: torch.Tensor
+    kv: list[KvCacheHandle]
+
+
+@dataclass
+class ModelInfo:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_model_len: int
+    dtype: str
+    device: str
+    tensor_parallel_size: int
+    num_params: int
+
+
+@dataclass
+class MemoryRequirements:
+    """Bytes, per TP rank. From ModelConfig, dtype and TP size (see `compute`).
+
+    param_bytes: weights one rank holds (sharded matrices + replicated norms).
+    kv_bytes_per_token: K and V of every layer for one token on one rank
+        = 2 * num_layers * kv_heads_per_rank * head_dim * dtype_bytes.
+    activation_bytes_per_token: rough peak activations of one token in flight
+        (hidden, qkv, mlp intermediate, logits row), used to reserve headroom.
+    """
+
+    param_bytes: int
+    kv_bytes_per_token: int
+    activation_bytes_per_token: int
+    tensor_parallel_size: int
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return self.kv_bytes_per_token * block_size
+
+
+@dataclass
+class ExecutorCapabilities:
+    max_batch_size: int
+    max_seq_len: int
+    block_size: int
+    num_kv_blocks: int
+    dtypes: list[str]
+    devices: list[str]
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    cuda_graphs: bool
+    memory: MemoryRequirements
+
+
+@dataclass
+class ExecutorStatus:
+    """Live numbers. KV block counts are the executor's pool; `running_sequences` are the
+    sequences whose caches the executor touched and that were not yet released."""
+
+    num_kv_blocks: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    running_sequences: int
+    prefill_steps: int
+    decode_steps: int
+    prefill_tokens: int
+    decode_tokens: int
+    extra: dict = field(default_factory=dict)
+
+
+@runtime_checkable
+class ModelExecutor(Protocol):
+    def info(self) -> ModelInfo: ...
+    def prefill(self, inp: PrefillInput) -> PrefillOutput: ...
+    def decode(self, inp: DecodeInput) -> DecodeOutput: ...
+    def release_cache(self, cache_id: str) -> None: ...
+    def capabilities(self) -> ExecutorCapabilities: ...
+    def status(self) -> ExecutorStatus: ...
+    def warmup(self) -> None: ...
+    def shutdown(self) -> None: ...

@@ -1,0 +1,10 @@
+"""SwiGLU activation (Shazeer 2020): input [..., 2*d] = [gate | up] -> silu(gate) * up."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up

@@ -1,0 +1,125 @@
+"""Tensor-parallel linear layers in the Megatron-LM layout (Shoeybi et al. 2019).
+
+ColumnParallelLinear splits the output features over ranks (no communication);
+RowParallelLinear splits the input features and all-reduces its output. A column-parallel
+layer followed by a row-parallel one needs one all-reduce in total.
+
+Weights are [out_features_per_rank, in_features_per_rank] (the torch / HF layout). Each
+parameter has a `weight_loader(param, lazy_weight, shard_id)` that reads only this rank's
+slice from a `LazyWeight` (ferrum/loader/base.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ferrum.distributed.communication import tensor_model_parallel_all_reduce
+from ferrum.distributed.parallel_state import divide, get_tp_rank, get_tp_size
+
+
+def _copy(param: nn.Parameter, w: torch.Tensor, name: str = "") -> None:
+    from ferrum.errors import WeightLoadError
+    if tuple(w.shape) != tuple(param.shape):
+        raise WeightLoadError(f"tensor {name} has shape {tuple(w.shape)}, expected {tuple(param.shape)}")
+    param.data.copy_(w.to(param.dtype))
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def weight_loader(self, param, lazy, shard_id=None):
+        _copy(param, lazy.load())
+
+
+class ColumnParallelLinear(LinearBase):
+    """y = x W^T with W split by output rows: rank r holds rows [r*out/tp, (r+1)*out/tp)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        self.out_per_rank = divide(out_features, get_tp_size(), "output features")
+        super().__init__(in_features, self.out_per_rank, bias)
+
+    def weight_loader(self, param, lazy, shard_id=None):
+        n = self.out_per_rank
+        _copy(param, lazy.narrow(0, get_tp_rank() * n, n))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel matrices stacked into one GEMM (gate_proj + up_proj).
+    `shard_id` is the index of the sub-matrix being loaded."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False):
+        self.out_sizes = out_sizes
+        super().__init__(in_features, sum(out_sizes), bias)
+
+    def weight_loader(self, param, lazy, shard_id=None):
+        tp = get_tp_size()
+        n = self.out_sizes[shard_id] // tp
+        off = sum(self.out_sizes[:shard_id]) // tp
+        _copy(param.narrow(0, off, n), lazy.narrow(0, get_tp_rank() * n, n))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection split by attention heads. When num_kv_heads < tp the KV heads
+    are replicated: rank r uses KV head r // (tp // num_kv_heads), which is the KV head its
+    query heads [r*h/tp, (r+1)*h/tp) belong to under grouped-query attention."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool):
+        tp = get_tp_size()
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp, "num_attention_heads")
+        if num_kv_heads >= tp:
+            self.num_kv_heads = divide(num_kv_heads, tp, "num_key_value_heads")
+            self.kv_replicas = 1
+        else:
+            self.kv_replicas = divide(tp, num_kv_heads, "tensor_parallel_size over num_key_value_heads")
+            self.num_kv_heads = 1
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        LinearBase.__init__(self, hidden, self.q_size + 2 * self.kv_size, bias)
+
+    def weight_loader(self, param, lazy, shard_id=None):
+        r = get_tp_rank()
+        if shard_id == "q":
+            dst, src = param.narrow(0, 0, self.q_size), lazy.narrow(0, r * self.q_size, self.q_size)
+        else:
+            kv_rank = r // self.kv_replicas
+            off = self.q_size + (0 if shard_id == "k" else self.kv_size)
+            dst = param.narrow(0, off, self.kv_size)
+            src = lazy.narrow(0, kv_rank * self.kv_size, self.kv_size)
+        _copy(dst, src, shard_id)
+
+
+class RowParallelLinear(LinearBase):
+    """y = all_reduce(x_r W_r^T) with W split by input columns; bias added once, after."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        self.in_per_rank = divide(in_features, get_tp_size(), "input features")
+        super().__init__(self.in_per_rank, out_features, bias)
+
+    def weight_loader(self, param, lazy, shard_id=None):
+        if param.dim() == 1:  # bias: replicated
+            _copy(param, lazy.load())
+            return
+        n = self.in_per_rank
+        _copy(param, lazy.narrow(1, get_tp_rank() * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = tensor_model_parallel_all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y

@@ -1,0 +1,52 @@
+"""Vocabulary-parallel embedding and LM head (Megatron-LM). Rank r holds vocab rows
+[r*Vp, (r+1)*Vp) with Vp = ceil(V / tp); rows past V are zero padding.
+
+Embedding: each rank looks up the ids it owns (others give 0) and the partial results are
+all-reduced. LM head: each rank computes logits for its rows; they are gathered on rank 0
+and the padding is cut."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ferrum.distributed.communication import (tensor_model_parallel_all_reduce,
+                                              tensor_model_parallel_gather)
+from ferrum.distributed.parallel_state import get_tp_rank, get_tp_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden: int):
+        super().__init__()
+        tp = get_tp_size()
+        self.vocab_size = vocab_size
+        self.per_rank = -(-vocab_size // tp)
+        self.start = get_tp_rank() * self.per_rank
+        self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param, lazy, shard_id=None):
+        from ferrum.loader.base import _check_shape
+        _check_shape(lazy, (self.vocab_size, param.shape[1]))
+        n = max(0, min(self.per_rank, self.vocab_size - self.start))
+        if n:
+            param.data[:n].copy_(lazy.narrow(0, self.start, n).to(param.dtype))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [T] int64 -> [T, hidden]."""
+        if get_tp_size() == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        mask = (local >= 0) & (local < self.per_rank)
+        y = F.embedding(torch.where(mask, local, 0), self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
+        return tensor_model_parallel_all_reduce(y)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden: [N, hidden] -> logits [N, vocab_size] on TP rank 0 (None elsewhere)."""
+        logits = F.linear(hidden, self.weight)
+        logits = tensor_model_parallel_gather(logits, dim=-1)
+        if logits is None:
+            return None
+        return logits[:, : self.vocab_size]

@@ -1,0 +1,72 @@
+"""What every weight loader returns: a `WeightSource` of lazily read tensors under Hugging Face
+parameter names (`model.layers.0.self_attn.q_proj.weight`, ...), so a TP rank can read only
+its slice (`narrow`) and no rank ever materialises the whole model."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Protocol
+
+import torch
+
+from ferrum.config import ModelConfig
+
+
+class LazyWeight(Protocol):
+    """One tensor in a weight file, read on demand. `shape` is the logical torch shape
+    (HF layout: Linear weights are [out_features, in_features])."""
+
+    shape: tuple[int, ...]
+
+    def load(self) -> torch.Tensor:
+        """The whole tensor (float32 for dequantized GGUF; stored dtype otherwise)."""
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """Only rows/columns [start, start+length) along `dim`; reads only what it needs
+        where the format allows."""
+
+
+class WeightSource(Protocol):
+    def names(self) -> list[str]: ...
+    def get(self, name: str) -> LazyWeight: ...
+
+
+@dataclass
+class TensorWeight:
+    """A LazyWeight over an in-memory tensor (dummy weights, tests)."""
+
+    tensor: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+    def load(self) -> torch.Tensor:
+        return self.tensor
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self.tensor.narrow(dim, start, length)
+
+
+@dataclass
+class ModelSource:
+    """A resolved model: config, weights and what the tokenizer needs.
+
+    `tokenizer_loader()` returns a ferrum Tokenizer (ferrum/tokenizer/tokenizer.py).
+    `eos_token_ids` come from generation_config.json / tokenizer / GGUF metadata.
+    `name` is what /v1/models reports.
+    """
+
+    name: str
+    config: ModelConfig
+    weights: Callable[[], WeightSource]
+    tokenizer_loader: Callable[[], object] | None
+    eos_token_ids: list[int] = field(default_factory=list)
+    chat_template: str | None = None
+    path: str | None = None
+    fmt: str = "safetensors"   # safetensors | gguf | dummy
+
+
+def _check_shape(lazy: LazyWeight, expected: tuple[int, ...]) -> None:
+    from ferrum.errors import WeightLoadError
+    if tuple(lazy.shape) != tuple(expected):
+        raise WeightLoadError(f"tensor has shape {tuple(lazy.shape)}, expected {tuple(expected)}")

@@ -1,0 +1,26 @@
+"""`dummy:<config>` models: the real config of a model (an HF folder or a config.json path),
+random weights (see model_loader.init_dummy_weights). For speed work without weights."""
+from __future__ import annotations
+
+import json
+import os
+
+from ferrum.config import ModelConfig
+from ferrum.errors import ModelNotFoundError
+from ferrum.loader.base import ModelSource
+
+
+def load_dummy(spec: str) -> ModelSource:
+    path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
+    if not os.path.exists(path):
+        raise ModelNotFoundError(f"dummy model config {path} not found (give an HF folder or a config.json)")
+    with open(path) as f:
+        cfg = ModelConfig.from_hf_dict(json.load(f))
+    folder = os.path.dirname(os.path.abspath(path))
+    tok = None
+    if os.path.exists(os.path.join(folder, "tokenizer.json")) or os.path.exists(os.path.join(folder, "tokenizer_config.json")):
+        def tok():
+            from ferrum.tokenizer.tokenizer import Tokenizer
+            return Tokenizer.from_folder(folder)
+    return ModelSource(name=f"dummy-{cfg.architecture}", config=cfg, weights=lambda: None,
+                       tokenizer_loader=tok, eos_token_ids=list(cfg.eos_token_id), path=path, fmt="dummy")

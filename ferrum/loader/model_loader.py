@@ -1,0 +1,64 @@
+"""Fill a model's parameters from a WeightSource (HF names), one tensor at a time, each rank
+reading only its slice through the parameters' `weight_loader`s."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ferrum.errors import WeightLoadError
+from ferrum.loader.base import WeightSource
+
+# Checkpoint entries that are derived state, not weights.
+_SKIP = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def load_weights(model: nn.Module, source: WeightSource, progress: bool = True) -> None:
+    """Raises WeightLoadError when a parameter is missing from the source, a shape differs,
+    or a file cannot be read. Unknown extra tensors are ignored (e.g. tied lm_head copies)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    mapping = getattr(model, "packed_modules_mapping", {})
+    loaded: set[str] = set()
+    names = source.names()
+    for name in tqdm(names, desc="loading weights", unit="tensor", disable=not progress, leave=False):
+        if name.endswith(_SKIP) or (tied and name == "lm_head.weight"):
+            continue
+        target, shard = name, None
+        for ckpt, (ours, sid) in mapping.items():
+            if f".{ckpt}." in name:
+                target, shard = name.replace(f".{ckpt}.", f".{ours}."), sid
+                break
+        param = params.get(target)
+        if param is None:
+            continue
+        try:
+            param.weight_loader(param, source.get(name), shard)
+        except WeightLoadError as e:
+            raise WeightLoadError(f"{name}: {e}") from e
+        loaded.add(target if shard is None else f"{target}:{shard}")
+    missing = []
+    for pname, param in params.items():
+        if tied and pname == "lm_head.weight":
+            continue
+        if pname.endswith("qkv_proj.weight") or pname.endswith("qkv_proj.bias"):
+            need = [f"{pname}:{s}" for s in "qkv"]
+        elif pname.endswith("gate_up_proj.weight"):
+            need = [f"{pname}:0", f"{pname}:1"]
+        else:
+            need = [pname]
+        missing += [n for n in need if n not in loaded]
+    if missing:
+        raise WeightLoadError(f"{len(missing)} tensors missing from the checkpoint, e.g. {missing[:4]}")
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights for speed work: N(0, 0.02) matrices, ones for norm weights. Values are
+    drawn on the parameters' device (no host copy), so an 8B model initialises in seconds."""
+    g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif p.dtype.is_floating_point:
+            p.normal_(0.0, 0.02, generator=g)

@@ -1,0 +1,105 @@
+"""Hugging Face folder loader: config.json, model.safetensors or a sharded
+model.safetensors.index.json, generation_config.json, tokenizer files.
+
+Tensors are opened with `safetensors.safe_open` and read lazily; `narrow` reads only the
+requested slice from disk (safetensors `get_slice`), so a TP rank never reads the whole model.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+
+from ferrum.config import ModelConfig
+from ferrum.errors import ModelNotFoundError, WeightLoadError
+from ferrum.loader.base import ModelSource
+
+
+@dataclass
+class SafetensorsWeight:
+    path: str
+    name: str
+    shape: tuple[int, ...]
+
+    def _slice(self):
+        try:
+            f = safe_open(self.path, framework="pt")
+            return f.get_slice(self.name)
+        except Exception as e:  # truncated or corrupt file
+            raise WeightLoadError(f"cannot read tensor {self.name!r} from {self.path}: {e}") from e
+
+    def load(self) -> torch.Tensor:
+        return self._slice()[:]
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        idx = [slice(None)] * len(self.shape)
+        idx[dim] = slice(start, start + length)
+        return self._slice()[tuple(idx)]
+
+
+class SafetensorsSource:
+    """All tensors of a folder, by name."""
+
+    def __init__(self, folder: str):
+        index = os.path.join(folder, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        else:
+            files = sorted(p for p in os.listdir(folder) if p.endswith(".safetensors"))
+        if not files:
+            raise WeightLoadError(f"no .safetensors files in {folder}")
+        self._weights: dict[str, SafetensorsWeight] = {}
+        for fn in files:
+            path = os.path.join(folder, fn)
+            try:
+                with safe_open(path, framework="pt") as f:
+                    for name in f.keys():
+                        self._weights[name] = SafetensorsWeight(path, name, tuple(f.get_slice(name).get_shape()))
+            except Exception as e:
+                raise WeightLoadError(f"cannot read safetensors file {path}: {e}; "
+                                      "the file is unreadable or truncated") from e
+
+    def names(self) -> list[str]:
+        return list(self._weights)
+
+    def get(self, name: str) -> SafetensorsWeight:
+        return self._weights[name]
+
+
+def read_eos_ids(folder: str, config: ModelConfig) -> list[int]:
+    """EOS ids: generation_config.json first, then config.json (never guessed)."""
+    gen = os.path.join(folder, "generation_config.json")
+    if os.path.exists(gen):
+        with open(gen) as f:
+            eos = json.load(f).get("eos_token_id")
+        if eos is not None:
+            return [eos] if isinstance(eos, int) else list(eos)
+    return list(config.eos_token_id)
+
+
+def load_hf_folder(folder: str) -> ModelSource:
+    """Resolve a local HF model folder into a ModelSource. Raises ModelNotFoundError when the
+    folder has no config.json, UnsupportedModelError for an unknown architecture."""
+    cfg_path = os.path.join(folder, "config.json")
+    if not os.path.exists(cfg_path):
+        raise ModelNotFoundError(f"{folder} has no config.json; not a Hugging Face model folder")
+    with open(cfg_path) as f:
+        config = ModelConfig.from_hf_dict(json.load(f))
+
+    def tokenizer_loader():
+        from ferrum.tokenizer.tokenizer import Tokenizer
+        return Tokenizer.from_folder(folder)
+
+    return ModelSource(
+        name=os.path.basename(os.path.normpath(folder)),
+        config=config,
+        weights=lambda: SafetensorsSource(folder),
+        tokenizer_loader=tokenizer_loader,
+        eos_token_ids=read_eos_ids(folder, config),
+        path=folder,
+        fmt="safetensors",
+    )

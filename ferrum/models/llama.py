@@ -1,0 +1,120 @@
+"""Llama-family decoder (Llama 2/3/3.1, SmolLM2, TinyLlama, Mistral without sliding window),
+built from tensor-parallel layers. Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm) are
+the same graph with two switches in ModelConfig (`attention_bias`, `qk_norm`).
+
+Per layer, with TP: qkv_proj and gate_up_proj are column-parallel, o_proj and down_proj are
+row-parallel (one all-reduce each): two all-reduces per layer.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ferrum.config import ModelConfig
+from ferrum.layers.activation import SiluAndMul
+from ferrum.layers.attention import Attention
+from ferrum.layers.layernorm import RMSNorm
+from ferrum.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from ferrum.layers.rotary_embedding import RotaryEmbedding
+from ferrum.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        D = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, D, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, bias=cfg.attention_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * D, cfg.hidden_size, bias=False)
+        self.rotary_emb = RotaryEmbedding(D, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, D, D ** -0.5)
+        self.head_dim = D
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        o = self.attn(q.reshape(T, -1), k.reshape(T, -1), v)
+        return self.o_proj(o)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, x, residual):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """input_ids [T] int64, positions [T] int64 -> hidden [T, hidden]; `compute_logits`
+    maps selected hidden rows to [N, vocab] logits (on TP rank 0)."""
+
+    # HF checkpoint name -> (our fused parameter, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head.compute_logits(hidden)

@@ -1,0 +1,45 @@
+"""What the engine returns: one RequestOutput per request per step (streaming) or at the end."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request. `text` and `token_ids` are cumulative; `finish_reason` is
+    None while running, then "stop" (EOS, stop token or stop string) or "length" (max_tokens
+    or max_model_len). `logprobs[i]` maps token id -> logprob for generated token i (the chosen
+    token plus the top-N), when requested."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times in seconds (time.perf_counter) for TTFT / TPOT / e2e latency."""
+
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    num_cached_tokens: int = 0

@@ -1,0 +1,92 @@
+"""SamplingParams: per-request generation options, validated on construction.
+
+Semantics follow the OpenAI API and vLLM: temperature 0 (below 1e-5) means greedy; top_k=-1
+(or 0) means no top-k; top_p in (0, 1]; min_p in [0, 1]; repetition_penalty > 0 (1 = off,
+divides positive logits / multiplies negative ones of already-seen tokens, as in CTRL, Keskar
+et al. 2019); presence/frequency penalties in [-2, 2] subtract from logits of generated tokens
+(OpenAI).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ferrum.errors import InvalidRequestError
+
+# Temperatures below this are treated as greedy (as in vLLM): dividing logits by a near-zero
+# temperature overflows float32 to inf and the softmax becomes nan.
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None          # top-N logprobs per generated token (0 = chosen only)
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(param: str, msg: str):
+            raise InvalidRequestError(f"{param} {msg}", param=param)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", f"must be an integer >= 1, got {self.n!r}")
+        if self.temperature < 0:
+            bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", f"must be -1 (disabled) or >= 1, got {self.top_k!r}")
+        if not (0.0 <= self.min_p <= 1.0):
+            bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if not (-2.0 <= self.presence_penalty <= 2.0):
+            bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if not (-2.0 <= self.frequency_penalty <= 2.0):
+            bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}")
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if any((not isinstance(s, str)) or s == "" for s in self.stop):
+            bad("stop", "must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", f"must be token ids >= 0, got {self.stop_token_ids!r}")
+        if self.logit_bias:
+            for k, v in self.logit_bias.items():
+                if not str(k).isdigit():
+                    bad("logit_bias", f"keys must be token ids >= 0, got {k!r}")
+                if not (-100 <= float(v) <= 100):
+                    bad("logit_bias", f"values must be in [-100, 100], got {v} for token {k}")
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
