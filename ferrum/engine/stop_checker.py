@@ -1,0 +1,132 @@
+"""Per-sequence output state: token ids, streamed text and the stop decision.
+
+`SequenceOutputState.append(token_id)` runs after every sampled token of one sequence and
+decides whether it finishes, following vLLM's rules:
+
+- no stop of any kind (EOS, stop token, stop string) while fewer than `min_tokens` tokens
+  have been generated (the sampler also masks EOS / stop token ids during that time);
+- EOS (any of the model's EOS ids, unless `ignore_eos`) -> finish_reason "stop",
+  stop_reason None; a `stop_token_ids` token -> "stop", stop_reason = that id. In both cases the
+  token stays in `token_ids` (as in vLLM) but is not detokenized, so it never appears in `text`;
+- a stop string, matched in the detokenized text also when it spans token boundaries ->
+  "stop", stop_reason = the string; `text` is cut before it (or after it with
+  `include_stop_str_in_output`), and nothing after it is kept;
+- `max_tokens` output tokens, or prompt + output reaching `max_model_len` -> "length".
+  A stop on the same token wins over "length".
+
+Streaming: `stream_delta()` hands out only text that can no longer change. While the text ends
+with something that could be the start of a stop string (a proper prefix of one), that suffix
+is held back; it is released once it is known not to be a stop, and a matched stop string
+never reaches the stream (unless include_stop_str_in_output). Multi-byte characters split over
+tokens are held back by the detokenizer until complete.
+"""
+from __future__ import annotations
+
+from ferrum.sampling_params import SamplingParams
+from ferrum.tokenizer.detokenizer import IncrementalDetokenizer
+
+
+class SequenceOutputState:
+    """Output of one sequence (one of the n samples of a request).
+
+    params: the request's SamplingParams.
+    tokenizer: passed to IncrementalDetokenizer (`decode(ids, skip_special_tokens)`); may be None
+        when the caller wants token ids only: then `text` stays "" and stop strings are refused
+        (ValueError).
+    prompt_ids: the prompt token ids (their count enters the max_model_len check; the last few
+        give the detokenizer context).
+    eos_token_ids: the model's EOS ids (generation_config / tokenizer).
+    max_model_len: context length in tokens (prompt + output).
+
+    Attributes: token_ids (all generated ids, including a final EOS / stop token), text,
+    finish_reason ("stop" | "length" | None), stop_reason (str | int | None), finished.
+    Calling `append` on a finished sequence raises RuntimeError.
+    """
+
+    def __init__(self, params: SamplingParams, tokenizer, prompt_ids: list[int],
+                 eos_token_ids: list[int], max_model_len: int):
+        if tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer to detokenize the output")
+        self.params = params
+        self.prompt_len = len(prompt_ids)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.stop_token_ids = frozenset(params.stop_token_ids)
+        self.max_model_len = max_model_len
+        self.detok = (IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+                      if tokenizer is not None else None)
+        self.max_stop_len = max((len(s) for s in params.stop), default=0)
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self._streamed = 0  # chars of `text` already handed out by stream_delta()
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token_id: int) -> None:
+        """Record one generated token, extend `text`, and set finish_reason if it stops."""
+        if self.finished:
+            raise RuntimeError(f"append() after the sequence finished ({self.finish_reason})")
+        token_id = int(token_id)
+        self.token_ids.append(token_id)
+        may_stop = len(self.token_ids) >= self.params.min_tokens
+
+        if may_stop and token_id in self.eos_token_ids and not self.params.ignore_eos:
+            self._finish("stop", None)
+            return
+        if may_stop and token_id in self.stop_token_ids:
+            self._finish("stop", token_id)
+            return
+
+        if self.detok is not None:
+            old_len = len(self.text)
+            self.text += self.detok.add(token_id)
+            if may_stop and self.params.stop and self._match_stop_string(old_len):
+                return
+        if self.params.max_tokens is not None and len(self.token_ids) >= self.params.max_tokens:
+            self._finish("length", None)
+        elif self.prompt_len + len(self.token_ids) >= self.max_model_len:
+            self._finish("length", None)
+
+    def _match_stop_string(self, old_len: int) -> bool:
+        """Find the earliest stop string that ends in the text added by the last token (it may
+        start up to len(stop) - 1 chars before it, across the token boundary). Requiring the
+        match to end in the new text skips stops already passed while min_tokens held them."""
+        best: tuple[int, str] | None = None
+        for stop in self.params.stop:
+            idx = self.text.find(stop, max(0, old_len - len(stop) + 1))
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return False
+        idx, stop = best
+        self.text = self.text[:idx + len(stop) if self.params.include_stop_str_in_output else idx]
+        self.finish_reason, self.stop_reason = "stop", stop
+        return True
+
+    def _finish(self, reason: str, stop_reason: int | None) -> None:
+        # A character still incomplete at the end is emitted as U+FFFD (what a one-shot
+        # decode shows); after a stop string nothing more is added.
+        if self.detok is not None:
+            self.text += self.detok.flush()
+        self.finish_reason, self.stop_reason = reason, stop_reason
+
+    def _held_back(self) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+        for n in range(min(self.max_stop_len - 1, len(self.text)), 0, -1):
+            tail = self.text[-n:]
+            if any(stop.startswith(tail) for stop in self.params.stop):
+                return n
+        return 0
+
+    def stream_delta(self) -> str:
+        """Text that is safe to send now and was not returned before; "" if none. Deltas
+        concatenate to the final `text`."""
+        end = len(self.text) if self.finished else len(self.text) - self._held_back()
+        if end <= self._streamed:
+            return ""
+        delta = self.text[self._streamed:end]
+        self._streamed = end
+        return delta

@@ -1,0 +1,311 @@
+"""Batched sampler: logits [B, V] -> one token id per sequence.
+
+Pipeline, per row (the order of vLLM's v1 sampler):
+
+1. logit_bias: `logits[t] += bias[t]` (OpenAI `logit_bias`).
+2. repetition penalty (CTRL, Keskar et al. 2019, arXiv:1909.05858 section 4.1): for every token
+   seen in the prompt or the output so far, a positive logit is divided by the penalty and a
+   negative one multiplied by it (the sign rule of HF transformers / vLLM).
+3. presence / frequency penalties (OpenAI API reference, "Parameter details" of the text
+   generation guide): `logits[t] -= presence * (count[t] > 0) + frequency * count[t]`, where
+   `count` counts the *output* tokens only.
+4. min_tokens: while `len(output) < min_tokens`, every token that would stop the sequence (the
+   EOS ids unless `ignore_eos`, and `stop_token_ids`) gets -inf. With `ignore_eos` the EOS
+   does not stop, so it is not masked (as in vLLM).
+   -> these are the *processed logits*; requested logprobs are the log-softmax of them.
+5. greedy rows (temperature < 1e-5, see `SamplingParams.greedy`) take the argmax.
+   Other rows: divide by temperature; top-k (keep the k largest); top-p (renormalise, keep the
+   smallest prefix of the sorted distribution whose mass is >= top_p; the top token is always
+   kept); min-p (drop tokens with prob < min_p * max prob); sample.
+
+Sampling uses the exponential race (argmax of p_i / E_i with E_i ~ Exp(1) is distributed as p),
+with the noise of each seeded row drawn from that request's own `torch.Generator`. A row's noise
+therefore depends only on its generator and V, so a seeded request produces the same tokens
+whatever else is in the batch. Unseeded rows share the global torch RNG.
+
+Everything here is tensor ops over [B, V]; the only Python loops are over the batch (building
+the metadata, drawing noise for seeded rows, formatting logprobs) and over each request's own
+token ids (penalty counts), never over the vocabulary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ferrum.errors import InvalidRequestError
+from ferrum.sampling_params import SamplingParams
+
+
+def validate_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Check the token ids a request names (logit_bias keys, stop_token_ids) against the vocab.
+
+    Call it when a request is added: an out-of-range id would otherwise fail inside a batched
+    decode step and take every other request in the batch down with it.
+    Raises InvalidRequestError naming the parameter and the allowed range [0, vocab_size).
+    """
+    for name, ids in (("logit_bias", list(params.logit_bias or {})),
+                      ("stop_token_ids", params.stop_token_ids)):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})",
+                param=name)
+
+
+def _counts(token_lists: list[list[int]], vocab_size: int, device) -> torch.Tensor:
+    """Per-row token counts: [B, V] float32, from B lists of ids (padded with the id V, which
+    lands in an extra column that is dropped)."""
+    width = max(1, max(len(t) for t in token_lists))
+    padded = [t + [vocab_size] * (width - len(t)) for t in token_lists]
+    idx = torch.tensor(padded, dtype=torch.long, device=device)
+    counts = torch.zeros(len(token_lists), vocab_size + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def _column(values: list, dtype: torch.dtype, device) -> torch.Tensor:
+    """[B, 1] tensor, shaped to broadcast against [B, V] logits."""
+    return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-step sampling inputs for a batch of B sequences, as tensors on the logits' device.
+
+    A tensor is None when no request in the batch needs it, so an all-greedy batch without
+    penalties does nothing but argmax. Shapes: [B, 1] for per-row scalars (they broadcast over
+    V), [B, V] for per-token data.
+
+    greedy:             [B] bool, rows that take the argmax.
+    temperature:        [B, 1] float32 (1.0 on greedy rows); None when all rows are greedy.
+    top_k:              [B, 1] int64, V where disabled; None when no row uses it.
+    top_p, min_p:       [B, 1] float32 (1.0 / 0.0 where disabled); None when unused.
+    repetition_penalty: [B, 1] float32 and `seen` [B, V] bool (token in prompt or output).
+    presence_penalty, frequency_penalty: [B, 1] float32 and `output_counts` [B, V] float32.
+    logit_bias:         [B, V] float32 (zeros where unset).
+    min_tokens_rows, min_tokens_cols: [M] int64, the (row, token) pairs set to -inf.
+    generators:         B entries, a torch.Generator on the logits' device or None (global RNG).
+    num_logprobs:       B entries, top-N wanted per row (None = no logprobs for that row).
+    """
+
+    vocab_size: int
+    greedy: torch.Tensor
+    all_greedy: bool
+    generators: list[torch.Generator | None]
+    num_logprobs: list[int | None]
+    temperature: torch.Tensor | None = None
+    top_k: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
+    repetition_penalty: torch.Tensor | None = None
+    seen: torch.Tensor | None = None
+    presence_penalty: torch.Tensor | None = None
+    frequency_penalty: torch.Tensor | None = None
+    output_counts: torch.Tensor | None = None
+    logit_bias: torch.Tensor | None = None
+    min_tokens_rows: torch.Tensor | None = None
+    min_tokens_cols: torch.Tensor | None = None
+
+    @property
+    def max_num_logprobs(self) -> int | None:
+        wanted = [n for n in self.num_logprobs if n is not None]
+        return max(wanted) if wanted else None
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], prompt_ids: list[list[int]],
+              output_ids: list[list[int]], generators: list[torch.Generator | None],
+              eos_token_ids: list[int], vocab_size: int, device) -> "SamplingMetadata":
+        """Build the metadata for one step.
+
+        params, prompt_ids, output_ids, generators: one entry per row, in the logits' row order.
+        output_ids[i] are the tokens sequence i generated so far (before this step).
+        generators[i]: None for an unseeded request; for a request with `seed`, the caller
+            creates `torch.Generator(device=device).manual_seed(seed)` once when the sequence
+            starts and passes the same object every step (its state advances as it samples).
+            With n > 1 each sample needs its own generator (e.g. seeded with seed + index).
+        eos_token_ids: the model's EOS ids (generation_config / tokenizer), shared by all rows.
+        vocab_size: V, the width of the logits this metadata will be applied to.
+        Token ids must lie in [0, V) (see `validate_token_ids`); IndexError otherwise.
+        """
+        batch = len(params)
+        if not (len(prompt_ids) == len(output_ids) == len(generators) == batch):
+            raise ValueError("params, prompt_ids, output_ids and generators must have one entry "
+                             f"per row; got {batch}, {len(prompt_ids)}, {len(output_ids)}, "
+                             f"{len(generators)}")
+        greedy = [p.greedy for p in params]
+        md = cls(vocab_size=vocab_size,
+                 greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+                 all_greedy=all(greedy), generators=list(generators),
+                 num_logprobs=[p.logprobs for p in params])
+
+        if not md.all_greedy:
+            # Sampling options of greedy rows are ignored: they take the argmax anyway.
+            md.temperature = _column([1.0 if g else p.temperature
+                                      for p, g in zip(params, greedy)], torch.float32, device)
+            top_k = [p.top_k if (p.top_k > 0 and not g) else vocab_size
+                     for p, g in zip(params, greedy)]
+            if any(k < vocab_size for k in top_k):
+                md.top_k = _column(top_k, torch.long, device)
+            top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
+            if any(v < 1.0 for v in top_p):
+                md.top_p = _column(top_p, torch.float32, device)
+            min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
+            if any(v > 0.0 for v in min_p):
+                md.min_p = _column(min_p, torch.float32, device)
+
+        if any(p.repetition_penalty != 1.0 for p in params):
+            md.repetition_penalty = _column([p.repetition_penalty for p in params],
+                                            torch.float32, device)
+            md.seen = _counts([pr + out if p.repetition_penalty != 1.0 else []
+                               for p, pr, out in zip(params, prompt_ids, output_ids)],
+                              vocab_size, device) > 0
+        if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+            md.presence_penalty = _column([p.presence_penalty for p in params],
+                                          torch.float32, device)
+            md.frequency_penalty = _column([p.frequency_penalty for p in params],
+                                           torch.float32, device)
+            md.output_counts = _counts([out if (p.presence_penalty or p.frequency_penalty)
+                                        else [] for p, out in zip(params, output_ids)],
+                                       vocab_size, device)
+
+        if any(p.logit_bias for p in params):
+            rows, cols, vals = [], [], []
+            for i, p in enumerate(params):
+                for tok, bias in (p.logit_bias or {}).items():
+                    rows.append(i), cols.append(tok), vals.append(bias)
+            md.logit_bias = torch.zeros(batch, vocab_size, dtype=torch.float32, device=device)
+            md.logit_bias.index_put_((torch.tensor(rows, device=device),
+                                      torch.tensor(cols, device=device)),
+                                     torch.tensor(vals, dtype=torch.float32, device=device))
+
+        rows, cols = [], []
+        for i, (p, out) in enumerate(zip(params, output_ids)):
+            if len(out) < p.min_tokens:
+                stoppers = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+                rows += [i] * len(stoppers)
+                cols += sorted(stoppers)
+        if rows:
+            md.min_tokens_rows = torch.tensor(rows, dtype=torch.long, device=device)
+            md.min_tokens_cols = torch.tensor(cols, dtype=torch.long, device=device)
+        return md
+
+
+@dataclass
+class SamplerOutput:
+    """token_ids: [B] int64, on the logits' device.
+    logprobs: None when no row asked for logprobs; else one entry per row: None for rows that
+    did not ask, else {token id: logprob} with the top-N tokens in descending order followed by
+    the chosen token if it is not among them (N = that row's `SamplingParams.logprobs`)."""
+
+    token_ids: torch.Tensor
+    logprobs: list[dict[int, float] | None] | None = None
+
+
+def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Steps 1-4 of the module docstring: logit_bias, repetition, presence/frequency penalties,
+    min_tokens mask. logits: [B, V] float32, not modified; returns a new [B, V] float32."""
+    logits = logits.to(torch.float32, copy=True)
+    if md.logit_bias is not None:
+        logits += md.logit_bias
+    if md.repetition_penalty is not None:
+        penalised = torch.where(logits > 0, logits / md.repetition_penalty,
+                                logits * md.repetition_penalty)
+        logits = torch.where(md.seen, penalised, logits)
+    if md.output_counts is not None:
+        logits -= (md.frequency_penalty * md.output_counts
+                   + md.presence_penalty * (md.output_counts > 0))
+    if md.min_tokens_rows is not None:
+        logits[md.min_tokens_rows, md.min_tokens_cols] = float("-inf")
+    return logits
+
+
+def sampling_probs(processed: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Step 5: the distribution each row is sampled from. processed: [B, V] float32 (output of
+    `process_logits`); returns [B, V] float32 probabilities, zeros on filtered-out tokens; greedy
+    rows are one-hot on their argmax."""
+    if md.all_greedy:
+        return torch.nn.functional.one_hot(processed.argmax(-1), md.vocab_size).float()
+    logits = processed / md.temperature
+    if md.top_k is not None or md.top_p is not None:
+        # One sort serves both filters; positions are ranks in descending order.
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(md.vocab_size, device=logits.device)
+        drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if md.top_k is not None:
+            drop |= ranks >= md.top_k
+        if md.top_p is not None:
+            sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+            # Mass strictly before each rank: a token is kept while the tokens above it hold
+            # less than top_p, which keeps the smallest prefix reaching top_p (and rank 0).
+            mass_before = sorted_probs.cumsum(-1) - sorted_probs
+            drop |= mass_before >= md.top_p
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(-1)
+    if md.min_p is not None:
+        threshold = md.min_p * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    one_hot = torch.nn.functional.one_hot(processed.argmax(-1), md.vocab_size).float()
+    return torch.where(md.greedy.unsqueeze(1), one_hot, probs)
+
+
+def _exponential_race(probs: torch.Tensor,
+                      generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Sample one id per row of probs [B, V]: argmax(p / E), E ~ Exp(1) (equivalent to the Gumbel
+    max trick). Seeded rows draw their V noise values from their own generator."""
+    noise = torch.empty_like(probs)
+    if any(g is None for g in generators):
+        noise.exponential_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i].exponential_(generator=g)
+    # Exp(1) can return 0 in float32; clamp so p / E never becomes 0/0 = nan.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(-1)
+
+
+def _format_logprobs(processed: torch.Tensor, token_ids: torch.Tensor,
+                     md: SamplingMetadata) -> list[dict[int, float] | None]:
+    logprobs = processed.log_softmax(-1)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
+    ids = token_ids.tolist()
+    top_n = md.max_num_logprobs or 0
+    top_vals, top_ids = [[]] * len(ids), [[]] * len(ids)
+    if top_n:
+        values, indices = logprobs.topk(top_n, dim=-1)
+        top_vals, top_ids = values.tolist(), indices.tolist()
+    result: list[dict[int, float] | None] = []
+    for i, n in enumerate(md.num_logprobs):
+        if n is None:
+            result.append(None)
+            continue
+        entry = dict(zip(top_ids[i][:n], top_vals[i][:n]))
+        entry.setdefault(ids[i], chosen[i])
+        result.append(entry)
+    return result
+
+
+class Sampler:
+    """`Sampler()(logits, md) -> SamplerOutput`.
+
+    logits: [B, V] float32 (any float dtype is upcast), on CPU or CUDA; not modified.
+    md: `SamplingMetadata.build(...)` for the same B rows and V.
+    Logprobs (when any row asks): log-softmax of the processed logits, i.e. after logit_bias,
+    penalties and the min_tokens mask but before temperature, top-k, top-p and min-p, so they
+    describe the model's (penalised) distribution rather than the truncated one sampled from.
+    Raises ValueError when the shapes of logits and metadata disagree.
+    """
+
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape != (md.greedy.shape[0], md.vocab_size):
+            raise ValueError(f"logits must be [{md.greedy.shape[0]}, {md.vocab_size}], "
+                             f"got {list(logits.shape)}")
+        processed = process_logits(logits, md)
+        if md.all_greedy:
+            token_ids = processed.argmax(-1)
+        else:
+            token_ids = _exponential_race(sampling_probs(processed, md), md.generators)
+        logprobs = (_format_logprobs(processed, token_ids, md)
+                    if md.max_num_logprobs is not None else None)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)

@@ -1,0 +1,155 @@
+"""IncrementalDetokenizer on real tokenizers trained in-process (no download).
+
+Two decoders whose single-token decodes are wrong in different ways:
+- byte-level BPE (GPT-2 / Llama-3 / SmolLM2 style) with a vocabulary so small that emoji and
+  CJK characters are split over several tokens;
+- SentencePiece-style BPE with byte fallback (Llama-2 style): `<0xF0>`-like byte tokens and a
+  decoder that strips the leading space of the first token.
+"""
+import functools
+import json
+
+from hypothesis import given, settings, strategies as st
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from ferrum.tokenizer.detokenizer import IncrementalDetokenizer
+
+CORPUS = ["Hello world, this is a test.", "The quick brown fox jumps over the lazy dog.",
+          "日本語のテキスト", "emoji 😀 and 🎉 party", "café naïve"] * 3
+
+
+class HfWrapper:
+    """The part of ferrum's Tokenizer the detokenizer uses; records decoded window sizes."""
+
+    def __init__(self, hf):
+        self.hf = hf
+        self.window_sizes = []
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.window_sizes.append(len(ids))
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def encode(self, text):
+        return self.hf.encode(text, add_special_tokens=False)
+
+
+@functools.cache
+def byte_level() -> HfWrapper:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|eos|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return HfWrapper(PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|eos|>"))
+
+
+@functools.cache
+def byte_fallback() -> HfWrapper:
+    # Merges learnt on ASCII text; every other character falls back to its UTF-8 byte tokens.
+    ascii_bpe = Tokenizer(models.BPE())
+    ascii_bpe.pre_tokenizer = pre_tokenizers.Metaspace()
+    ascii_bpe.train_from_iterator(CORPUS[:2], trainers.BpeTrainer(vocab_size=120,
+                                                                   show_progress=False))
+    vocab = {"<unk>": 0, "</s>": 1} | {f"<0x{b:02X}>": 2 + b for b in range(256)}
+    for piece in sorted(ascii_bpe.get_vocab(), key=ascii_bpe.get_vocab().get):
+        vocab.setdefault(piece, len(vocab))
+    merges = [tuple(m) for m in json.loads(ascii_bpe.to_str())["model"]["merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                           normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return HfWrapper(PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>",
+                                             unk_token="<unk>"))
+
+
+def stream(tok, prompt_ids, output_ids, skip_special_tokens=True):
+    detok = IncrementalDetokenizer(tok, prompt_ids, skip_special_tokens)
+    deltas = [detok.add(t) for t in output_ids]
+    tail = detok.flush()
+    assert detok.text == "".join(deltas) + tail
+    return deltas, tail
+
+
+TEXT = "Hello 😀 world 日本語 café 🎉 the lazy dog"
+
+
+def test_emoji_split_over_tokens_comes_out_whole():
+    tok = byte_level()
+    emoji_ids = tok.encode("😀")
+    assert len(emoji_ids) > 1, "the test needs an emoji split over several tokens"
+    assert all(tok.hf.decode([t]).endswith("\ufffd") for t in emoji_ids)
+    deltas, tail = stream(tok, tok.encode("A"), tok.encode("x😀y"))
+    assert deltas == ["x"] + [""] * (len(emoji_ids) - 1) + ["😀", "y"]
+    assert tail == ""
+
+
+def test_byte_fallback_emoji_and_leading_space():
+    tok = byte_fallback()
+    ids = tok.encode("lazy 😀")          # "▁lazy" "▁" <0xF0> ...
+    assert [tok.hf.convert_ids_to_tokens(t) for t in ids[-4:]] == [
+        "<0xF0>", "<0x9F>", "<0x98>", "<0x80>"]
+    # Single-token decodes lose the space before "lazy"; the windowed diff keeps it.
+    assert tok.hf.decode(ids[:1]) == "lazy"
+    deltas, _ = stream(tok, tok.encode("the"), ids)
+    assert deltas[0] == " lazy"
+    assert deltas[-4:] == ["", "", "", "😀"]
+
+
+def test_deltas_concatenate_to_full_decode_for_both_tokenizers():
+    for tok in (byte_level(), byte_fallback()):
+        prompt, output = tok.encode("The quick"), tok.encode(" " + TEXT)
+        deltas, tail = stream(tok, prompt, output)
+        full = tok.hf.decode(prompt + output)
+        assert "".join(deltas) + tail == full[len(tok.hf.decode(prompt)):]
+        assert tail == "" and not any("\ufffd" in d for d in deltas)
+
+
+def test_no_prompt():
+    tok = byte_level()
+    deltas, _ = stream(tok, [], tok.encode(TEXT))
+    assert "".join(deltas) == TEXT
+
+
+def test_special_tokens_skipped_or_kept():
+    tok = byte_level()
+    eos = tok.hf.eos_token_id
+    ids = tok.encode("Hello") + [eos] + tok.encode(" 😀")
+    assert "".join(stream(tok, [], ids)[0]) == "Hello 😀"
+    assert "".join(stream(tok, [], ids, skip_special_tokens=False)[0]) == "Hello<|eos|> 😀"
+
+
+def test_incomplete_character_at_end_is_flushed_as_replacement():
+    tok = byte_level()
+    ids = tok.encode("ok 😀")[:-1]          # "o" "k" "Ġ\xf0\x9f" "\x98": last byte missing
+    deltas, tail = stream(tok, [], ids)
+    assert "".join(deltas) == "ok"
+    assert tail == " \ufffd" == tok.hf.decode(ids)[len("ok"):]
+
+
+def test_decode_window_stays_small():
+    tok = byte_level()
+    ids = tok.encode(TEXT * 20)
+    tok.window_sizes.clear()
+    detok = IncrementalDetokenizer(tok, tok.encode("prompt " * 50))
+    for t in ids:
+        detok.add(t)
+    assert detok.text == TEXT * 20
+    assert len(ids) > 300 and max(tok.window_sizes) <= 12
+
+
+ALPHABET = st.sampled_from(list("abc xyz.,") + ["😀", "🎉", "日", "本", "é", "ï", "🤖", "\n"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(prompt=st.lists(ALPHABET, max_size=6).map("".join),
+       text=st.lists(ALPHABET, min_size=1, max_size=30).map("".join))
+def test_streaming_matches_one_shot_decode(prompt, text):
+    for tok in (byte_level(), byte_fallback()):
+        prompt_ids, ids = tok.encode(prompt), tok.encode(text)
+        deltas, tail = stream(tok, prompt_ids, ids)
+        assert tail == "" and not any("\ufffd" in d for d in deltas)
+        full = tok.hf.decode(prompt_ids + ids)
+        assert "".join(deltas) == full[len(tok.hf.decode(prompt_ids)):]

@@ -1,0 +1,246 @@
+"""Sampler: each option against hand-computed distributions on V=6 logits."""
+import math
+
+import pytest
+import torch
+
+from ferrum.errors import InvalidRequestError
+from ferrum.layers.sampler import (Sampler, SamplingMetadata, process_logits, sampling_probs,
+                                   validate_token_ids)
+from ferrum.sampling_params import SamplingParams
+
+V = 6
+EOS = 5
+# A distribution with distinct, easy probabilities, in shuffled order so that sorting matters.
+P = [0.15, 0.40, 0.04, 0.25, 0.06, 0.10]
+LOGITS = torch.tensor([math.log(p) for p in P])
+
+
+def build(params, prompts=None, outputs=None, generators=None, vocab=V):
+    b = len(params)
+    return SamplingMetadata.build(params, prompts or [[]] * b, outputs or [[]] * b,
+                                  generators or [None] * b, [EOS], vocab, "cpu")
+
+
+def probs_for(**kw):
+    """The final sampling distribution for LOGITS under SamplingParams(**kw)."""
+    md = build([SamplingParams(**kw)])
+    return sampling_probs(process_logits(LOGITS[None], md), md)[0]
+
+
+def expect(weights: dict[int, float]) -> torch.Tensor:
+    """Distribution over V with the given unnormalised weights, zeros elsewhere."""
+    out = torch.zeros(V)
+    for t, w in weights.items():
+        out[t] = w
+    return out / out.sum()
+
+
+def test_temperature_one_is_softmax():
+    torch.testing.assert_close(probs_for(), torch.tensor(P))
+
+
+def test_temperature_two_flattens():
+    # softmax(log p / 2) = sqrt(p) / sum sqrt(p)
+    torch.testing.assert_close(probs_for(temperature=2.0),
+                               expect({i: math.sqrt(p) for i, p in enumerate(P)}))
+
+
+def test_top_k():
+    torch.testing.assert_close(probs_for(top_k=2), expect({1: 0.40, 3: 0.25}))
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p():
+    # Sorted: 0.40, 0.25 (cum 0.65 < 0.7), 0.15 (cum 0.80 >= 0.7) -> three tokens.
+    torch.testing.assert_close(probs_for(top_p=0.7), expect({1: 0.40, 3: 0.25, 0: 0.15}))
+    # top_p below the top token's mass keeps the top token alone.
+    torch.testing.assert_close(probs_for(top_p=0.1), expect({1: 1.0}))
+
+
+def test_top_k_then_top_p_on_renormalised_probs():
+    # top_k=3 -> [0.5, 0.3125, 0.1875]; top_p=0.6 keeps 0.5 and 0.3125 (0.8125 >= 0.6).
+    torch.testing.assert_close(probs_for(top_k=3, top_p=0.6), expect({1: 0.40, 3: 0.25}))
+
+
+def test_min_p():
+    # Threshold 0.3 * 0.40 = 0.12: keeps 0.40, 0.25, 0.15.
+    torch.testing.assert_close(probs_for(min_p=0.3), expect({1: 0.40, 3: 0.25, 0: 0.15}))
+
+
+def test_greedy_is_argmax_and_skips_sampling_tensors():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    md = build([SamplingParams(temperature=0.0)] * 4, vocab=50)
+    assert md.all_greedy and md.temperature is None and md.top_k is None
+    assert md.seen is None and md.output_counts is None and md.logit_bias is None
+    out = Sampler()(logits, md)
+    assert out.token_ids.tolist() == logits.argmax(-1).tolist()
+    assert out.logprobs is None
+
+
+def test_tiny_temperature_is_greedy():
+    md = build([SamplingParams(temperature=1e-7)])
+    assert md.all_greedy
+    assert Sampler()(LOGITS[None], md).token_ids.tolist() == [1]
+
+
+def test_mixed_batch_greedy_rows_ignore_sampling_options():
+    params = [SamplingParams(temperature=0.0, top_k=3), SamplingParams(top_k=1)]
+    logits = torch.stack([LOGITS, LOGITS.flip(0)])
+    md = build(params)
+    probs = sampling_probs(process_logits(logits, md), md)
+    torch.testing.assert_close(probs, torch.stack([expect({1: 1}), expect({4: 1})]))
+    for _ in range(5):
+        assert Sampler()(logits, md).token_ids.tolist() == [1, 4]
+
+
+def test_degenerate_distributions_always_sample_the_same_token():
+    sampler = Sampler()
+    for kw, token in [(dict(top_k=1), 1), (dict(top_p=0.2), 1), (dict(min_p=0.9), 1)]:
+        md = build([SamplingParams(**kw)] * 8)
+        assert sampler(LOGITS.expand(8, V), md).token_ids.tolist() == [token] * 8
+
+
+def test_sampled_frequencies_match_distribution():
+    torch.manual_seed(0)
+    n = 20000
+    md = build([SamplingParams(top_k=4)] * n)
+    ids = Sampler()(LOGITS.expand(n, V), md).token_ids
+    freq = torch.bincount(ids, minlength=V).float() / n
+    want = expect({1: 0.40, 3: 0.25, 0: 0.15, 5: 0.10})
+    assert freq[[2, 4]].sum() == 0
+    torch.testing.assert_close(freq, want, atol=0.015, rtol=0)
+
+
+def run_seeded(seed, others, steps=8):
+    """Tokens of a seeded request (row 1 of the batch) over several steps, with `others`
+    (SamplingParams) filling the rest of the batch."""
+    vocab = 1000
+    logits_rng = torch.Generator().manual_seed(42)
+    gen = torch.Generator().manual_seed(seed)
+    params = [SamplingParams()] + [SamplingParams(temperature=0.8, seed=seed)] + others
+    generators = [None, gen] + [torch.Generator().manual_seed(7) if p.seed else None
+                                for p in others]
+    tokens = []
+    for _ in range(steps):
+        logits = torch.randn(vocab, generator=logits_rng).expand(len(params), vocab)
+        md = SamplingMetadata.build(params, [[]] * len(params), [[]] * len(params),
+                                    generators, [EOS], vocab, "cpu")
+        tokens.append(Sampler()(logits, md).token_ids[1].item())
+    return tokens
+
+
+def test_seed_reproducible_across_batch_compositions():
+    alone = run_seeded(123, [])
+    crowded = run_seeded(123, [SamplingParams(temperature=0.0), SamplingParams(top_p=0.5),
+                               SamplingParams(seed=9, top_k=3)])
+    assert alone == crowded
+    assert run_seeded(124, []) != alone
+
+
+def test_logit_bias_forces_token():
+    md = build([SamplingParams(temperature=0.0, logit_bias={4: 100.0}),
+                SamplingParams(logit_bias={2: 100.0})])
+    logits = LOGITS.expand(2, V)
+    torch.testing.assert_close(process_logits(logits, md)[0, 4], LOGITS[4] + 100.0)
+    assert Sampler()(logits, md).token_ids.tolist() == [4, 2]
+
+
+def test_penalties_numerically():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
+    md = build([SamplingParams(repetition_penalty=2.0, presence_penalty=0.5,
+                               frequency_penalty=0.25)], prompts=[[0]], outputs=[[1, 3, 3]])
+    # Repetition (prompt + output: 0, 1, 3): 2 -> 1, -1 -> -2, 3 -> 1.5.
+    # Presence/frequency (output only): token 1 count 1: -0.5 - 0.25; token 3 count 2: -0.5 - 0.5.
+    want = torch.tensor([[1.0, -2.75, 0.5, 0.5, -2.0, 1.0]])
+    torch.testing.assert_close(process_logits(logits, md), want)
+
+
+def test_presence_frequency_ignore_prompt_and_rows_without_penalty():
+    logits = torch.zeros(2, V)
+    md = build([SamplingParams(frequency_penalty=1.0), SamplingParams()],
+               prompts=[[2, 2], [0]], outputs=[[4, 4, 4], [4]])
+    torch.testing.assert_close(process_logits(logits, md),
+                               torch.tensor([[0, 0, 0, 0, -3.0, 0], [0] * 6]))
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
+    logits = torch.zeros(4, V)
+    params = [SamplingParams(min_tokens=2, stop_token_ids=[3])] * 2 + [
+        SamplingParams(min_tokens=2, ignore_eos=True), SamplingParams()]
+    md = build(params, outputs=[[0], [0, 1], [0], [0]])
+    out = process_logits(logits, md)
+    inf = float("-inf")
+    assert out[0].tolist() == [0, 0, 0, inf, 0, inf]      # 1 < 2 tokens: EOS and 3 masked
+    assert out[1].tolist() == [0] * 6                     # min_tokens reached
+    assert out[2].tolist() == [0] * 6                     # ignore_eos: EOS does not stop
+    assert out[3].tolist() == [0] * 6
+    md = build([SamplingParams(min_tokens=1, temperature=0.0)])
+    assert Sampler()(LOGITS.clone().index_fill_(0, torch.tensor([EOS]), 50.0)[None],
+                     md).token_ids.item() != EOS
+
+
+def test_logprobs_are_log_softmax_of_processed_logits():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]] * 3)
+    params = [SamplingParams(temperature=0.0, logprobs=2, logit_bias={0: 1.5}),
+              SamplingParams(temperature=0.5, logprobs=0, top_k=1), SamplingParams()]
+    md = build(params)
+    out = Sampler()(logits, md)
+    lp0 = (logits[0] + torch.tensor([1.5, 0, 0, 0, 0, 0])).log_softmax(-1)
+    # Row 0: logit 0 biased to 3.5 -> greedy picks 0; top-2 = {0, 3}.
+    assert out.token_ids[0].item() == 0
+    assert list(out.logprobs[0]) == [0, 3]
+    assert out.logprobs[0][0] == pytest.approx(lp0[0].item())
+    assert out.logprobs[0][3] == pytest.approx(lp0[3].item())
+    # Row 1: temperature does not change logprobs; logprobs=0 gives only the chosen token.
+    assert out.logprobs[1] == {3: pytest.approx(logits[1].log_softmax(-1)[3].item())}
+    assert out.logprobs[2] is None
+
+
+def test_logprobs_include_chosen_token_outside_top_n():
+    torch.manual_seed(0)
+    logits = torch.tensor([0.1, 0, 0, 0, 0, 0]).expand(20, V)
+    out = Sampler()(logits, build([SamplingParams(logprobs=1)] * 20))
+    lp = logits[0].log_softmax(-1)
+    chosen = out.token_ids.tolist()
+    assert any(t != 0 for t in chosen)
+    for t, entry in zip(chosen, out.logprobs):
+        assert list(entry) == ([0] if t == 0 else [0, t])   # top-1 first, then the chosen one
+        assert entry[t] == pytest.approx(lp[t].item())
+
+
+def test_shape_mismatch_and_bad_token_ids():
+    with pytest.raises(ValueError, match=r"\[1, 6\]"):
+        Sampler()(torch.zeros(2, V), build([SamplingParams()]))
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        validate_token_ids(SamplingParams(logit_bias={6: 1.0}), V)
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):
+        validate_token_ids(SamplingParams(stop_token_ids=[9]), V)
+    validate_token_ids(SamplingParams(logit_bias={5: 1.0}, stop_token_ids=[0]), V)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_cpu_and_seeds_hold():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 500, generator=gen)
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.3),
+              SamplingParams(top_k=20, top_p=0.9, min_p=0.05, frequency_penalty=0.5, seed=5),
+              SamplingParams(logit_bias={7: 3.0}, logprobs=3)]
+    outputs = [[1, 2, 2], [3, 3], [4]]
+
+    def md_on(device, rows, generators):
+        return SamplingMetadata.build([params[r] for r in rows], [[0]] * len(rows),
+                                      [outputs[r] for r in rows], generators, [EOS], 500, device)
+
+    cpu, cuda = md_on("cpu", [0, 1, 2], [None] * 3), md_on("cuda", [0, 1, 2], [None] * 3)
+    torch.testing.assert_close(sampling_probs(process_logits(logits.cuda(), cuda), cuda).cpu(),
+                               sampling_probs(process_logits(logits, cpu), cpu))
+    assert Sampler()(logits.cuda(), cuda).token_ids[0].item() == logits[0].argmax().item()
+
+    def seeded_row(rows, steps=10):
+        g = torch.Generator(device="cuda").manual_seed(5)
+        gens = [g if r == 1 else None for r in rows]
+        md = md_on("cuda", rows, gens)
+        return [Sampler()(logits[rows].cuda(), md).token_ids[rows.index(1)].item()
+                for _ in range(steps)]
+
+    assert seeded_row([1]) == seeded_row([0, 2, 1]) == seeded_row([2, 1])
