@@ -18,6 +18,8 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float = 0.0
+    delta_text: str = ""          # text safe to stream that was not in earlier outputs
+    num_delta_tokens: int = 0     # tokens generated since the previous output of this request
 
     @property
     def finished(self) -> bool:

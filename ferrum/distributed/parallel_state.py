@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 
-@dataclass
+@dataclass(frozen=True)
 class _TPState:
     rank: int = 0
     size: int = 1
@@ -18,7 +18,14 @@ _TP = _TPState()
 
 
 def init_tensor_parallel(rank: int, size: int, group=None) -> None:
-    _TP.rank, _TP.size, _TP.group = rank, size, group
+    global _TP
+    _TP = _TPState(rank, size, group)
+
+
+def get_tp() -> _TPState:
+    """The TP state in force now. Layers keep the one they were built under, so a TP=1 model
+    and a TP=2 model can live in the same process (tests compare them)."""
+    return _TP
 
 
 def get_tp_rank() -> int:

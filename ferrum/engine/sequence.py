@@ -34,6 +34,7 @@ class Sequence:
         self.generator = None if seed is None else torch.Generator().manual_seed(seed + index)
         self.logprobs: list[dict[int, float]] = []
         self.cumulative_logprob = 0.0
+        self.new_tokens = 0                 # generated since the last RequestOutput
 
     @property
     def num_tokens(self) -> int:

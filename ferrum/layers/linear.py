@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferrum.distributed.communication import tensor_model_parallel_all_reduce
-from ferrum.distributed.parallel_state import divide, get_tp_rank, get_tp_size
+from ferrum.distributed.parallel_state import divide, get_tp
 
 
 def _copy(param: nn.Parameter, w: torch.Tensor, name: str = "") -> None:
@@ -28,6 +28,7 @@ def _copy(param: nn.Parameter, w: torch.Tensor, name: str = "") -> None:
 class LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
+        self.tp = get_tp()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -49,12 +50,12 @@ class ColumnParallelLinear(LinearBase):
     """y = x W^T with W split by output rows: rank r holds rows [r*out/tp, (r+1)*out/tp)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        self.out_per_rank = divide(out_features, get_tp_size(), "output features")
+        self.out_per_rank = divide(out_features, get_tp().size, "output features")
         super().__init__(in_features, self.out_per_rank, bias)
 
     def weight_loader(self, param, lazy, shard_id=None):
         n = self.out_per_rank
-        _copy(param, lazy.narrow(0, get_tp_rank() * n, n))
+        _copy(param, lazy.narrow(0, self.tp.rank * n, n))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -66,10 +67,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, sum(out_sizes), bias)
 
     def weight_loader(self, param, lazy, shard_id=None):
-        tp = get_tp_size()
+        tp = self.tp.size
         n = self.out_sizes[shard_id] // tp
         off = sum(self.out_sizes[:shard_id]) // tp
-        _copy(param.narrow(0, off, n), lazy.narrow(0, get_tp_rank() * n, n))
+        _copy(param.narrow(0, off, n), lazy.narrow(0, self.tp.rank * n, n))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -78,7 +79,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     query heads [r*h/tp, (r+1)*h/tp) belong to under grouped-query attention."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool):
-        tp = get_tp_size()
+        tp = get_tp().size
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, tp, "num_attention_heads")
         if num_kv_heads >= tp:
@@ -92,7 +93,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         LinearBase.__init__(self, hidden, self.q_size + 2 * self.kv_size, bias)
 
     def weight_loader(self, param, lazy, shard_id=None):
-        r = get_tp_rank()
+        r = self.tp.rank
         if shard_id == "q":
             dst, src = param.narrow(0, 0, self.q_size), lazy.narrow(0, r * self.q_size, self.q_size)
         else:
@@ -107,7 +108,7 @@ class RowParallelLinear(LinearBase):
     """y = all_reduce(x_r W_r^T) with W split by input columns; bias added once, after."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        self.in_per_rank = divide(in_features, get_tp_size(), "input features")
+        self.in_per_rank = divide(in_features, get_tp().size, "input features")
         super().__init__(self.in_per_rank, out_features, bias)
 
     def weight_loader(self, param, lazy, shard_id=None):
@@ -115,11 +116,11 @@ class RowParallelLinear(LinearBase):
             _copy(param, lazy.load())
             return
         n = self.in_per_rank
-        _copy(param, lazy.narrow(1, get_tp_rank() * n, n))
+        _copy(param, lazy.narrow(1, self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
-        y = tensor_model_parallel_all_reduce(y)
+        y = tensor_model_parallel_all_reduce(y, self.tp)
         if self.bias is not None:
             y = y + self.bias
         return y

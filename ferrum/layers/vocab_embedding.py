@@ -12,16 +12,16 @@ from torch import nn
 
 from ferrum.distributed.communication import (tensor_model_parallel_all_reduce,
                                               tensor_model_parallel_gather)
-from ferrum.distributed.parallel_state import get_tp_rank, get_tp_size
+from ferrum.distributed.parallel_state import get_tp
 
 
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden: int):
         super().__init__()
-        tp = get_tp_size()
+        self.tp = get_tp()
         self.vocab_size = vocab_size
-        self.per_rank = -(-vocab_size // tp)
-        self.start = get_tp_rank() * self.per_rank
+        self.per_rank = -(-vocab_size // self.tp.size)
+        self.start = self.tp.rank * self.per_rank
         self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
@@ -34,19 +34,19 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [T] int64 -> [T, hidden]."""
-        if get_tp_size() == 1:
+        if self.tp.size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.start
         mask = (local >= 0) & (local < self.per_rank)
         y = F.embedding(torch.where(mask, local, 0), self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
-        return tensor_model_parallel_all_reduce(y)
+        return tensor_model_parallel_all_reduce(y, self.tp)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: [N, hidden] -> logits [N, vocab_size] on TP rank 0 (None elsewhere)."""
         logits = F.linear(hidden, self.weight)
-        logits = tensor_model_parallel_gather(logits, dim=-1)
+        logits = tensor_model_parallel_gather(logits, dim=-1, tp=self.tp)
         if logits is None:
             return None
         return logits[:, : self.vocab_size]

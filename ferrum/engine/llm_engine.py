@@ -1,0 +1,267 @@
+"""LLMEngine: requests in, RequestOutputs out, one scheduler step at a time.
+
+step(): scheduler picks decodes + prefill chunks -> executor runs them (one batched decode
+forward, one batched prefill forward) -> the sampler draws the next token of every sequence
+whose computation reached its end -> stop checks and incremental detokenization -> outputs.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import torch
+
+from ferrum.config import EngineConfig
+from ferrum.engine.block_manager import BlockManager
+from ferrum.engine.scheduler import Scheduler, SchedulerOutput
+from ferrum.engine.sequence import Request, Sequence, SequenceStatus
+from ferrum.engine.stop_checker import SequenceOutputState
+from ferrum.errors import (CacheConfigError, InvalidRequestError, OutOfKvCacheError,
+                           PromptTooLongError, QueueFullError)
+from ferrum.interfaces import DecodeInput, KvCacheHandle, ModelExecutor, PrefillInput
+from ferrum.layers.sampler import Sampler, SamplingMetadata, validate_token_ids
+from ferrum.outputs import CompletionOutput, RequestOutput
+from ferrum.sampling_params import SamplingParams
+
+log = logging.getLogger("ferrum")
+
+
+def create_executor(source, config: EngineConfig, progress: bool = True) -> ModelExecutor:
+    if config.parallel.tensor_parallel_size > 1:
+        from ferrum.executor.tensor_parallel import TensorParallelExecutor
+        return TensorParallelExecutor(source, config, progress)
+    from ferrum.executor.single import SingleDeviceExecutor
+    return SingleDeviceExecutor(source, config, progress)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress: bool = True):
+        from ferrum.model_store import resolve_model
+        self.config = config
+        source = resolve_model(config.model)
+        self.model_name = source.name
+        self.model_config = source.config
+        self.tokenizer = source.tokenizer_loader() if source.tokenizer_loader else None
+        if self.tokenizer is not None and config.chat_template:
+            with open(config.chat_template) as f:
+                self.tokenizer.chat_template = self.tokenizer.hf.chat_template = f.read()
+        self.eos_token_ids = list(source.eos_token_ids or (self.tokenizer.eos_token_ids if self.tokenizer else []))
+        self.executor = create_executor(source, config, progress)
+        caps = self.executor.capabilities()
+        self.max_model_len = caps.max_seq_len
+        self.block_size = caps.block_size
+        self.num_blocks = caps.num_kv_blocks
+        per_seq = -(-self.max_model_len // self.block_size)
+        msg = (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = "
+               f"{self.num_blocks * self.block_size} tokens "
+               f"({caps.memory.kv_bytes_per_block(self.block_size) * self.num_blocks / 2**20:.0f} MiB per rank); "
+               f"{self.num_blocks / per_seq:.2f} sequences of max_model_len {self.max_model_len}")
+        if self.num_blocks < per_seq:
+            raise CacheConfigError(f"{msg}: not even one sequence fits. Raise --kv-cache-memory "
+                                   "(CPU) / --gpu-memory-utilization (GPU) or lower --max-model-len")
+        log.info(msg)
+        self.block_manager = BlockManager(self.num_blocks, self.block_size,
+                                          config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.sampler = Sampler()
+        self.vocab_size = self.model_config.vocab_size
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.stats = {"requests_finished": 0, "requests_aborted": 0, "prompt_tokens": 0,
+                      "generation_tokens": 0, "steps": 0}
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, request_id: str | None, prompt: str | list[int] | None,
+                    params: SamplingParams | None = None,
+                    prompt_token_ids: list[int] | None = None) -> str:
+        """Queue a request. `prompt` is text (tokenized here) or token ids.
+
+        Raises InvalidRequestError (empty prompt, token id out of range, duplicate id),
+        PromptTooLongError (prompt >= max_model_len), OutOfKvCacheError (the request could
+        never fit in the KV pool), QueueFullError (too many waiting requests)."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        text = None
+        if prompt_token_ids is None:
+            if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise InvalidRequestError("this model has no tokenizer; pass prompt token ids")
+                text, prompt_token_ids = prompt, self.tokenizer.encode(prompt)
+            else:
+                prompt_token_ids = list(prompt or [])
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt is empty; give at least one token", param="prompt")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                                      f"[0, {self.vocab_size})", param="prompt")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise PromptTooLongError(f"prompt has {n} tokens but max_model_len is {self.max_model_len}: "
+                                     f"at most {self.max_model_len - 1} prompt tokens are allowed",
+                                     param="prompt")
+        validate_token_ids(params, self.vocab_size)
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer", param="stop")
+        total = min(self.max_model_len, n + (params.max_tokens or self.max_model_len))
+        if -(-total // self.block_size) > self.num_blocks:
+            raise OutOfKvCacheError(f"request needs {total} tokens of KV cache but the pool holds "
+                                    f"{self.num_blocks * self.block_size}; lower max_tokens or "
+                                    "raise --kv-cache-memory / --gpu-memory-utilization")
+        if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
+            raise QueueFullError(f"{len(self.scheduler.waiting)} requests are waiting "
+                                 f"(limit {self.config.scheduler.max_waiting}); retry later")
+        req = Request(request_id, text, list(prompt_token_ids), params)
+        self.requests[request_id] = req
+        self._new_seq(req, 0)
+        self.stats["prompt_tokens"] += n
+        return request_id
+
+    def _new_seq(self, req: Request, index: int) -> Sequence:
+        seq = Sequence(f"{req.request_id}#{index}", req, index)
+        seq.output_state = SequenceOutputState(req.params, self.tokenizer, req.prompt_token_ids,
+                                               self.eos_token_ids, self.max_model_len)
+        req.seqs.append(seq)
+        if index == 0:
+            self.scheduler.add(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks. False if it is unknown or finished."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            self._drop(seq)
+        self.stats["requests_aborted"] += 1
+        return True
+
+    def _drop(self, seq: Sequence) -> None:
+        if seq.status != SequenceStatus.FINISHED:
+            self.scheduler.remove(seq)
+            self.executor.release_cache(seq.seq_id)
+            seq.status = SequenceStatus.FINISHED
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns an output for each request that produced tokens."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty():
+            return []
+        self.stats["steps"] += 1
+        now = time.perf_counter()
+        logits_parts, sample_seqs = [], []
+        if sched.decodes:
+            seqs = [c.seq for c in sched.decodes]
+            out = self.executor.decode(DecodeInput([s.token_ids[-1] for s in seqs], self._handles(seqs)))
+            logits_parts.append(out.logits)
+            sample_seqs += seqs
+        if sched.prefills:
+            seqs = [c.seq for c in sched.prefills]
+            chunks = [s.token_ids[s.num_computed_tokens:s.num_computed_tokens + c.num_tokens]
+                      for s, c in zip(seqs, sched.prefills)]
+            completes = [c.completes for c in sched.prefills]
+            out = self.executor.prefill(PrefillInput(chunks, self._handles(seqs)))
+            if any(completes):
+                idx = [i for i, c in enumerate(completes) if c]
+                logits_parts.append(out.logits[idx] if len(idx) < len(seqs) else out.logits)
+                sample_seqs += [seqs[i] for i in idx]
+        for c in sched.decodes + sched.prefills:
+            s = c.seq
+            s.num_computed_tokens += c.num_tokens
+            if s.request.metrics.first_scheduled_time is None:
+                s.request.metrics.first_scheduled_time = now
+            self.block_manager.commit_full_blocks(s.seq_id, s.token_ids, s.num_computed_tokens)
+        touched: dict[str, Request] = {}
+        if sample_seqs:
+            self._sample(torch.cat(logits_parts) if len(logits_parts) > 1 else logits_parts[0],
+                         sample_seqs, touched)
+        return [self._output(r) for r in touched.values()]
+
+    def _handles(self, seqs: list[Sequence]) -> list[KvCacheHandle]:
+        return [KvCacheHandle(s.seq_id, self.block_manager.block_table(s.seq_id),
+                              s.num_computed_tokens, self.block_size) for s in seqs]
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict) -> None:
+        md = SamplingMetadata.build(
+            [s.request.params for s in seqs], [s.request.prompt_token_ids for s in seqs],
+            [s.output_token_ids for s in seqs], [s.generator for s in seqs],
+            self.eos_token_ids, self.vocab_size, logits.device)
+        out = self.sampler(logits, md)
+        token_ids = out.token_ids.tolist()
+        now = time.perf_counter()
+        for i, (seq, tok) in enumerate(zip(seqs, token_ids)):
+            req = seq.request
+            if req.request_id not in self.requests:
+                continue
+            if seq.index == 0 and req.params.n > 1 and not req.forked:
+                self._fork(req, seq)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            seq.token_ids.append(tok)
+            seq.output_state.append(tok)
+            seq.new_tokens += 1
+            if out.logprobs is not None and out.logprobs[i] is not None:
+                seq.logprobs.append(out.logprobs[i])
+                seq.cumulative_logprob += out.logprobs[i].get(tok, 0.0)
+            self.stats["generation_tokens"] += 1
+            if seq.output_state.finished:
+                self._drop(seq)
+            touched[req.request_id] = req
+
+    def _fork(self, req: Request, parent: Sequence) -> None:
+        """n > 1: the other samples share the prompt's full blocks with sample 0 and compute
+        only the rest of the prompt themselves."""
+        req.forked = True
+        for i in range(1, req.params.n):
+            child = self._new_seq(req, i)
+            child.num_computed_tokens = self.block_manager.fork(
+                parent.seq_id, child.seq_id, parent.num_prompt_tokens)
+            self.scheduler.add_running(child)
+
+    def _output(self, req: Request) -> RequestOutput:
+        outs = []
+        for s in req.seqs:
+            st = s.output_state
+            outs.append(CompletionOutput(
+                index=s.index, text=st.text, token_ids=list(st.token_ids),
+                finish_reason=st.finish_reason, stop_reason=st.stop_reason,
+                logprobs=list(s.logprobs) if req.params.logprobs is not None else None,
+                cumulative_logprob=s.cumulative_logprob, delta_text=st.stream_delta(),
+                num_delta_tokens=s.new_tokens))
+            s.new_tokens = 0
+        finished = req.finished()
+        if finished:
+            req.metrics.finished_time = time.perf_counter()
+            self.requests.pop(req.request_id, None)
+            self.stats["requests_finished"] += 1
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
+                             req.metrics, num_cached_tokens=req.seqs[0].num_cached_tokens)
+
+    # ---- status ---------------------------------------------------------------------------------
+    def status(self) -> dict:
+        """Live numbers: executor status plus scheduler / block manager / request counters."""
+        ex = self.executor.status()
+        bm = self.block_manager
+        return {
+            "executor": ex,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_free": bm.num_free_blocks,
+            "kv_cache_usage": 1.0 - bm.num_free_blocks / bm.num_blocks,
+            "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
+            "prefix_cache_queries": bm.prefix_cache_queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
+            **self.stats,
+        }
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
