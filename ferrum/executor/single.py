@@ -6,6 +6,7 @@ import logging
 import torch
 
 from ferrum.config import EngineConfig
+from ferrum.distributed.parallel_state import init_tensor_parallel
 from ferrum.executor.base import ExecutorBase
 from ferrum.executor.memory import num_kv_blocks
 from ferrum.executor.model_runner import ModelRunner
@@ -19,6 +20,7 @@ class SingleDeviceExecutor(ExecutorBase):
     def __init__(self, source: ModelSource, config: EngineConfig, progress: bool = True):
         super().__init__(source, config)
         torch.manual_seed(config.seed)
+        init_tensor_parallel(0, 1, None)  # layers built below see TP size 1
         self.runner = ModelRunner(source, self.device, self.dtype, config.load_format, config.seed, progress)
         s = config.scheduler
         self.num_blocks = num_kv_blocks(self.memory, config.cache, self.device, self.max_model_len,

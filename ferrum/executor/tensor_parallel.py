@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ferrum.config import EngineConfig
+from ferrum.distributed.parallel_state import init_tensor_parallel
 from ferrum.errors import FerrumError, TensorParallelError
 from ferrum.executor.base import ExecutorBase
 from ferrum.executor.memory import compute_memory_requirements, num_kv_blocks
@@ -200,6 +201,7 @@ class TensorParallelExecutor(ExecutorBase):
             dist.destroy_process_group()
         except Exception:
             pass
+        init_tensor_parallel(0, 1, None)
 
 
 def run_spmd_worker(config: EngineConfig) -> None:

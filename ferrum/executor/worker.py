@@ -35,6 +35,8 @@ def init_distributed(rank: int, world: int, device: str, init_method: str | None
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
+    else:  # ranks share the host's cores: oversubscribed threads make every rank slow
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method=init_method or "env://", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=step_timeout_s))
@@ -122,6 +124,8 @@ def spawned_worker_main(rank: int, world: int, init_method: str, config: EngineC
     except BaseException as e:  # report to rank 0, then exit non-zero
         try:
             error_queue.put((rank, f"{type(e).__name__}: {e}"))
+            error_queue.close()
+            error_queue.join_thread()  # flush the queue's feeder thread before _exit
         except Exception:
             pass
         sys.stderr.write(f"ferrum TP rank {rank} failed: {type(e).__name__}: {e}\n")
