@@ -9,7 +9,6 @@ import torch
 
 from ferrum.attention.metadata import AttentionMetadata, forward_context
 from ferrum.config import ModelConfig
-from ferrum.distributed.parallel_state import get_tp_size
 from ferrum.interfaces import KvCacheHandle
 from ferrum.loader.base import ModelSource
 from ferrum.loader.model_loader import init_dummy_weights, load_weights
@@ -39,6 +38,26 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if m.__class__.__name__ == "Attention"]
         self.block_size = 16
         self.num_blocks = 0
+        self.graphs = None
+        if self.device.type == "cuda":
+            from ferrum.attention import triton_backend
+            for layer in self.attn_layers:
+                layer.backend = triton_backend
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture decode graphs for batch sizes up to max_num_seqs (all TP ranks together)."""
+        from ferrum.executor.cuda_graph import DecodeCudaGraphs, graph_batch_sizes
+        self.graphs = DecodeCudaGraphs(self, graph_batch_sizes(max_num_seqs),
+                                       -(-max_model_len // self.block_size))
+
+    def enable_symm_mem_all_reduce(self) -> bool:
+        from ferrum.distributed.parallel_state import get_tp
+        from ferrum.distributed.symm_mem import try_enable_symm_mem
+        import os
+        if os.environ.get("FERRUM_DISABLE_SYMM_MEM") == "1":
+            return False
+        tp = get_tp()
+        return tp.size > 1 and try_enable_symm_mem(tp.group, self.device, self.dtype)
 
     # ---- KV cache ---------------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
@@ -90,6 +109,8 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, token_ids: list[int], kv: list[KvCacheHandle]) -> torch.Tensor | None:
         """One token per sequence; returns logits [num_seqs, vocab] float32 (TP rank 0)."""
+        if self.graphs is not None and self.graphs.can_run(len(kv)):
+            return self.graphs.run(token_ids, kv)
         B = len(kv)
         bt = self._block_tables(kv)
         pos = torch.tensor([h.num_tokens for h in kv], dtype=torch.int64)

@@ -32,3 +32,9 @@ class SingleDeviceExecutor(ExecutorBase):
 
     def _decode(self, inp: DecodeInput) -> torch.Tensor:
         return self.runner.decode(inp.token_ids, inp.kv)
+
+    def warmup(self) -> None:
+        """On CUDA: capture decode CUDA graphs (unless --enforce-eager)."""
+        if self.runner.device.type == "cuda" and not self.config.enforce_eager:
+            self.runner.capture_cuda_graphs(self.config.scheduler.max_num_seqs, self.max_model_len)
+            self.cuda_graphs = True

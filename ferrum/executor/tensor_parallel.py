@@ -142,6 +142,16 @@ class TensorParallelExecutor(ExecutorBase):
         """Run `runner.<method>(*args)` on every rank (warmup, CUDA graph capture)."""
         return self._run(("call", method, args), lambda: getattr(self.runner, method)(*args))
 
+    def warmup(self) -> None:
+        """On CUDA: one-shot symmetric-memory all-reduce for small messages (if it works
+        here), then decode CUDA graphs captured on every rank with the collectives inside."""
+        if not self.rank_device.startswith("cuda"):
+            return
+        self.symm_mem = self.call_all("enable_symm_mem_all_reduce")
+        if not self.config.enforce_eager:
+            self.call_all("capture_cuda_graphs", self.config.scheduler.max_num_seqs, self.max_model_len)
+            self.cuda_graphs = True
+
     # ---- faults -------------------------------------------------------------------------------
     def _check_workers(self) -> None:
         for r, p in enumerate(self.procs, start=1):

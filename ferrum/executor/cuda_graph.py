@@ -1,0 +1,104 @@
+"""CUDA graphs for decode (one graph per batch size), captured with the TP collectives inside.
+
+A decode step of a small batch is a few hundred tiny kernels; replaying a captured graph
+removes their launch overhead. Graphs need fixed addresses, so inputs live in static buffers:
+the batch is padded up to the next captured size, padded rows write their K/V to slot -1
+(skipped by the Triton store kernel) and have seq_len 0. The Triton decode kernel reads
+seq_lens and block tables from device memory, so one graph serves every context length up to
+max_model_len.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+
+import torch
+
+from ferrum.attention.metadata import AttentionMetadata, forward_context
+from ferrum.interfaces import KvCacheHandle
+
+log = logging.getLogger("ferrum")
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 16 up to max_num_seqs (as vLLM)."""
+    sizes = [b for b in (1, 2, 4, 8) if b <= max_num_seqs]
+    sizes += list(range(16, max_num_seqs + 1, 16))
+    if max_num_seqs not in sizes:
+        sizes.append(max_num_seqs)
+    return sorted(set(sizes))
+
+
+class DecodeCudaGraphs:
+    def __init__(self, runner, batch_sizes: list[int], max_blocks_per_seq: int):
+        self.runner = runner
+        self.sizes = sorted(batch_sizes)
+        max_bs, dev = self.sizes[-1], runner.device
+        M = max_blocks_per_seq
+        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, device=dev)
+        self.block_tables = torch.zeros(max_bs, M, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=dev)
+        # host staging buffer, pinned so the copy is one async DMA
+        self.host = torch.zeros(max_bs, 4 + M, dtype=torch.int64).pin_memory()
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
+        self.pool = None
+        self.max_blocks = M
+        free0 = torch.cuda.mem_get_info(dev)[0]
+        for bs in reversed(self.sizes):  # largest first so smaller graphs reuse its pool
+            self._capture(bs)
+        used = free0 - torch.cuda.mem_get_info(dev)[0]
+        log.info("captured %d decode CUDA graphs (batch %d..%d), %.0f MiB",
+                 len(self.sizes), self.sizes[0], max_bs, used / 2**20)
+
+    def _md(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(is_prefill=False, slot_mapping=self.slot_mapping[:bs],
+                                 block_tables=self.block_tables[:bs], seq_lens=self.seq_lens[:bs],
+                                 max_seq_len=self.max_blocks * self.runner.block_size)
+
+    def _forward(self, bs: int):
+        with forward_context(self._md(bs)):
+            hidden = self.runner.model(self.input_ids[:bs], self.positions[:bs])
+        logits = self.runner.model.compute_logits(hidden)
+        return None if logits is None else logits.float()
+
+    @torch.inference_mode()
+    def _capture(self, bs: int) -> None:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):  # warm up: Triton autotune / cuBLAS handles before capture
+                self._forward(bs)
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            out = self._forward(bs)
+        if self.pool is None:
+            self.pool = g.pool()
+        self.graphs[bs] = (g, out)
+
+    def can_run(self, batch: int) -> bool:
+        return batch <= self.sizes[-1]
+
+    @torch.inference_mode()
+    def run(self, token_ids: list[int], kv: list[KvCacheHandle]) -> torch.Tensor | None:
+        B = len(token_ids)
+        bs = self.sizes[bisect.bisect_left(self.sizes, B)]
+        M = max(len(h.block_table) for h in kv)
+        h = self.host[:bs]
+        # one host tensor per step: [token, position, slot, seq_len, block table...]
+        rows = [[t, hd.num_tokens, hd.slot(hd.num_tokens), hd.num_tokens + 1] + hd.block_table
+                + [0] * (M - len(hd.block_table)) for t, hd in zip(token_ids, kv)]
+        h[:B, :4 + M] = torch.tensor(rows, dtype=torch.int64)
+        h[B:, :4] = torch.tensor([0, 0, -1, 0])
+        dev = h.to(self.runner.device, non_blocking=True)
+        self.input_ids[:bs].copy_(dev[:, 0])
+        self.positions[:bs].copy_(dev[:, 1])
+        self.slot_mapping[:bs].copy_(dev[:, 2])
+        self.seq_lens[:bs].copy_(dev[:, 3])
+        self.block_tables[:bs, :M].copy_(dev[:, 4:4 + M])
+        g, out = self.graphs[bs]
+        g.replay()
+        return None if out is None else out[:B]
