@@ -42,12 +42,21 @@ class LLMEngine:
         source = resolve_model(config.model)
         self.model_name = source.name
         self.model_config = source.config
-        self.tokenizer = source.tokenizer_loader() if source.tokenizer_loader else None
+        self.tokenizer = None
+        if source.tokenizer_loader is not None:
+            try:
+                self.tokenizer = source.tokenizer_loader()
+            except (OSError, ValueError) as e:
+                # A folder without tokenizer files (AutoTokenizer raises OSError or, in
+                # transformers 5, ValueError): the engine still serves token-id prompts.
+                log.warning("%s: no usable tokenizer (%s); only token-id prompts are accepted",
+                            source.name, str(e).splitlines()[0])
         if self.tokenizer is not None and config.chat_template:
             with open(config.chat_template) as f:
                 self.tokenizer.chat_template = self.tokenizer.hf.chat_template = f.read()
         self.eos_token_ids = list(source.eos_token_ids or (self.tokenizer.eos_token_ids if self.tokenizer else []))
         self.executor = create_executor(source, config, progress)
+        self.executor.warmup()  # CUDA graphs / collectives set-up; no-op on CPU
         caps = self.executor.capabilities()
         self.max_model_len = caps.max_seq_len
         self.block_size = caps.block_size
