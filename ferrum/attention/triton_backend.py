@@ -1,0 +1,423 @@
+"""Paged attention in Triton (CUDA), a drop-in for `ferrum.attention.torch_backend`.
+
+Same three functions, same shapes, same KV layout: one tensor per layer
+`kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]` (K then V), read only through
+the block table. On CPU tensors every function falls back to the torch reference unless
+`FORCE_TRITON` is set (tests set it together with `TRITON_INTERPRET=1`, which runs these
+kernels in Triton's numpy interpreter).
+
+- `write_kv`: one kernel for K and V of all tokens; slot < 0 is skipped (padded CUDA-graph rows).
+- `decode_attention`: split-K "flash-decoding" (Dao, Haziza, Massa, Sizov 2023): grid
+  (B, num_kv_heads, num_splits); each program takes the query heads that share one KV head
+  (GQA, Ainslie et al. 2023) as the rows of one `tl.dot`, walks its share of the sequence
+  through the block table with an online softmax (Milakov & Gimelshein 2018; FlashAttention,
+  Dao et al. 2022) and writes a partial output and its log-sum-exp; a second kernel merges the
+  splits. The split count depends only on static shapes (B, num_kv_heads, M), and each
+  sequence's split boundaries are computed on the device from `seq_lens`, so a captured CUDA
+  graph stays valid when the lengths change. Structure follows the grouped decode kernel of
+  LightLLM / SGLang / vLLM (`triton_decode_attention.py`), written anew here.
+- `prefill_attention`: a varlen FlashAttention-2 style kernel, one launch for all sequences,
+  grid (query blocks, sequences, heads), K/V read through the block table with the causal offset
+  of cached context (query j of a chunk sits at position context_len + j). `PREFILL_IMPL =
+  "sdpa"` selects the torch reference (SDPA, flash when a chunk has no context) instead.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ferrum.attention import torch_backend
+from ferrum.attention.metadata import AttentionMetadata
+
+try:
+    import triton
+    import triton.language as tl
+    HAS_TRITON = True
+except ImportError:  # CPU-only installs: everything falls back to torch_backend
+    HAS_TRITON = False
+
+# Run the Triton kernels on CPU tensors too (only meaningful with TRITON_INTERPRET=1).
+FORCE_TRITON: bool = os.environ.get("FERRUM_FORCE_TRITON", "0") == "1"
+
+# ---- tuning knobs (module-level so a benchmark can sweep them; all static => graph safe) ----
+# None = the defaults of _decode_config / _prefill_config, picked from offline sm_90 compiles
+# (no register spills, cp.async-pipelined loads; tests/test_triton_kernels.py checks this);
+# not yet timed on the GPU: sweep them there.
+DECODE_NUM_SPLITS: int | None = None   # None: heuristic `num_decode_splits`
+DECODE_MAX_SPLITS = 32
+DECODE_MIN_TOKENS_PER_SPLIT = 256      # don't split the capacity M*block_size finer than this
+DECODE_BLOCK_N: int | None = None      # KV tokens per inner iteration
+DECODE_NUM_WARPS: int | None = None
+DECODE_NUM_STAGES: int | None = None
+PREFILL_IMPL = "triton"                # "triton" | "sdpa"
+PREFILL_BLOCK_M: int | None = None
+PREFILL_BLOCK_N: int | None = None
+PREFILL_NUM_WARPS: int | None = None
+PREFILL_NUM_STAGES: int | None = None
+
+_LOG2E = 1.4426950408889634
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return HAS_TRITON and (t.is_cuda or FORCE_TRITON)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs would otherwise go through TF32 tensor cores (10-bit mantissa) on GPU.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # H200; only used by the interpreter / tests on CPU
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+# =============================================================================================
+# write_kv
+# =============================================================================================
+if HAS_TRITON:
+    @triton.jit
+    def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+                         stride_kt, stride_kh, stride_vt, stride_vh,
+                         stride_cslot, stride_ch,
+                         NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+        # One program per token: all KV heads of K and V, cast to the cache dtype.
+        t = tl.program_id(0)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:  # slot < 0: padded row of a CUDA graph, nothing to write
+            offs_h = tl.arange(0, BLOCK_H)
+            offs_d = tl.arange(0, BLOCK_D)
+            mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+            src_k = k_ptr + t.to(tl.int64) * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
+            src_v = v_ptr + t.to(tl.int64) * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+            dst = slot * stride_cslot + offs_h[:, None] * stride_ch + offs_d[None, :]
+            k = tl.load(src_k, mask=mask)
+            v = tl.load(src_v, mask=mask)
+            tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
+            tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write this step's K/V into the paged cache, in place.
+
+    kv_cache: [2, num_blocks, block_size, Hkv, D] (bf16/fp16/fp32, contiguous);
+    k, v: [T, Hkv, D] (any dtype, views allowed: only the last dim must be contiguous);
+    slot_mapping: [T] int64 (or int32), flat slot = block_id * block_size + offset; a slot < 0
+    is skipped (padded rows of a CUDA graph). One kernel launch writes both K and V.
+    """
+    if not _use_triton(kv_cache):
+        if bool((slot_mapping < 0).any()):
+            keep = slot_mapping >= 0
+            k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+        return torch_backend.write_kv(kv_cache, k, v, slot_mapping)
+    T = slot_mapping.shape[0]
+    if T == 0:
+        return
+    assert kv_cache.is_contiguous(), "kv_cache must be contiguous"
+    _, nb, bs, hkv, d = kv_cache.shape
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    kc, vc = kv_cache[0], kv_cache[1]
+    _write_kv_kernel[(T,)](
+        k, v, kc, vc, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kc.stride(1), kc.stride(2),
+        NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_H=_next_pow2(hkv), BLOCK_D=_next_pow2(d),
+        num_warps=4 if hkv * d >= 1024 else 1)
+
+
+# =============================================================================================
+# decode
+# =============================================================================================
+if HAS_TRITON:
+    @triton.jit
+    def _decode_split_kernel(
+            q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, o_ptr, lse_ptr,
+            stride_qb, stride_qh,
+            stride_cblk, stride_cslot, stride_ch,
+            stride_btb,
+            stride_ob, stride_oh, stride_os,
+            stride_lb, stride_lh,
+            qk_scale,  # softmax scale * log2(e): the kernel works in base 2 (exp2)
+            GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+            PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+            DIRECT_OUT: tl.constexpr, DOT_PREC: tl.constexpr):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+
+        # Split boundaries from the device-side length: tiles of BLOCK_N tokens are dealt out
+        # evenly over NUM_SPLITS programs. Empty range (short or zero length) -> neutral partial.
+        seq_len = tl.load(seqlen_ptr + b).to(tl.int32)
+        n_tiles = tl.cdiv(seq_len, BLOCK_N)
+        tiles_per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+        start = split * tiles_per_split * BLOCK_N
+        end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+        offs_g = tl.arange(0, GROUP_PAD)
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_n = tl.arange(0, BLOCK_N)
+        heads = kvh * GROUP + offs_g
+        g_mask = offs_g < GROUP
+        # Rows = the GROUP query heads sharing this KV head (padded to >= 16 for tl.dot).
+        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=g_mask[:, None], other=0.0)
+
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + offs_n
+            n_mask = n < end
+            # Per-token page lookup: works for any page size, BLOCK_N need not divide it.
+            blk = tl.load(bt_row + n // PAGE, mask=n_mask, other=0).to(tl.int64)
+            off = blk * stride_cblk + (n % PAGE) * stride_cslot + kvh * stride_ch
+            kt = tl.load(kc_ptr + off[None, :] + offs_d[:, None], mask=n_mask[None, :], other=0.0)
+            s = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PREC) * qk_scale  # [GROUP_PAD, BLOCK_N]
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+            # Every tile has >= 1 valid column, so m_new is finite and exp2 never sees inf-inf.
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(vc_ptr + off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+            v = v.to(q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            m_i = m_new
+
+        has = l_i > 0
+        o = acc / tl.where(has, l_i, 1.0)[:, None]  # zero rows where nothing was seen
+        o_ptrs = o_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+        if DIRECT_OUT:
+            tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=g_mask[:, None])
+        else:
+            tl.store(o_ptrs, o, mask=g_mask[:, None])
+            lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+            tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
+
+    @triton.jit
+    def _decode_merge_kernel(o_part_ptr, lse_ptr, out_ptr,
+                             stride_pb, stride_ph, stride_ps,
+                             stride_lb, stride_lh,
+                             stride_ob, stride_oh,
+                             NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+        # out = sum_s w_s * o_s / sum_s w_s, w_s = 2^(lse_s - max lse). Empty splits have
+        # lse = -inf (w = 0); if all are empty (seq_len 0) the output is 0, not NaN.
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_s = tl.arange(0, SPLITS_PAD)
+        offs_d = tl.arange(0, HEAD_DIM)
+        s_mask = offs_s < NUM_SPLITS
+        lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
+        m = tl.max(lse, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp2(lse - m)
+        denom = tl.sum(w, 0)
+        o = tl.load(o_part_ptr + b.to(tl.int64) * stride_pb + h * stride_ph
+                    + offs_s[:, None] * stride_ps + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+        out = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
+                 out.to(out_ptr.dtype.element_ty))
+
+
+def _decode_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages). 16-bit: 32 tokens per iteration (sm_90: 64 registers,
+    21 KB shared for D=128). fp32 goes through FMA dots ("ieee"), which spill at 32 tokens with
+    D >= 128, so 16."""
+    bn = 16 if dtype == torch.float32 else 32
+    return DECODE_BLOCK_N or bn, DECODE_NUM_WARPS or 4, DECODE_NUM_STAGES or 2
+
+
+def num_decode_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
+                      device: torch.device | str = "cuda") -> int:
+    """Number of KV splits per (sequence, KV head) for `decode_attention`, from static shapes
+    only (so it is fixed for a captured CUDA graph): enough programs for ~2 per SM, capped so a
+    split covers at least DECODE_MIN_TOKENS_PER_SPLIT tokens of the table's capacity
+    max_blocks * block_size, and at most DECODE_MAX_SPLITS. `DECODE_NUM_SPLITS` overrides."""
+    if DECODE_NUM_SPLITS is not None:
+        return max(1, int(DECODE_NUM_SPLITS))
+    programs = max(1, batch * num_kv_heads)
+    want = -(-2 * _sm_count(torch.device(device)) // programs)
+    by_len = -(-max_blocks * block_size // DECODE_MIN_TOKENS_PER_SPLIT)
+    return max(1, min(want, by_len, DECODE_MAX_SPLITS))
+
+
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
+                     scale: float, num_splits: int | None = None) -> torch.Tensor:
+    """Paged decode attention, one query token per sequence.
+
+    q: [B, H, D] (bf16/fp16/fp32; last dim contiguous); kv_cache: [2, num_blocks, block_size,
+    Hkv, D] (any of those dtypes, contiguous), H % Hkv == 0, D a power of two (32..256);
+    md.block_tables: [B, M] int32/int64 (entries past a sequence's pages are never read);
+    md.seq_lens: [B] int32/int64 on the device, length including this step's token (0 = padded
+    row -> output 0). Returns [B, H, D] in q's dtype. No host synchronisation: safe to capture
+    in a CUDA graph with static B and M. `num_splits` overrides the heuristic.
+    """
+    if not _use_triton(q):
+        return torch_backend.decode_attention(q, kv_cache, md, scale)
+    B, H, D = q.shape
+    _, _, page, hkv, d_cache = kv_cache.shape
+    assert d_cache == D and H % hkv == 0, (q.shape, kv_cache.shape)
+    assert D & (D - 1) == 0 and D >= 16, f"head_dim must be a power of two >= 16, got {D}"
+    assert kv_cache.is_contiguous(), "kv_cache must be contiguous"
+    out = torch.empty_like(q)
+    if B == 0:
+        return out
+    q = _last_dim_contiguous(q)
+    bt = md.block_tables
+    M = bt.shape[1]
+    group = H // hkv
+    S = num_splits or num_decode_splits(B, hkv, M, page, q.device)
+    kc, vc = kv_cache[0], kv_cache[1]
+    bn, warps, stages = _decode_config(D, q.dtype)
+    common = dict(GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=D, PAGE=page,
+                  BLOCK_N=bn, NUM_SPLITS=S, DOT_PREC=_dot_precision(q.dtype),
+                  num_warps=warps, num_stages=stages)
+    args = (q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), bt.stride(0))
+    if S == 1:
+        # One split: normalise in place and write the final output directly (no merge launch).
+        _decode_split_kernel[(B, hkv, 1)](
+            q, kc, vc, bt, md.seq_lens, out, out, *args,
+            out.stride(0), out.stride(1), 0, 0, 0, scale * _LOG2E, DIRECT_OUT=True, **common)
+        return out
+    o_part = torch.empty(B, H, S, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(B, hkv, S)](
+        q, kc, vc, bt, md.seq_lens, o_part, lse, *args,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
+        scale * _LOG2E, DIRECT_OUT=False, **common)
+    _decode_merge_kernel[(B, H)](
+        o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+        NUM_SPLITS=S, SPLITS_PAD=_next_pow2(S), HEAD_DIM=D, num_warps=4 if D >= 128 else 2)
+    return out
+
+
+# =============================================================================================
+# prefill
+# =============================================================================================
+if HAS_TRITON:
+    @triton.jit
+    def _prefill_kernel(
+            q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, seqlen_ptr, cu_q_ptr,
+            stride_qt, stride_qh, stride_ot, stride_oh,
+            stride_cblk, stride_cslot, stride_ch,
+            stride_btb,
+            qk_scale,
+            GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
+        pid_m = tl.program_id(0)
+        b = tl.program_id(1)
+        h = tl.program_id(2)
+        q_start = tl.load(cu_q_ptr + b).to(tl.int32)
+        q_len = tl.load(cu_q_ptr + b + 1).to(tl.int32) - q_start
+        m0 = pid_m * BLOCK_M
+        if m0 < q_len:  # the grid is sized for the longest chunk; others have spare programs
+            seq_len = tl.load(seqlen_ptr + b).to(tl.int32)
+            ctx = seq_len - q_len  # tokens cached before this chunk
+            kvh = h // GROUP
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            offs_d = tl.arange(0, HEAD_DIM)
+            offs_n = tl.arange(0, BLOCK_N)
+            m_mask = offs_m < q_len
+            rows = (q_start + offs_m).to(tl.int64)
+            q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                        mask=m_mask[:, None], other=0.0)
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+            # Query row i (position ctx + m0 + i) sees keys 0..ctx + m0 + i: stop after the
+            # block's last row. Column 0 is in the first tile and valid for every row, so the
+            # running max is finite from the first iteration on.
+            hi = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
+            bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+            for n0 in range(0, hi, BLOCK_N):
+                n = n0 + offs_n
+                n_mask = n < hi
+                blk = tl.load(bt_row + n // PAGE, mask=n_mask, other=0).to(tl.int64)
+                off = blk * stride_cblk + (n % PAGE) * stride_cslot + kvh * stride_ch
+                kt = tl.load(kc_ptr + off[None, :] + offs_d[:, None], mask=n_mask[None, :], other=0.0)
+                s = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PREC) * qk_scale
+                ok = (n[None, :] <= ctx + offs_m[:, None]) & n_mask[None, :]
+                s = tl.where(ok, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(vc_ptr + off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+                v = v.to(q.dtype)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+                m_i = m_new
+            o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+                     o.to(o_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
+def _prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), from sm_90 compiles without spills:
+    16-bit D <= 128: 128x64, 8 warps (~185 registers, 96 KB shared at 2 stages, D=128);
+    D = 256: 64x32, 8 warps (98 KB). fp32 (FMA dots, tests only): 32x16 / 16x16, 4 warps."""
+    if dtype == torch.float32:
+        bm, bn, warps = (32, 16, 4) if head_dim <= 128 else (16, 16, 4)
+    else:
+        bm, bn, warps = (128, 64, 8) if head_dim <= 128 else (64, 32, 8)
+    return (PREFILL_BLOCK_M or bm, PREFILL_BLOCK_N or bn, PREFILL_NUM_WARPS or warps,
+            PREFILL_NUM_STAGES or 2)
+
+
+def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
+                      scale: float, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention for prefill chunks of several sequences, possibly with cached context.
+
+    q: [T, H, D] (new tokens of all sequences, concatenated in md order); kv_cache as in
+    `decode_attention`, already holding this step's K/V (write_kv runs first); md.query_lens /
+    md.context_lens (lists), md.seq_lens [B] (= context + query lens, device), md.block_tables
+    [B, M], md.cu_seqlens_q [B+1] (device; built from query_lens when None). k, v: [T, Hkv, D]
+    fresh K/V, used only by the SDPA path. Returns [T, H, D] in q's dtype.
+    Query j of a sequence sits at position context_len + j and sees keys 0..context_len + j.
+    """
+    if PREFILL_IMPL == "sdpa" or not _use_triton(q):
+        return torch_backend.prefill_attention(q, kv_cache, md, scale, k, v)
+    T, H, D = q.shape
+    _, _, page, hkv, _ = kv_cache.shape
+    assert H % hkv == 0 and D & (D - 1) == 0 and D >= 16, (q.shape, kv_cache.shape)
+    assert kv_cache.is_contiguous(), "kv_cache must be contiguous"
+    out = torch.empty_like(q)
+    B = len(md.query_lens)
+    if T == 0 or B == 0:
+        return out
+    q = _last_dim_contiguous(q)
+    cu = md.cu_seqlens_q
+    if cu is None:
+        cu = torch.zeros(B + 1, dtype=torch.int64)
+        cu[1:] = torch.cumsum(torch.tensor(md.query_lens, dtype=torch.int64), 0)
+        cu = cu.to(q.device)
+    bm, bn, warps, stages = _prefill_config(D, q.dtype)
+    kc, vc = kv_cache[0], kv_cache[1]
+    bt = md.block_tables
+    grid = (triton.cdiv(max(md.query_lens), bm), B, H)
+    _prefill_kernel[grid](
+        q, kc, vc, out, bt, md.seq_lens, cu,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2), bt.stride(0),
+        scale * _LOG2E,
+        GROUP=H // hkv, HEAD_DIM=D, PAGE=page, BLOCK_M=bm, BLOCK_N=bn,
+        DOT_PREC=_dot_precision(q.dtype), num_warps=warps, num_stages=stages)
+    return out

@@ -1,0 +1,523 @@
+"""Triton kernels (ferrum/attention/triton_backend.py, ferrum/layers/fused_ops.py) against
+float64 / torch references.
+
+On CPU the kernels run in Triton's interpreter. TRITON_INTERPRET must be set before triton is
+imported, so each check runs in a fresh subprocess (`_run_interpreted`) with
+TRITON_INTERPRET=1 and FERRUM_FORCE_TRITON=1; this pytest process never imports triton and
+other test modules are unaffected. The same `check_*` functions run in-process on CUDA in the
+`gpu`-marked tests. Sizes are small: the interpreter is slow and the CI CPU has 2 cores.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.abspath(__file__)
+ROOT = os.path.dirname(os.path.dirname(HERE))
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_CUDA = torch.cuda.is_available()
+
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+def _shim_interpreter() -> None:
+    """Two fixes to Triton 3.6's interpreter, applied in the interpreter subprocess only.
+
+    1. Scalars are shape-[1] numpy arrays and `__index__` is int(array), which numpy >= 2.4
+       rejects ("only 0-dimensional arrays can be converted to Python scalars",
+       triton-lang/triton#9171): `range(start, end)` with runtime bounds fails. Take the one
+       element instead.
+    2. Its float32 -> bfloat16 cast truncates the mantissa, while the GPU (cvt.rn.bf16.f32) and
+       torch round to nearest even; convert with torch so interpreter results round like the
+       GPU's and exact comparisons stay meaningful.
+    3. Its tl.dot multiplies bfloat16 operands as their raw uint16 bit patterns; widen them
+       to float32 first (exact), as the tensor cores do before accumulating in float32."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+    if getattr(interp, "_ferrum_shim", False):
+        return
+    orig_patch = interp._patch_lang_tensor
+
+    def patched(tensor, scope):
+        orig_patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    interp._patch_lang_tensor = patched
+    orig_convert = interp._convert_float
+
+    def convert(input, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == tl.float32 and output_dtype == tl.bfloat16:
+            t = torch.from_numpy(np.ascontiguousarray(input).view(np.float32).copy())
+            return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        return orig_convert(input, input_dtype, output_dtype, rounding_mode)
+
+    interp._convert_float = convert
+    orig_dot = interp.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        def widen(h):
+            if h.dtype.scalar != tl.bfloat16:
+                return h
+            f32 = (h.data.astype(np.uint32) << 16).view(np.float32)
+            return interp.TensorHandle(f32, tl.float32)
+        return orig_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    interp.InterpreterBuilder.create_dot = create_dot
+    interp._ferrum_shim = True
+
+
+def _interp_main(name: str) -> None:
+    """Entry point of the interpreter subprocess: run check `name` on CPU."""
+    torch.set_num_threads(1)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        _shim_interpreter()
+    globals()[name]("cpu")
+    print(f"{name}: ok")
+
+
+def _run_interpreted(name: str, interpret: bool = True) -> str:
+    env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0", FERRUM_FORCE_TRITON="1",
+               OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    code = ("import importlib.util as u\n"
+            f"s = u.spec_from_file_location('_ferrum_tk', {HERE!r}); m = u.module_from_spec(s)\n"
+            f"s.loader.exec_module(m); m._interp_main({name!r})\n")
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, f"{name} failed:\n{r.stdout}\n{r.stderr[-6000:]}"
+    return r.stdout
+
+
+def _assert_close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    tol = TOL[dtype]
+    got, ref = got.double().cpu(), ref.double().cpu()
+    assert not torch.isnan(got).any(), f"{what}: NaN in output"
+    err = (got - ref).abs().max().item() if got.numel() else 0.0
+    assert torch.allclose(got, ref, atol=tol, rtol=tol), f"{what}: max abs err {err:.3e} > {tol}"
+
+
+def _md(is_prefill, slot_mapping, block_tables, seq_lens, query_lens=None, context_lens=None, cu=None):
+    from ferrum.attention.metadata import AttentionMetadata
+    return AttentionMetadata(is_prefill=is_prefill, slot_mapping=slot_mapping, block_tables=block_tables,
+                             seq_lens=seq_lens, max_seq_len=int(seq_lens.max()) if seq_lens.numel() else 0,
+                             query_lens=query_lens, context_lens=context_lens, cu_seqlens_q=cu)
+
+
+def _paged_cache(seq_lens: list[int], Hkv: int, D: int, page: int, dtype, device, gen, M: int | None = None):
+    """A poisoned paged cache: every slot is NaN except the first seq_len tokens of each
+    sequence, which hold random values, so a kernel that reads a masked slot, a page past the
+    table's end or a padded table entry produces NaN. Block 0 is never used by a sequence and
+    is where padded table entries point. Blocks are a random permutation (non-contiguous).
+    Returns kv_cache [2, NB, page, Hkv, D], block_tables [B, M] int64, clean float64 copy."""
+    B = len(seq_lens)
+    pages = [-(-L // page) for L in seq_lens]
+    M = M or max(1, max(pages))
+    NB = 1 + sum(pages) + 3
+    perm = (torch.randperm(NB - 1, generator=gen) + 1).tolist()
+    bt = torch.zeros(B, M, dtype=torch.int64)
+    cache = torch.full((2, NB, page, Hkv, D), float("nan"), dtype=torch.float64)
+    for b, L in enumerate(seq_lens):
+        for p in range(pages[b]):
+            blk = perm.pop()
+            bt[b, p] = blk
+            n = min(page, L - p * page)
+            cache[:, blk, :n] = torch.randn(2, n, Hkv, D, generator=gen, dtype=torch.float64)
+    cache = cache.to(dtype)
+    clean = torch.nan_to_num(cache.double(), nan=0.0)  # the dtype-rounded values, NaN -> 0
+    return cache.to(device), bt.to(device), clean
+
+
+def _ref_attention(q, clean, bt, seq_lens, q_pos, scale):
+    """float64 oracle. q: [B][n, H, D] list, q_pos: [B][n] positions; returns list of [n, H, D]."""
+    page, Hkv = clean.shape[2], clean.shape[3]
+    outs = []
+    for b, L in enumerate(seq_lens):
+        qb = q[b].double().cpu()
+        n, H, D = qb.shape
+        if L == 0:
+            outs.append(torch.zeros(n, H, D, dtype=torch.float64))
+            continue
+        idx = torch.arange(L)
+        blk = bt[b].cpu()[idx // page]
+        K = clean[0][blk, idx % page].repeat_interleave(H // Hkv, dim=1)  # [L, H, D]
+        V = clean[1][blk, idx % page].repeat_interleave(H // Hkv, dim=1)
+        s = torch.einsum("nhd,lhd->hnl", qb, K) * scale
+        allowed = idx[None, :] <= torch.as_tensor(q_pos[b])[:, None]  # [n, L]
+        s = s.masked_fill(~allowed[None], float("-inf"))
+        outs.append(torch.einsum("hnl,lhd->nhd", torch.softmax(s, -1), V))
+    return outs
+
+
+# ---------------------------------------------------------------------------------------------
+# checks (run on "cpu" in the interpreter subprocess, or on "cuda" in-process)
+# ---------------------------------------------------------------------------------------------
+def check_write_kv(device: str) -> None:
+    from ferrum.attention import triton_backend as tb
+    gen = torch.Generator().manual_seed(1)
+    for dtype, Hkv, D, page in [(torch.float32, 2, 64, 16), (torch.bfloat16, 3, 128, 8)]:
+        T, NB = 7, 5
+        qkv = torch.randn(T, (4 + 2 * Hkv) * D, generator=gen).to(device)  # fused projection output
+        k = qkv[:, 4 * D:(4 + Hkv) * D].view(T, Hkv, D)  # non-contiguous views, as in the model
+        v = qkv[:, (4 + Hkv) * D:].view(T, Hkv, D)
+        slots = torch.tensor([3, -1, 17, page * NB - 1, 0, -1, 2 * page + 5], device=device)
+        cache = torch.randn(2, NB, page, Hkv, D, generator=gen).to(dtype).to(device)
+        expect = cache.clone()
+        keep = slots >= 0
+        flat = expect.view(2, NB * page, Hkv, D)
+        flat[0, slots[keep]] = k[keep].to(dtype)
+        flat[1, slots[keep]] = v[keep].to(dtype)
+        tb.write_kv(cache, k, v, slots)
+        assert torch.equal(cache, expect), f"write_kv {dtype} Hkv={Hkv} D={D} page={page}"
+        tb.write_kv(cache, k[:0], v[:0], slots[:0])  # T = 0 is a no-op
+
+
+def _decode_case(device, dtype, H, Hkv, D, page, seq_lens, splits, gen, bt_dtype=torch.int64,
+                 sl_dtype=torch.int32, M=None):
+    from ferrum.attention import triton_backend as tb
+    cache, bt, clean = _paged_cache(seq_lens, Hkv, D, page, dtype, device, gen, M=M)
+    B = len(seq_lens)
+    q = torch.randn(B, H, D, generator=gen).to(dtype).to(device)
+    sl = torch.tensor(seq_lens, dtype=sl_dtype, device=device)
+    md = _md(False, torch.zeros(B, dtype=torch.int64, device=device), bt.to(bt_dtype), sl)
+    scale = D ** -0.5
+    ref = torch.stack([o[0] for o in _ref_attention(list(q[:, None]), clean, bt, seq_lens,
+                                                     [[L - 1] for L in seq_lens], scale)])
+    for S in splits:
+        out = tb.decode_attention(q, cache, md, scale, num_splits=S)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        _assert_close(out, ref, dtype, f"decode {dtype} H={H} Hkv={Hkv} D={D} page={page} splits={S}")
+        assert not out[torch.tensor(seq_lens, device=out.device) == 0].any(), "seq_len 0 must give zeros"
+
+
+def check_decode(device: str) -> None:
+    gen = torch.Generator().manual_seed(2)
+    f32, bf16 = torch.float32, torch.bfloat16
+    # lengths: 0 (padded row), 1, not multiples of the page, exact multiples
+    _decode_case(device, f32, 2, 2, 64, 16, [0, 1, 17, 61, 48], [1, 3, None], gen)         # group 1
+    _decode_case(device, f32, 6, 2, 64, 16, [33, 0, 70], [2], gen, bt_dtype=torch.int32)   # group 3
+    _decode_case(device, bf16, 8, 2, 128, 16, [5, 100, 0, 64], [1, 4], gen,
+                 sl_dtype=torch.int64, M=9)                                                # group 4
+    _decode_case(device, f32, 8, 1, 128, 8, [45, 9], [5], gen)                             # group 8, page 8
+    _decode_case(device, torch.float16, 4, 2, 32, 32, [70, 3], [2], gen)                   # D 32, page 32
+    # more splits than tiles: most programs see an empty range and must write neutral partials
+    _decode_case(device, bf16, 4, 4, 64, 16, [0, 0, 2], [8], gen)
+
+
+def _prefill_case(device, dtype, H, Hkv, D, page, ctx_lens, q_lens, gen, impl="triton", blocks=(None, None)):
+    from ferrum.attention import triton_backend as tb
+    seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+    cache, bt, clean = _paged_cache(seq_lens, Hkv, D, page, dtype, device, gen)
+    # this chunk's fresh K/V (what write_kv put in the cache), needed by the SDPA path
+    pos = [torch.arange(c, c + n) for c, n in zip(ctx_lens, q_lens)]
+    slots = torch.cat([bt[b].cpu()[p // page] * page + p % page for b, p in enumerate(pos)])
+    k = cache[0].view(-1, Hkv, D)[slots.to(device)]
+    v = cache[1].view(-1, Hkv, D)[slots.to(device)]
+    T = sum(q_lens)
+    q = torch.randn(T, H, D, generator=gen).to(dtype).to(device)
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+    md = _md(True, slots.to(device), bt, torch.tensor(seq_lens, dtype=torch.int32, device=device),
+             query_lens=list(q_lens), context_lens=list(ctx_lens), cu=cu.to(device))
+    ref = torch.cat(_ref_attention(list(q.split(q_lens)), clean, bt, seq_lens, [p.tolist() for p in pos], D ** -0.5))
+    saved = tb.PREFILL_IMPL, tb.PREFILL_BLOCK_M, tb.PREFILL_BLOCK_N
+    tb.PREFILL_IMPL, (tb.PREFILL_BLOCK_M, tb.PREFILL_BLOCK_N) = impl, blocks
+    try:
+        out = tb.prefill_attention(q, cache, md, D ** -0.5, k, v)
+    finally:
+        tb.PREFILL_IMPL, tb.PREFILL_BLOCK_M, tb.PREFILL_BLOCK_N = saved
+    assert out.shape == q.shape and out.dtype == q.dtype
+    _assert_close(out, ref, dtype, f"prefill[{impl}] {dtype} H={H} Hkv={Hkv} D={D} page={page} "
+                                   f"ctx={ctx_lens} q={q_lens} blocks={blocks}")
+
+
+def check_prefill(device: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    f32, bf16 = torch.float32, torch.bfloat16
+    ctx, ql = [0, 37, 16, 50], [20, 5, 33, 1]  # fresh prompt, chunks with cached context, 1-token chunk
+    _prefill_case(device, f32, 4, 1, 64, 16, ctx, ql, gen, blocks=(16, 16))   # group 4, many tiles
+    _prefill_case(device, f32, 3, 3, 64, 16, ctx[:2], ql[:2], gen)            # group 1, default tiles
+    _prefill_case(device, bf16, 6, 2, 128, 8, [0, 21], [19, 12], gen, blocks=(16, 32))  # group 3, page 8
+    _prefill_case(device, bf16, 8, 1, 64, 16, [30], [9], gen)                 # group 8
+    # the SDPA fallback with the same inputs (flash path for ctx == 0, gather + mask otherwise)
+    _prefill_case(device, f32, 4, 1, 64, 16, ctx, ql, gen, impl="sdpa")
+    _prefill_case(device, bf16, 6, 2, 128, 8, [0, 21], [19, 12], gen, impl="sdpa")
+
+
+def check_attention_layer(device: str) -> None:
+    """`Attention` with `backend = triton_backend` against the torch backend through a
+    prefill chunk without context, a chunk with context (two sequences) and two decode steps,
+    with metadata built as ModelRunner builds it (int64 tables, int32/int64 lengths)."""
+    from ferrum.attention import torch_backend, triton_backend
+    from ferrum.attention.metadata import AttentionMetadata, forward_context
+    from ferrum.layers.attention import Attention
+    gen = torch.Generator().manual_seed(7)
+    H, Hkv, D, page, NB = 4, 2, 64, 16, 12
+    tables = [[3, 7, 1], [10, 2, 5]]
+    layers = {}
+    for name, be in (("torch", torch_backend), ("triton", triton_backend)):
+        a = Attention(H, Hkv, D, D ** -0.5)
+        a.backend = be
+        a.kv_cache = torch.zeros(2, NB, page, Hkv, D, device=device)
+        layers[name] = a
+    lens = [0, 0]
+
+    def step(qlens, is_prefill):
+        bt = torch.tensor(tables, dtype=torch.int64)
+        pos = torch.cat([torch.arange(lens[b], lens[b] + n) for b, n in enumerate(qlens)])
+        seq = torch.repeat_interleave(torch.arange(2), torch.tensor(qlens))
+        slots = bt[seq, pos // page] * page + pos % page
+        T = len(pos)
+        q = torch.randn(T, H * D, generator=gen).to(device)
+        kv = torch.randn(T, 2 * Hkv * D, generator=gen).to(device)
+        k, v = kv[:, :Hkv * D], kv[:, Hkv * D:]  # non-contiguous, as split from qkv_proj
+        new_lens = [c + n for c, n in zip(lens, qlens)]
+        cu = torch.tensor([0, qlens[0], qlens[0] + qlens[1]])
+        md = AttentionMetadata(
+            is_prefill=is_prefill, slot_mapping=slots.to(device), block_tables=bt.to(device),
+            seq_lens=torch.tensor(new_lens, dtype=torch.int32 if is_prefill else torch.int64).to(device),
+            max_seq_len=max(new_lens), query_lens=list(qlens) if is_prefill else None,
+            context_lens=list(lens) if is_prefill else None, cu_seqlens_q=cu.to(device) if is_prefill else None)
+        outs = {}
+        for name, a in layers.items():
+            with forward_context(md):
+                outs[name] = a(q, k, v)
+        lens[:] = new_lens
+        _assert_close(outs["triton"], outs["torch"], torch.float32, f"Attention layer qlens={qlens}")
+        assert torch.equal(layers["triton"].kv_cache, layers["torch"].kv_cache)
+
+    step([21, 9], True)   # fresh prompts
+    step([12, 20], True)  # second chunks over cached context
+    step([1, 1], False)
+    step([1, 1], False)
+
+
+def check_fused_ops(device: str) -> None:
+    from ferrum.layers import fused_ops as fo
+    from ferrum.layers.layernorm import RMSNorm
+    from ferrum.layers.rotary_embedding import RotaryEmbedding
+    gen = torch.Generator().manual_seed(4)
+    for dtype in (torch.float32, torch.bfloat16):
+        for hidden in (96, 256):  # not a power of two -> masked tail
+            norm = RMSNorm(hidden, eps=1e-5).to(device)
+            norm.weight.data = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype).to(device)
+            x = torch.randn(2, 3, hidden, generator=gen).to(dtype).to(device)
+            r = torch.randn(2, 3, hidden, generator=gen).to(dtype).to(device)
+            ref_n, ref_r = norm(x, r)
+            got_n, got_r = fo.fused_add_rms_norm(x, r, norm.weight, 1e-5)
+            assert got_n.dtype == ref_n.dtype and got_r.dtype == ref_r.dtype
+            assert torch.equal(got_r, ref_r), "residual sum must equal x + residual exactly"
+            _assert_close(got_n, ref_n, dtype, f"fused_add_rms_norm {dtype} {hidden}")
+            got_n, got_r = fo.fused_add_rms_norm(x, None, norm.weight, 1e-5)
+            assert got_r is x
+            _assert_close(got_n, norm(x), dtype, f"rms_norm(residual=None) {dtype} {hidden}")
+        if dtype == torch.bfloat16:  # float32 residual stream, 16-bit activations, float32 weight
+            x16 = torch.randn(4, 96, generator=gen).to(torch.bfloat16).to(device)
+            r32 = torch.randn(4, 96, generator=gen).to(device)
+            w32 = (1 + 0.1 * torch.randn(96, generator=gen)).to(device)
+            norm = RMSNorm(96, eps=1e-5).to(device)
+            norm.weight.data = w32
+            ref_n, ref_r = norm(x16, r32)
+            got_n, got_r = fo.fused_add_rms_norm(x16, r32, w32, 1e-5)
+            assert got_n.dtype == ref_n.dtype == torch.float32 and torch.equal(got_r, ref_r)
+            _assert_close(got_n, ref_n, torch.float32, "fused_add_rms_norm mixed dtypes")
+        for d in (100, 64):
+            x = torch.randn(3, 2, 2 * d, generator=gen).to(dtype).to(device)
+            gate, up = x.chunk(2, -1)
+            got = fo.silu_and_mul(x)
+            assert got.shape == (3, 2, d) and got.dtype == dtype
+            _assert_close(got, torch.nn.functional.silu(gate) * up, dtype, f"silu_and_mul {dtype} d={d}")
+        for D, hq, hk in ((64, 4, 2), (128, 3, 1)):
+            rope = RotaryEmbedding(D, 64, 10000.0).to(device)
+            T = 5
+            qkv = torch.randn(T, (hq + 2 * hk) * D, generator=gen).to(dtype).to(device)
+            q = qkv[:, :hq * D].view(T, hq, D)  # views into the fused projection, as in the model
+            k = qkv[:, hq * D:(hq + hk) * D].view(T, hk, D)
+            v_before = qkv[:, (hq + hk) * D:].clone()
+            pos = torch.tensor([0, 7, 3, 63, 20], device=device)
+            ref_q, ref_k = rope(pos, q.clone(), k.clone())
+            oq, ok = fo.apply_rotary_emb_(pos, q, k, rope.cos, rope.sin)
+            assert oq is q and ok is k
+            _assert_close(q, ref_q, dtype, f"rope q {dtype} D={D}")
+            _assert_close(k, ref_k, dtype, f"rope k {dtype} D={D}")
+            assert torch.equal(qkv[:, (hq + hk) * D:], v_before), "rope wrote outside q/k"
+
+
+def check_sm90_compile(device: str) -> None:
+    """Compile the default configurations for sm_90 (H100/H200) without a GPU (Triton's bundled
+    ptxas) and assert no register spills and shared memory within the 227 KB an sm_90 block
+    may use. Integer and pointer arguments carry the divisible-by-16 hint the JIT adds at run
+    time for such values (all strides are multiples of head_dim >= 32)."""
+    import subprocess as sp
+    import tempfile
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from ferrum.attention import triton_backend as tb
+    from ferrum.layers import fused_ops as fo
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    bf16, f32 = torch.bfloat16, torch.float32
+    tname = {bf16: "bf16", f32: "fp32"}
+
+    def build(fn, consts, ptrs, warps, stages, what):
+        sig = {}
+        for n in fn.arg_names:
+            sig[n] = "constexpr" if n in consts else ptrs.get(n, "fp32" if n in ("qk_scale", "eps") else "i32")
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                 if sig[n] not in ("constexpr", "fp32")}
+        k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=warps, num_stages=stages))
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            usage = sp.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        line = next(ln for ln in usage.splitlines() if "REG:" in ln)
+        print(f"sm_90 {what}: shared {k.metadata.shared} B, {line.split()[0]}, {line.split()[1]}")
+        assert "STACK:0 " in line + " ", f"{what}: register spills: {line}"
+        assert k.metadata.shared <= 227 * 1024, f"{what}: shared memory {k.metadata.shared}"
+
+    for dtype, D in ((bf16, 128), (bf16, 256), (f32, 128)):
+        t = "*" + tname[dtype]
+        bn, w, st = tb._decode_config(D, dtype)
+        build(tb._decode_split_kernel,
+              dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=D, PAGE=16, BLOCK_N=bn, NUM_SPLITS=4, DIRECT_OUT=False,
+                   DOT_PREC=tb._dot_precision(dtype)),
+              dict(q_ptr=t, kc_ptr=t, vc_ptr=t, bt_ptr="*i32", seqlen_ptr="*i32", o_ptr="*fp32", lse_ptr="*fp32"),
+              w, st, f"decode {dtype} D={D}")
+        bm, bn, w, st = tb._prefill_config(D, dtype)
+        build(tb._prefill_kernel,
+              dict(GROUP=4, HEAD_DIM=D, PAGE=16, BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=tb._dot_precision(dtype)),
+              dict(q_ptr=t, kc_ptr=t, vc_ptr=t, o_ptr=t, bt_ptr="*i64", seqlen_ptr="*i32", cu_q_ptr="*i64"),
+              w, st, f"prefill {dtype} D={D}")
+    build(tb._decode_merge_kernel, dict(NUM_SPLITS=5, SPLITS_PAD=8, HEAD_DIM=128),
+          dict(o_part_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16"), 4, 2, "decode merge")
+    build(tb._write_kv_kernel, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128),
+          dict(k_ptr="*bf16", v_ptr="*bf16", kc_ptr="*bf16", vc_ptr="*bf16", slot_ptr="*i64"), 4, 2, "write_kv")
+    build(fo._add_rms_norm_kernel, dict(HAS_RES=True, BLOCK=8192),
+          dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", res_out_ptr="*bf16"), 8, 2, "rmsnorm")
+    build(fo._silu_and_mul_kernel, dict(BLOCK=1024), dict(x_ptr="*bf16", out_ptr="*bf16"), 4, 2, "silu_and_mul")
+    build(fo._rope_kernel, dict(HQ=32, HK=8, HALF=64, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_D=64),
+          dict(q_ptr="*bf16", k_ptr="*bf16", pos_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32"), 4, 2, "rope")
+
+
+# ---------------------------------------------------------------------------------------------
+# tests
+# ---------------------------------------------------------------------------------------------
+interp = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+
+
+@interp
+@pytest.mark.parametrize("check", ["check_write_kv", "check_decode", "check_prefill", "check_attention_layer",
+                                   "check_fused_ops"])
+def test_kernel_in_interpreter(check):
+    _run_interpreted(check)
+
+
+def _has_ptxas() -> bool:
+    if not HAS_TRITON:
+        return False
+    spec = importlib.util.find_spec("triton")
+    return os.path.exists(os.path.join(os.path.dirname(spec.origin), "backends", "nvidia", "bin", "ptxas"))
+
+
+@pytest.mark.skipif(not _has_ptxas(), reason="needs triton with its bundled ptxas")
+def test_kernels_compile_for_sm90_without_spills():
+    """Catches compile errors and register spills of the default tile configurations on a
+    machine without a GPU (subprocess: no interpreter, no CUDA needed)."""
+    print(_run_interpreted("check_sm90_compile", interpret=False))
+
+
+def test_cpu_fallbacks_match_torch_modules():
+    """Without CUDA (and without FORCE_TRITON) the wrappers run the torch code."""
+    if HAS_TRITON and os.environ.get("FERRUM_FORCE_TRITON") == "1":
+        pytest.skip("FORCE_TRITON set")
+    from ferrum.attention import torch_backend, triton_backend as tb
+    from ferrum.layers import fused_ops as fo
+    from ferrum.layers.layernorm import RMSNorm
+    x, r = torch.randn(3, 32), torch.randn(3, 32)
+    n, s = fo.fused_add_rms_norm(x, r, torch.ones(32), 1e-6)
+    rn, rs = RMSNorm(32)(x, r)
+    assert torch.equal(n, rn) and torch.equal(s, rs)
+    cache = torch.zeros(2, 2, 4, 1, 8)
+    k = torch.randn(3, 1, 8)
+    tb.write_kv(cache, k, k, torch.tensor([1, -1, 6]))  # slot -1 skipped on the fallback too
+    assert torch.equal(cache[0, 0, 1], k[0]) and torch.equal(cache[1, 1, 2], k[2])
+    assert cache.count_nonzero() == 2 * 2 * 8
+    from ferrum.attention.metadata import AttentionMetadata
+    md = AttentionMetadata(False, torch.zeros(1, dtype=torch.int64), torch.tensor([[0, 1]]),
+                           torch.tensor([7], dtype=torch.int32), 7)
+    q = torch.randn(1, 2, 8)
+    assert torch.equal(tb.decode_attention(q, cache, md, 0.3), torch_backend.decode_attention(q, cache, md, 0.3))
+
+
+@pytest.mark.parametrize("check", ["check_write_kv", "check_decode", "check_prefill", "check_attention_layer",
+                                   "check_fused_ops"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUDA + triton")
+def test_kernel_on_gpu(check):
+    globals()[check]("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUDA + triton")
+def test_decode_large_on_gpu():
+    """Llama-3-8B attention shape per rank (32 q heads, 8 KV heads, D 128), long sequences."""
+    gen = torch.Generator().manual_seed(5)
+    _decode_case("cuda", torch.bfloat16, 32, 8, 128, 16, [4000, 1, 0, 2048, 777, 3100, 16, 1500],
+                 [1, 7, None], gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUDA + triton")
+def test_decode_in_cuda_graph():
+    """Capture write_kv + decode once with static B and M, replay with other lengths / tables:
+    the split count and all bounds must come from static shapes or device tensors."""
+    from ferrum.attention import triton_backend as tb
+    gen = torch.Generator().manual_seed(6)
+    B, H, Hkv, D, page, M = 4, 8, 2, 128, 16, 16
+    dtype, dev = torch.bfloat16, "cuda"
+    lens_a, lens_b = [1, 200, 0, 37], [250, 3, 17, 0]
+    NB = 1 + 2 * B * M
+    cache = torch.randn(2, NB, page, Hkv, D, generator=gen).to(dtype).to(dev)
+    bt = torch.zeros(B, M, dtype=torch.int32, device=dev)
+    sl = torch.zeros(B, dtype=torch.int32, device=dev)
+    q = torch.zeros(B, H, D, dtype=dtype, device=dev)
+    kn = torch.zeros(B, Hkv, D, dtype=dtype, device=dev)
+    slots = torch.full((B,), -1, dtype=torch.int64, device=dev)
+    md = _md(False, slots, bt, sl)
+
+    def load(lens):
+        perm = (torch.randperm(NB - 1, generator=gen) + 1)[: B * M].view(B, M)
+        bt.copy_(perm)
+        sl.copy_(torch.tensor(lens, dtype=torch.int32))
+        q.copy_(torch.randn(B, H, D, generator=gen).to(dtype))
+        kn.copy_(torch.randn(B, Hkv, D, generator=gen).to(dtype))
+        s = [int(perm[b, (L - 1) // page]) * page + (L - 1) % page if L > 0 else -1 for b, L in enumerate(lens)]
+        slots.copy_(torch.tensor(s))
+
+    def step():
+        tb.write_kv(cache, kn, kn, slots)
+        return tb.decode_attention(q, cache, md, D ** -0.5)
+
+    load(lens_a)
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = step()
+    for lens in (lens_a, lens_b):
+        load(lens)
+        g.replay()
+        torch.cuda.synchronize()
+        clean = cache.double().cpu()
+        ref = torch.stack([o[0] for o in _ref_attention(list(q[:, None]), clean, bt, lens,
+                                                         [[L - 1] for L in lens], D ** -0.5)])
+        _assert_close(out, ref, dtype, f"graph replay lens={lens}")
