@@ -301,54 +301,59 @@ def check_attention_layer(device: str) -> None:
 
 
 def check_fused_ops(device: str) -> None:
+    """References are the torch modules run on CPU copies (on CUDA the modules themselves may
+    dispatch to these kernels, which would make the comparison vacuous)."""
     from ferrum.layers import fused_ops as fo
     from ferrum.layers.layernorm import RMSNorm
     from ferrum.layers.rotary_embedding import RotaryEmbedding
     gen = torch.Generator().manual_seed(4)
+    dev = lambda t: t.to(device)  # noqa: E731
     for dtype in (torch.float32, torch.bfloat16):
-        for hidden in (96, 256):  # not a power of two -> masked tail
-            norm = RMSNorm(hidden, eps=1e-5).to(device)
-            norm.weight.data = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype).to(device)
-            x = torch.randn(2, 3, hidden, generator=gen).to(dtype).to(device)
-            r = torch.randn(2, 3, hidden, generator=gen).to(dtype).to(device)
+        for hidden in (96, 256):  # 96: not a power of two -> masked tail
+            norm = RMSNorm(hidden, eps=1e-5)
+            norm.weight.data = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+            x = torch.randn(2, 3, hidden, generator=gen).to(dtype)
+            r = torch.randn(2, 3, hidden, generator=gen).to(dtype)
             ref_n, ref_r = norm(x, r)
-            got_n, got_r = fo.fused_add_rms_norm(x, r, norm.weight, 1e-5)
+            got_n, got_r = fo.fused_add_rms_norm(dev(x), dev(r), dev(norm.weight.data), 1e-5)
             assert got_n.dtype == ref_n.dtype and got_r.dtype == ref_r.dtype
-            assert torch.equal(got_r, ref_r), "residual sum must equal x + residual exactly"
+            assert torch.equal(got_r.cpu(), ref_r), "residual sum must equal x + residual exactly"
             _assert_close(got_n, ref_n, dtype, f"fused_add_rms_norm {dtype} {hidden}")
-            got_n, got_r = fo.fused_add_rms_norm(x, None, norm.weight, 1e-5)
-            assert got_r is x
+            xd = dev(x)
+            got_n, got_r = fo.fused_add_rms_norm(xd, None, dev(norm.weight.data), 1e-5)
+            assert got_r is xd
             _assert_close(got_n, norm(x), dtype, f"rms_norm(residual=None) {dtype} {hidden}")
+            _assert_close(fo.rms_norm(xd, dev(norm.weight.data), 1e-5), norm(x), dtype, f"rms_norm {dtype}")
         if dtype == torch.bfloat16:  # float32 residual stream, 16-bit activations, float32 weight
-            x16 = torch.randn(4, 96, generator=gen).to(torch.bfloat16).to(device)
-            r32 = torch.randn(4, 96, generator=gen).to(device)
-            w32 = (1 + 0.1 * torch.randn(96, generator=gen)).to(device)
-            norm = RMSNorm(96, eps=1e-5).to(device)
-            norm.weight.data = w32
+            x16 = torch.randn(4, 96, generator=gen).to(torch.bfloat16)
+            r32 = torch.randn(4, 96, generator=gen)
+            norm = RMSNorm(96, eps=1e-5)
+            norm.weight.data = 1 + 0.1 * torch.randn(96, generator=gen)
             ref_n, ref_r = norm(x16, r32)
-            got_n, got_r = fo.fused_add_rms_norm(x16, r32, w32, 1e-5)
-            assert got_n.dtype == ref_n.dtype == torch.float32 and torch.equal(got_r, ref_r)
+            got_n, got_r = fo.fused_add_rms_norm(dev(x16), dev(r32), dev(norm.weight.data), 1e-5)
+            assert got_n.dtype == ref_n.dtype == torch.float32 and torch.equal(got_r.cpu(), ref_r)
             _assert_close(got_n, ref_n, torch.float32, "fused_add_rms_norm mixed dtypes")
         for d in (100, 64):
-            x = torch.randn(3, 2, 2 * d, generator=gen).to(dtype).to(device)
+            x = torch.randn(3, 2, 2 * d, generator=gen).to(dtype)
             gate, up = x.chunk(2, -1)
-            got = fo.silu_and_mul(x)
+            got = fo.silu_and_mul(dev(x))
             assert got.shape == (3, 2, d) and got.dtype == dtype
             _assert_close(got, torch.nn.functional.silu(gate) * up, dtype, f"silu_and_mul {dtype} d={d}")
         for D, hq, hk in ((64, 4, 2), (128, 3, 1)):
-            rope = RotaryEmbedding(D, 64, 10000.0).to(device)
+            rope = RotaryEmbedding(D, 64, 10000.0)
             T = 5
-            qkv = torch.randn(T, (hq + 2 * hk) * D, generator=gen).to(dtype).to(device)
+            qkv_cpu = torch.randn(T, (hq + 2 * hk) * D, generator=gen).to(dtype)
+            pos = torch.tensor([0, 7, 3, 63, 20])
+            ref_q, ref_k = rope(pos, qkv_cpu[:, :hq * D].reshape(T, hq, D).clone(),
+                                qkv_cpu[:, hq * D:(hq + hk) * D].reshape(T, hk, D).clone())
+            qkv = dev(qkv_cpu)
             q = qkv[:, :hq * D].view(T, hq, D)  # views into the fused projection, as in the model
             k = qkv[:, hq * D:(hq + hk) * D].view(T, hk, D)
-            v_before = qkv[:, (hq + hk) * D:].clone()
-            pos = torch.tensor([0, 7, 3, 63, 20], device=device)
-            ref_q, ref_k = rope(pos, q.clone(), k.clone())
-            oq, ok = fo.apply_rotary_emb_(pos, q, k, rope.cos, rope.sin)
+            oq, ok = fo.apply_rotary_emb_(dev(pos), q, k, dev(rope.cos), dev(rope.sin))
             assert oq is q and ok is k
             _assert_close(q, ref_q, dtype, f"rope q {dtype} D={D}")
             _assert_close(k, ref_k, dtype, f"rope k {dtype} D={D}")
-            assert torch.equal(qkv[:, (hq + hk) * D:], v_before), "rope wrote outside q/k"
+            assert torch.equal(qkv[:, (hq + hk) * D:].cpu(), qkv_cpu[:, (hq + hk) * D:]), "rope wrote outside q/k"
 
 
 def check_sm90_compile(device: str) -> None:
