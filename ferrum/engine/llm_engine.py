@@ -161,6 +161,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns an output for each request that produced tokens."""
         sched = self.scheduler.schedule()
+        for seq in sched.preempted:   # its blocks went back to the pool: drop the stale handle
+            self.executor.release_cache(seq.seq_id)
         if sched.is_empty():
             return []
         self.stats["steps"] += 1

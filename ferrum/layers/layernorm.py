@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ferrum.layers import fused_ops
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden: int, eps: float = 1e-6):
@@ -26,6 +28,10 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.is_cuda:  # one Triton kernel for add + norm
+            if residual is None:
+                return fused_ops.rms_norm(x, self.weight, self.eps)
+            return fused_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -11,6 +11,8 @@ import math
 import torch
 from torch import nn
 
+from ferrum.layers import fused_ops
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, rs: dict) -> torch.Tensor:
     factor = rs["factor"]
@@ -38,7 +40,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin().float(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions: [T] int64; q: [T, Hq, D]; k: [T, Hk, D] -> rotated (q, k), same dtypes."""
+        """positions: [T] int64; q: [T, Hq, D]; k: [T, Hk, D] -> rotated (q, k), same dtypes.
+        On CUDA q and k are rotated in place by one Triton kernel."""
+        if q.is_cuda:
+            return fused_ops.apply_rotary_emb_(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
