@@ -41,6 +41,16 @@ MODELS = {
 PROMPT_LENS = [37, 5, 70]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads; on shared cores OpenMP barriers cost
+    more than the work."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module", params=list(MODELS))
 def tiny(request, tmp_path_factory):
     """(name, folder, HF model) for each tiny model."""

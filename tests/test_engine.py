@@ -1,0 +1,376 @@
+"""Continuous batching: greedy outputs do not depend on batching, chunking, prefix caching or
+preemption; scheduler / block manager / executor invariants hold on every step; errors are
+named and leave nothing behind. Tiny random Llama (fp32, CPU, token-id prompts, no tokenizer)
+plus a few checks on the real SmolLM2."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ferrum import LLM, SamplingParams
+from ferrum.errors import (CacheConfigError, InvalidRequestError, ModelNotFoundError,
+                           OutOfKvCacheError, PromptTooLongError)
+from tiny_models import make_tiny_model
+
+VOCAB = 128
+MAX_LEN = 128
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads, and on shared cores every OpenMP
+    barrier can wait a scheduler slice (measured: 1 ms vs 35 ms per tiny decode step)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("engine") / "llama"), "llama", num_heads=4,
+                           num_kv_heads=2, hidden=64, layers=2, vocab=VOCAB, seed=7)
+
+
+def make_llm(folder, **kw) -> LLM:
+    kw = {"dtype": "float32", "device": "cpu", "max_model_len": MAX_LEN, **kw}
+    return LLM(folder, progress=False, **kw)
+
+
+def workload(n: int = 64, seed: int = 0):
+    """n token-id prompts of 1..70 tokens (a third share a 40-token prefix, a few repeat
+    exactly) and per-prompt greedy params with 1..24 new tokens, half of them stopping at EOS."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(2, VOCAB) for _ in range(40)]
+    prompts, params = [], []
+    for i in range(n):
+        if i % 3 == 0:
+            p = shared + [rng.randrange(2, VOCAB) for _ in range(rng.randrange(1, 30))]
+        elif i % 10 == 1 and prompts:
+            p = list(prompts[0])
+        else:
+            p = [rng.randrange(2, VOCAB) for _ in range(rng.randrange(1, 71))]
+        prompts.append(p)
+        params.append(SamplingParams(temperature=0, max_tokens=rng.randrange(1, 25), ignore_eos=i % 2 == 0))
+    return prompts, params
+
+
+class Watch:
+    """Wraps scheduler.schedule and engine.step to check invariants on every step."""
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+        eng = llm.engine
+        self.eng, self.sched, self.bm, self.ex = eng, eng.scheduler, eng.block_manager, eng.executor
+        self.free0 = self.bm.num_free_blocks
+        self.max_running = 0
+        self.max_tokens_seen = 0
+        self.steps = 0
+        cfg = eng.config.scheduler
+        orig_schedule, orig_step = self.sched.schedule, eng.step
+
+        def schedule():
+            out = orig_schedule()
+            n = out.num_batched_tokens
+            self.max_tokens_seen = max(self.max_tokens_seen, n)
+            if cfg.enable_chunked_prefill:
+                assert n <= cfg.max_num_batched_tokens, f"{n} tokens > budget {cfg.max_num_batched_tokens}"
+            else:  # whole prompts only; only the step's first prefill may exceed the budget
+                for c in out.prefills:
+                    assert c.num_tokens == c.seq.num_uncomputed, "a prompt was chunked with chunking off"
+                if n > cfg.max_num_batched_tokens:
+                    assert len(out.prefills) == 1
+            assert len(self.sched.running) <= cfg.max_num_seqs
+            ids = [c.seq.seq_id for c in out.decodes + out.prefills]
+            assert len(ids) == len(set(ids)), "a sequence scheduled twice in one step"
+            return out
+
+        def step():
+            outs = orig_step()
+            self.steps += 1
+            self.max_running = max(self.max_running, len(self.sched.running))
+            if hasattr(self.bm, "check_invariants"):
+                self.bm.check_invariants()
+            st = self.ex.status()
+            # The executor may only track sequences that hold blocks (running ones): a
+            # preempted or finished sequence must have been released.
+            live = {s.seq_id for s in self.sched.running}
+            assert st.running_sequences <= len(live), (st.running_sequences, len(live))
+            assert st.kv_blocks_used <= self.bm.num_blocks - self.bm.num_free_blocks
+            return outs
+
+        self.sched.schedule = schedule
+        eng.step = step
+
+    def assert_drained(self):
+        st = self.ex.status()
+        assert not self.eng.requests and not self.sched.running and not self.sched.waiting
+        assert self.bm.num_free_blocks == self.free0, f"leaked {self.free0 - self.bm.num_free_blocks} blocks"
+        assert st.running_sequences == 0 and st.kv_blocks_used == 0
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    """Greedy outputs of each prompt run alone (one request at a time, no prefix caching)."""
+    prompts, params = workload()
+    llm = make_llm(folder, enable_prefix_caching=False)
+    w = Watch(llm)
+    ref = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    assert w.max_running == 1
+    w.assert_drained()
+    for t, sp in zip(ref, params):
+        assert 1 <= len(t) <= sp.max_tokens
+        if sp.ignore_eos:
+            assert len(t) == sp.max_tokens
+    return ref
+
+
+BATCH_CONFIGS = {
+    "default": dict(),
+    "no-prefix-no-chunk": dict(enable_prefix_caching=False, enable_chunked_prefill=False),
+    "chunked-budget-16": dict(max_num_batched_tokens=16),
+    "chunked-budget-16-no-prefix": dict(max_num_batched_tokens=16, enable_prefix_caching=False),
+    "no-chunk-budget-32-block-8": dict(enable_chunked_prefill=False, max_num_batched_tokens=32, block_size=8),
+    "max-seqs-5": dict(max_num_seqs=5, max_num_batched_tokens=40, block_size=8),
+}
+
+
+@pytest.mark.parametrize("cfg", list(BATCH_CONFIGS))
+def test_batch_matches_alone(folder, reference, cfg):
+    """64 mixed-length prompts at once give the same greedy tokens as each prompt alone."""
+    prompts, params = workload()
+    llm = make_llm(folder, **BATCH_CONFIGS[cfg])
+    w = Watch(llm)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.request_id for o in outs] == sorted((o.request_id for o in outs), key=lambda r: int(r.split("-")[1]))
+    got = tokens(outs)
+    bad = [i for i, (a, b) in enumerate(zip(got, reference)) if a != b]
+    assert not bad, f"{cfg}: prompts {bad} differ from running alone, e.g. {got[bad[0]]} vs {reference[bad[0]]}"
+    assert all(o.finished for o in outs)
+    assert w.max_running > 1, "the batch never ran concurrently"
+    if "budget-16" in cfg:
+        assert w.max_tokens_seen == 16
+        assert llm.engine.executor.status().prefill_steps > 64   # prompts were chunked
+    if cfg == "max-seqs-5":
+        assert w.max_running == 5
+    if cfg in ("chunked-budget-16", "max-seqs-5"):
+        # Admission is spread over steps, so later prompts hit the shared 40-token prefix
+        # (with the whole batch admitted in one step nothing is cached yet).
+        assert llm.engine.status()["prefix_cache_hit_rate"] > 0
+        assert any(o.num_cached_tokens >= 32 for o in outs)
+    w.assert_drained()
+
+
+@pytest.mark.parametrize("cfg", ["prefix-chunked", "no-prefix-no-chunk"])
+def test_preemption_under_kv_pressure(folder, reference, cfg):
+    """A pool of 24 blocks of 8 (192 tokens; one max_model_len sequence needs 16) for 64
+    prompts: sequences are preempted and recomputed, and every output is unchanged."""
+    prompts, params = workload()
+    extra = dict(max_num_batched_tokens=48) if cfg == "prefix-chunked" else \
+        dict(enable_prefix_caching=False, enable_chunked_prefill=False)
+    llm = make_llm(folder, num_kv_blocks=24, block_size=8, **extra)
+    w = Watch(llm)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.status()["num_preemptions"] > 0
+    got = tokens(outs)
+    bad = [i for i, (a, b) in enumerate(zip(got, reference)) if a != b]
+    assert not bad, f"prompts {bad} differ under preemption"
+    w.assert_drained()
+
+
+def test_prefix_cache_hit(folder):
+    """The same 100-token prompt twice: the second run reuses 96 tokens (6 blocks of 16)
+    from the prefix cache, computes only 4, and produces the same tokens."""
+    llm = make_llm(folder)
+    w = Watch(llm)
+    p = [random.Random(3).randrange(2, VOCAB) for _ in range(100)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    first = llm.generate([p], sp, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    assert llm.engine.status()["prefix_cache_hit_rate"] == 0
+    before = llm.engine.executor.status().prefill_tokens
+    second = llm.generate([p], sp, use_tqdm=False)[0]
+    assert second.num_cached_tokens == 96
+    assert llm.engine.executor.status().prefill_tokens - before == 4
+    assert llm.engine.status()["prefix_cache_hit_rate"] > 0
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    w.assert_drained()
+
+
+def test_n_samples_seeded_fork_shares_blocks(folder):
+    """n=4 with a seed: samples differ, the same seed reproduces them, another seed does not;
+    samples 1..3 share the prompt's full blocks with sample 0 (fork) and compute only the
+    rest of the prompt."""
+    llm = make_llm(folder)
+    w = Watch(llm)
+    eng = llm.engine
+    p = [random.Random(5).randrange(2, VOCAB) for _ in range(40)]   # 2 full blocks + 8 tokens
+    sp = SamplingParams(n=4, temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
+    rid = eng.add_request("fork", None, sp, prompt_token_ids=p)
+    eng.step()   # prefill of sample 0, sampling forks 1..3
+    req = eng.requests[rid]
+    assert len(req.seqs) == 4
+    tables = [list(eng.block_manager.block_table(s.seq_id)) for s in req.seqs]
+    for t in tables[1:]:
+        assert t[:2] == tables[0][:2], "forked samples do not share the prompt's full blocks"
+    assert [s.num_computed_tokens for s in req.seqs[1:]] == [32, 32, 32]
+    assert eng.status()["kv_blocks_free"] == eng.num_blocks - 3   # 3 blocks for sample 0 only
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    assert eng.executor.status().prefill_tokens == 40 + 3 * 8
+    samples = [c.token_ids for c in outs[-1].outputs]
+    assert outs[-1].finished and len(samples) == 4 and all(len(s) == 16 for s in samples)
+    assert len({tuple(s) for s in samples}) == 4, "samples of one request are identical"
+    again = llm.generate([p], sp, use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == samples
+    other = llm.generate([p], SamplingParams(n=4, temperature=1.0, seed=99, max_tokens=16, ignore_eos=True),
+                         use_tqdm=False)[0]
+    assert [c.token_ids for c in other.outputs] != samples
+    # A seeded request is reproducible inside a batch of other requests as well.
+    prompts, params = workload(16, seed=1)
+    batch = llm.generate([p] + prompts, [sp] + params, use_tqdm=False)
+    assert [c.token_ids for c in batch[0].outputs] == samples
+    w.assert_drained()
+
+
+def test_abort_frees_blocks(folder):
+    llm = make_llm(folder, max_num_batched_tokens=32, block_size=8)
+    w = Watch(llm)
+    eng = llm.engine
+    prompts, _ = workload(12, seed=2)
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ids = [eng.add_request(None, None, sp, prompt_token_ids=p) for p in prompts]
+    for _ in range(4):
+        eng.step()
+    assert eng.block_manager.num_free_blocks < w.free0
+    running = [r for r in ids if eng.requests[r].seqs[0] in eng.scheduler.running]
+    waiting = [r for r in ids if eng.requests[r].seqs[0] in eng.scheduler.waiting]
+    assert running and waiting
+    for r in running[::2] + waiting[:1]:
+        assert eng.abort_request(r)
+    assert not eng.abort_request(running[0])   # already gone
+    assert eng.status()["requests_aborted"] == len(running[::2]) + 1
+    while eng.has_unfinished_requests():
+        eng.step()
+    w.assert_drained()
+    for r in list(ids):
+        eng.abort_request(r)
+    w.assert_drained()
+
+
+def test_errors_are_named_and_leave_nothing_behind(folder):
+    llm = make_llm(folder)
+    w = Watch(llm)
+    eng = llm.engine
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llm.generate([[]], greedy, use_tqdm=False)
+    with pytest.raises(PromptTooLongError, match="max_model_len"):
+        llm.generate([[5] * MAX_LEN], greedy, use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        llm.generate([[5, VOCAB]], greedy, use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="this model has no tokenizer"):
+        llm.generate("hello", greedy, use_tqdm=False)
+    for kw, param in [(dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"),
+                      (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"),
+                      (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n")]:
+        with pytest.raises(InvalidRequestError) as e:
+            SamplingParams(**kw)
+        assert e.value.param == param
+    # A bad prompt in the middle of a batch: the good ones queued before it are withdrawn.
+    with pytest.raises(PromptTooLongError):
+        llm.generate([[5, 6], [7, 8, 9], [5] * (MAX_LEN + 3)], greedy, use_tqdm=False)
+    w.assert_drained()
+    # The engine still works afterwards.
+    assert len(llm.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0].token_ids) == 4
+    w.assert_drained()
+
+
+def test_cache_too_small_and_unknown_model(folder):
+    # max_model_len 128 needs 8 blocks of 16.
+    with pytest.raises(CacheConfigError, match="not even one sequence"):
+        make_llm(folder, num_kv_blocks=7)
+    with pytest.raises(CacheConfigError):
+        make_llm(folder, kv_cache_memory=1024)
+    with pytest.raises(ModelNotFoundError):
+        LLM("no-such-model-xyz", progress=False)
+    with pytest.raises(ModelNotFoundError):
+        LLM(str(folder) + "-missing/", progress=False)
+
+
+def test_request_that_can_never_fit_fails_alone(folder):
+    """A request whose KV cache could never fit the pool is refused at add_request with
+    OutOfKvCacheError; requests already queued are unaffected.
+
+    With the default max_model_len such a request cannot exist (the engine refuses a pool
+    smaller than one max_model_len sequence), so the pool is shrunk behind the engine's back
+    to the smallest legal one and max_model_len is raised above it."""
+    llm = make_llm(folder, num_kv_blocks=8)     # exactly one 128-token sequence
+    w = Watch(llm)
+    eng = llm.engine
+    good = eng.add_request("good", None, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                           prompt_token_ids=[3, 4, 5])
+    eng.max_model_len = 200   # as if the model allowed longer sequences than the pool holds
+    with pytest.raises(OutOfKvCacheError, match="pool holds 128"):
+        eng.add_request("big", None, SamplingParams(max_tokens=90), prompt_token_ids=[5] * 100)
+    assert "big" not in eng.requests and eng.scheduler.waiting[0].request.request_id == good
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 8
+    w.assert_drained()
+
+
+# ---- SmolLM2 (real weights) --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smol(smollm2_gguf_path):
+    return LLM("smollm2", progress=False, max_model_len=512)
+
+
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_smollm2_batch_of_64_runs_concurrently(smol):
+    tok = smol.tokenizer
+    prompts = [f"{i} plus {i} equals" for i in range(64)]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    w = Watch(smol)
+    outs = smol.generate(prompts, sp, use_tqdm=False)
+    assert w.max_running == 64, w.max_running
+    assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
+    alone = [smol.generate(prompts[i], sp, use_tqdm=False)[0] for i in (0, 17, 63)]
+    for i, a in zip((0, 17, 63), alone):
+        assert a.outputs[0].token_ids == outs[i].outputs[0].token_ids, (i, tok.decode(a.outputs[0].token_ids))
+        assert a.outputs[0].text == outs[i].outputs[0].text
+    w.assert_drained()
+
+
+def test_smollm2_capital_of_france(smol):
+    out = smol.chat(CAPITAL, SamplingParams(temperature=0, max_tokens=24))[0]
+    assert "Paris" in out.outputs[0].text, out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop"   # ends with <|im_end|>, not max_tokens
+
+
+def test_smollm2_greedy_matches_hf(smol, smollm2_gguf_path):
+    """Greedy tokens of the chat prompt match HF transformers loading the same GGUF."""
+    pytest.importorskip("accelerate")   # transformers needs it to load a GGUF
+    import os
+
+    import transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm2_gguf_path), gguf_file=os.path.basename(smollm2_gguf_path),
+        dtype=torch.float32).eval()
+    out = smol.chat(CAPITAL, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    ids = out.prompt_token_ids
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+    assert out.outputs[0].token_ids == ref[0, len(ids):].tolist()
