@@ -203,10 +203,10 @@ def resolve_model(name_or_path: str) -> ModelSource:
     Raises ModelNotFoundError for anything else (and when the hub cannot be reached),
     plus the loaders' WeightLoadError / UnsupportedModelError.
     """
-    from ferrum.loader.gguf import load_gguf
     if name_or_path.startswith("dummy:"):
         from ferrum.loader.dummy import load_dummy
         return load_dummy(name_or_path[len("dummy:"):])
+    from ferrum.loader.gguf import load_gguf  # here, not above: dummy models need no gguf package
     path = os.path.expanduser(name_or_path)
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
