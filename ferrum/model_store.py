@@ -159,11 +159,16 @@ def _known_names() -> list[str]:
     return [n for m in KNOWN_MODELS.values() for n in (m.name, *m.aliases)]
 
 
+def load_gguf(path: str) -> ModelSource:
+    """ferrum.loader.gguf.load_gguf, imported on use: only GGUF files need the gguf package."""
+    from ferrum.loader.gguf import load_gguf as _load_gguf
+    return _load_gguf(path)
+
+
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def _from_folder(folder: str) -> ModelSource:
-    from ferrum.loader.gguf import load_gguf
     from ferrum.loader.safetensors import load_hf_folder
     if os.path.exists(os.path.join(folder, "config.json")):
         return load_hf_folder(folder)
@@ -206,7 +211,6 @@ def resolve_model(name_or_path: str) -> ModelSource:
     if name_or_path.startswith("dummy:"):
         from ferrum.loader.dummy import load_dummy
         return load_dummy(name_or_path[len("dummy:"):])
-    from ferrum.loader.gguf import load_gguf  # here, not above: dummy models need no gguf package
     path = os.path.expanduser(name_or_path)
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
