@@ -1,0 +1,156 @@
+"""`ferrum bench throughput`: offline output throughput of continuous batching against the same
+prompts run one at a time, in the same run and engine.
+
+Workload: --num-prompts random token-id prompts, input lengths uniform in --input-len MIN MAX
+and output lengths uniform in --output-len MIN MAX (seeded), greedy, EOS ignored so every
+request generates exactly its output length.
+
+  batched      all prompts through one `LLM.generate` call (continuous batching)
+  sequential   the same prompts, one `LLM.generate` call each
+  output tok/s = generated tokens / wall seconds; the ratio is batched / sequential.
+The prefix cache is cleared before each phase (the prompts are random, so it only matters for
+the repeat). `--plot FILE.png` draws generated tokens against time for both (needs matplotlib).
+"""
+from __future__ import annotations
+
+import random
+import time
+
+from ferrum.benchmarks.common import (add_common_args, llm_from_config, random_prompts, record,
+                                      setup_threads, write_json)
+
+
+def add_parser(subparsers, add_engine_args) -> None:
+    p = subparsers.add_parser("throughput", help="offline batch output tok/s vs the same prompts one at a time")
+    add_engine_args(p)
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
+    p.add_argument("--no-sequential", dest="sequential", action="store_false",
+                   help="skip the one-at-a-time baseline")
+    p.add_argument("--plot", default=None, help="PNG: generated tokens over time, batched vs sequential")
+    add_common_args(p)
+    p.set_defaults(func=main)
+
+
+def workload(args, vocab: int):
+    from ferrum import SamplingParams
+    rng = random.Random(args.seed)
+    in_lens = [rng.randint(*args.input_len) for _ in range(args.num_prompts)]
+    out_lens = [rng.randint(*args.output_len) for _ in range(args.num_prompts)]
+    prompts = random_prompts(args.num_prompts, in_lens, vocab, args.seed + 1)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
+    return prompts, params, in_lens, out_lens
+
+
+class _Timeline:
+    """Wraps engine.step: (seconds since start, generated tokens so far, running sequences)."""
+
+    def __init__(self, engine):
+        self.engine, self.points, self.t0, self.tokens = engine, [], 0.0, 0
+        self.max_running = 0
+        orig = engine.step
+
+        def step():
+            outs = orig()
+            self.tokens += sum(c.num_delta_tokens for o in outs for c in o.outputs)
+            running = len(engine.scheduler.running)
+            self.max_running = max(self.max_running, running)
+            self.points.append((time.perf_counter() - self.t0, self.tokens, running))
+            return outs
+
+        engine.step = step
+
+    def start(self):
+        self.points, self.tokens, self.max_running = [], 0, 0
+        self.t0 = time.perf_counter()
+
+
+def _reset_prefix_cache(engine) -> None:
+    reset = getattr(engine.block_manager, "reset_prefix_cache", None)
+    if reset:
+        reset()
+
+
+def _phase(name: str, fn, timeline: _Timeline, expected_tokens: int) -> dict:
+    timeline.start()
+    t = time.perf_counter()
+    outs = fn()
+    elapsed = time.perf_counter() - t
+    got = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert got == expected_tokens, f"{name}: generated {got} tokens, expected {expected_tokens}"
+    r = {"elapsed_s": elapsed, "output_tokens": got, "output_tok_s": got / elapsed,
+         "requests_per_s": len(outs) / elapsed, "max_running_sequences": timeline.max_running,
+         "timeline": [(round(a, 4), b, c) for a, b, c in timeline.points]}
+    print(f"{name:>10}: {got} tokens in {elapsed:.2f} s = {r['output_tok_s']:.1f} output tok/s "
+          f"(max {timeline.max_running} running)", flush=True)
+    return r
+
+
+def _plot(path: str, res: dict, title: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed; no plot")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in ("batched", "sequential"):
+        if res.get(name):
+            pts = res[name]["timeline"]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts],
+                    label=f"{name}: {res[name]['output_tok_s']:.1f} tok/s")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("generated tokens")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
+
+
+def main(args) -> int:
+    from ferrum.entrypoints.cli import config_from_args
+    threads = setup_threads(args.threads)
+    llm = llm_from_config(config_from_args(args))
+    eng = llm.engine
+    vocab = eng.model_config.vocab_size
+    prompts, params, in_lens, out_lens = workload(args, vocab)
+    if max(i + o for i, o in zip(in_lens, out_lens)) > eng.max_model_len:
+        print(f"input + output length exceeds max_model_len {eng.max_model_len}")
+        return 2
+    expected = sum(out_lens)
+    device = str(eng.executor.info().device)
+    print(f"model {eng.model_name} on {device}, {threads} threads: {args.num_prompts} prompts, "
+          f"input {sum(in_lens)} tokens ({args.input_len[0]}-{args.input_len[1]}), "
+          f"output {expected} tokens ({args.output_len[0]}-{args.output_len[1]})")
+    timeline = _Timeline(eng)
+    # Warm-up: one short request, so neither phase pays for first-call setup.
+    from ferrum import SamplingParams
+    llm.generate([prompts[0][:8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+
+    _reset_prefix_cache(eng)
+    batched = _phase("batched", lambda: llm.generate(prompts, params, use_tqdm=False), timeline, expected)
+    sequential = None
+    if args.sequential:
+        _reset_prefix_cache(eng)
+        sequential = _phase("sequential", lambda: [llm.generate([p], sp, use_tqdm=False)[0]
+                                                   for p, sp in zip(prompts, params)], timeline, expected)
+        print(f"batched / sequential output throughput: "
+              f"{batched['output_tok_s'] / sequential['output_tok_s']:.2f}x")
+    res = {"model": eng.model_name, "num_prompts": args.num_prompts,
+           "input_len_range": args.input_len, "output_len_range": args.output_len,
+           "total_input_tokens": sum(in_lens), "total_output_tokens": expected,
+           "engine": {"max_num_seqs": eng.config.scheduler.max_num_seqs,
+                      "max_num_batched_tokens": eng.config.scheduler.max_num_batched_tokens,
+                      "kv_blocks": eng.num_blocks, "block_size": eng.block_size,
+                      "dtype": eng.executor.info().dtype},
+           "batched": batched, "sequential": sequential,
+           "ratio_batched_over_sequential": (batched["output_tok_s"] / sequential["output_tok_s"])
+           if sequential else None}
+    if args.plot:
+        _plot(args.plot, res, f"{eng.model_name} {device}: {args.num_prompts} prompts")
+    write_json(args.out, record("throughput", args, device, res))
+    eng.shutdown()
+    return 0
