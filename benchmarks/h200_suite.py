@@ -49,6 +49,7 @@ def save(args, name, data):
 
 def make_llm(model, tp, **kw):
     from ferrum import LLM
+    print(f"  [{time.strftime('%H:%M:%S')}] building {model} tp={tp} {kw}", flush=True)
     return LLM(f"dummy:{cfg_path(model)}", progress=False, tensor_parallel_size=tp, dtype="bfloat16",
                device="cuda", **kw)
 
@@ -124,6 +125,19 @@ def hf_generate_tps(model, prompt_len, new_tokens):
     return {"ttft_s": ttft, "tokens_per_s": (new_tokens - 1) / ((t2 - t1) - ttft), "new_tokens": new_tokens}
 
 
+def replay_ms(llm):
+    """GPU time of one batch-1 decode graph replay (no host work): TPOT minus this is host overhead."""
+    g, _ = llm.engine.executor.runner.graphs.graphs[1]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    g.replay()
+    start.record()
+    for _ in range(50):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 50
+
+
 def sec_latency(args):
     model, P, G = args.model, args.input_len, args.output_len
     res = {"model": model, "input_len": P, "output_len": G, "batch": 1, "runs": {}}
@@ -136,12 +150,14 @@ def sec_latency(args):
             timed_generate(llm, rand_prompts(1, P, P, vocab, 1), 16)  # warm-up
             r = timed_generate(llm, rand_prompts(1, P, P, vocab, 2), G)
             tps = 1.0 / r["tpot_s"][0]
+            gpu_ms = replay_ms(llm) if tp == 1 and not eager else None
             b = bytes_per_step(llm, P + G // 2)
             key = f"tp{tp}" + ("_eager" if eager else "")
             res["runs"][key] = {"decode_tokens_per_s": tps, "tpot_ms": 1000 * r["tpot_s"][0],
                                 "ttft_ms": 1000 * r["ttft_s"][0], "bytes_per_step_per_rank": b,
                                 "mbu_vs_4.35TBs": b * tps / ROOFLINE, "mbu_vs_4.8TBs_spec": b * tps / SPEC_BW,
                                 "symm_mem": getattr(llm.engine.executor, "symm_mem", None),
+                                "graph_replay_ms_batch1": gpu_ms,
                                 "cuda_graphs": llm.engine.executor.capabilities().cuda_graphs}
             print(key, res["runs"][key], flush=True)
             free(llm)
@@ -255,7 +271,13 @@ def main():
     args = p.parse_args()
     for s in args.sections:
         t = time.perf_counter()
-        globals()[f"sec_{s}"](args)
+        print(f"[{time.strftime('%H:%M:%S')}] {s} ...", flush=True)
+        try:
+            globals()[f"sec_{s}"](args)
+        except Exception as e:  # keep going: the other sections' figures still come back
+            import traceback
+            traceback.print_exc()
+            save(args, f"failed_{s}", {"error": f"{type(e).__name__}: {e}"})
         print(f"[{s} took {time.perf_counter() - t:.1f} s]", flush=True)
 
 

@@ -20,11 +20,6 @@ class SymmMemAllReduce:
         import torch.distributed._symmetric_memory as symm_mem
         self.group = group
         self.group_name = group.group_name
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):
-            try:
-                symm_mem.enable_symm_mem_for_group(self.group_name)
-            except Exception:
-                pass
         self.max_numel = max_bytes // torch.finfo(dtype).bits * 8
         self.dtype = dtype
         self.buf = symm_mem.empty(self.max_numel, dtype=dtype, device=device)

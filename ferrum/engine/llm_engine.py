@@ -56,6 +56,13 @@ class LLMEngine:
                 self.tokenizer.chat_template = self.tokenizer.hf.chat_template = f.read()
         self.eos_token_ids = list(source.eos_token_ids or (self.tokenizer.eos_token_ids if self.tokenizer else []))
         self.executor = create_executor(source, config, progress)
+        try:
+            self._init_after_executor(config)
+        except BaseException:
+            self.executor.shutdown()  # no worker ranks or device memory left behind
+            raise
+
+    def _init_after_executor(self, config: EngineConfig) -> None:
         self.executor.warmup()  # CUDA graphs / collectives set-up; no-op on CPU
         caps = self.executor.capabilities()
         self.max_model_len = caps.max_seq_len

@@ -45,6 +45,11 @@ def num_kv_blocks(mem: MemoryRequirements, cache: CacheConfig, device: str, max_
     if cache.num_blocks is not None:
         return cache.num_blocks
     if device.startswith("cuda"):
+        # Layers hold cycles (parameter -> bound weight_loader -> module), so a model dropped
+        # by an earlier engine in this process is only freed by the cyclic GC: collect first.
+        import gc
+        gc.collect()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(torch.device(device))
         used = total - free
         budget = int(total * cache.gpu_memory_utilization) - used \

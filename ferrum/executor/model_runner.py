@@ -65,6 +65,18 @@ class ModelRunner:
             for layer in self.attn_layers:
                 layer.backend = triton_backend
 
+    def release(self) -> None:
+        """Drop graphs, KV cache and weights so the device memory is free at once."""
+        self.graphs = None
+        for layer in self.attn_layers:
+            layer.kv_cache = torch.empty(0)
+        self.attn_layers = []
+        self.model = None
+        if self.device.type == "cuda":
+            import gc
+            gc.collect()
+            torch.cuda.empty_cache()
+
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture decode graphs for batch sizes up to max_num_seqs (all TP ranks together)."""
         from ferrum.executor.cuda_graph import DecodeCudaGraphs, graph_batch_sizes
@@ -141,7 +153,8 @@ class ModelRunner:
             slot_mapping=self._slots(bt, torch.arange(B), pos).to(dev, non_blocking=True),
             block_tables=bt.to(dev, non_blocking=True),
             seq_lens=(pos + 1).to(dev, non_blocking=True),
-            max_seq_len=int(pos.max()) + 1)
+            max_seq_len=int(pos.max()) + 1,
+            query_lens=[1] * B, context_lens=[h.num_tokens for h in kv])
         ids = torch.tensor(token_ids, dtype=torch.int64).to(dev, non_blocking=True)
         with forward_context(md):
             hidden = self.model(ids, pos.to(dev, non_blocking=True))

@@ -38,3 +38,8 @@ class SingleDeviceExecutor(ExecutorBase):
         if self.runner.device.type == "cuda" and not self.config.enforce_eager:
             self.runner.capture_cuda_graphs(self.config.scheduler.max_num_seqs, self.max_model_len)
             self.cuda_graphs = True
+
+    def shutdown(self) -> None:
+        if self.runner is not None:
+            self.runner.release()
+            self.runner = None

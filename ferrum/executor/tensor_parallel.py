@@ -207,6 +207,9 @@ class TensorParallelExecutor(ExecutorBase):
                 p.join(timeout=10)
         self._closed = True
         self._kill_workers()
+        if getattr(self, "runner", None) is not None:
+            self.runner.release()
+            self.runner = None
         try:
             dist.destroy_process_group()
         except Exception:
