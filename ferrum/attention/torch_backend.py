@@ -48,10 +48,11 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMeta
             mask = (torch.arange(total, device=q.device)[None, :]
                     <= (ctx + torch.arange(qlen, device=q.device))[:, None])
             causal = False
+        # 4-D [1, heads, len, D] so CPU gets the flash kernel (3-D takes the math path).
         o = F.scaled_dot_product_attention(
-            qi, ki.transpose(0, 1).to(q.dtype), vi.transpose(0, 1).to(q.dtype),
+            qi[None], ki.transpose(0, 1).to(q.dtype)[None], vi.transpose(0, 1).to(q.dtype)[None],
             attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
-        out[start:start + qlen] = o.transpose(0, 1)
+        out[start:start + qlen] = o[0].transpose(0, 1)
         start += qlen
     return out
 
