@@ -221,7 +221,7 @@ def sec_throughput(args):
     sp = SamplingParams(temperature=0, max_tokens=G, ignore_eos=True)
     llm.generate(prompts[:8], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
+    outs = llm.generate(prompts, sp, use_tqdm=True)  # the bar's tok/s is in the log if time runs out
     dt = time.perf_counter() - t0
     toks = sum(len(o.outputs[0].token_ids) for o in outs)
     st = llm.engine.status()
@@ -244,7 +244,7 @@ def sec_nanovllm(args):
     sps = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in outs_len]
     llm.generate(["Benchmark: "] if llm.tokenizer else [[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
     t0 = time.perf_counter()
-    llm.generate(prompts, sps, use_tqdm=False)
+    llm.generate(prompts, sps, use_tqdm=True)
     dt = time.perf_counter() - t0
     res = {"model": model, "requests": 256, "output_tokens": sum(outs_len), "wall_s": dt,
            "output_tokens_per_s": sum(outs_len) / dt}

@@ -101,4 +101,5 @@ class DecodeCudaGraphs:
         self.block_tables[:bs, :M].copy_(dev[:, 4:4 + M])
         g, out = self.graphs[bs]
         g.replay()
-        return None if out is None else out[:B]
+        # a copy: the graph's output buffer is overwritten by the next replay
+        return None if out is None else out[:B].clone()
