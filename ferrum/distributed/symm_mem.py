@@ -46,6 +46,10 @@ def try_enable_symm_mem(group, device: torch.device, dtype: torch.dtype) -> bool
     from ferrum.distributed.communication import set_all_reduce_impl
     if device.type != "cuda" or dist.get_world_size(group) < 2:
         return False
+    if dtype not in (torch.bfloat16, torch.float16):
+        # seen on H200 + torch 2.11: the fp32 rendezvous timed out (30 s) on both ranks; fp32
+        # is for correctness runs, where NCCL's speed does not matter
+        return False
     try:
         impl = SymmMemAllReduce(group, device, dtype)
     except Exception as e:  # unsupported build / no P2P: NCCL is still correct
