@@ -1,0 +1,174 @@
+"""Request bodies of the OpenAI-compatible API (pydantic 2) and their mapping to SamplingParams.
+
+Every model forbids unknown fields (`extra="forbid"`): a field ferrum does not implement
+(`best_of`, `suffix`, `tools`, `response_format`, ...) is answered with HTTP 400 naming it,
+never silently ignored. Value ranges (temperature >= 0, top_p in (0, 1], ...) are checked by
+`SamplingParams`, which raises InvalidRequestError with the offending parameter.
+
+Field semantics follow the OpenAI API reference (completions, chat completions); the extra
+sampling fields `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`,
+`min_tokens`, `include_stop_str_in_output`, `skip_special_tokens` follow vLLM.
+"""
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+from ferrum.errors import InvalidRequestError
+from ferrum.sampling_params import SamplingParams
+
+# Most top logprobs per token a request may ask for (the sampler's limit).
+MAX_LOGPROBS = 20
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False     # one last chunk with `usage` and no choices
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None    # None -> 1.0 (OpenAI default)
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None   # token id (as a string key) -> bias in [-100, 100]
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    user: str | None = None                      # accepted for API compatibility; only logged
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """SamplingParams for this request. Raises InvalidRequestError (param named)."""
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options is only allowed with stream: true",
+                                      param="stream_options")
+        def d(v, default):
+            return default if v is None else v
+        return SamplingParams(
+            n=self.n, temperature=d(self.temperature, 1.0), top_p=d(self.top_p, 1.0),
+            top_k=d(self.top_k, -1), min_p=d(self.min_p, 0.0),
+            repetition_penalty=d(self.repetition_penalty, 1.0),
+            presence_penalty=d(self.presence_penalty, 0.0),
+            frequency_penalty=d(self.frequency_penalty, 0.0),
+            logit_bias=self.logit_bias, seed=self.seed, max_tokens=max_tokens,
+            min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+# A prompt: text, a list of texts, token ids, or a list of token-id lists (one request each).
+PromptType = Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions. `logprobs`: top-N (0..20) per generated token; `echo`: the prompt
+    text is prepended to each choice's text."""
+
+    prompt: PromptType
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+                                      param="logprobs")
+        if self.echo and self.logprobs is not None:
+            # OpenAI then returns logprobs of the prompt tokens too; ferrum does not compute them.
+            raise InvalidRequestError("echo together with logprobs is not supported (prompt "
+                                      "logprobs are not computed)", param="echo")
+        return self._params(max_tokens, self.logprobs)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of single prompts (text or token ids). Raises
+        InvalidRequestError for an empty list."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise InvalidRequestError("prompt is an empty list", param="prompt")
+        if isinstance(p[0], int):
+            return [list(p)]
+        return [x if isinstance(x, str) else list(x) for x in p]
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def as_dict(self) -> dict:
+        c = self.content
+        return {"role": self.role,
+                "content": c if isinstance(c, str) else [p.model_dump() for p in c]}
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions. `logprobs`: return the chosen token's logprob; `top_logprobs`
+    (0..20, needs logprobs) adds that many alternatives. `max_completion_tokens` is the newer
+    name of `max_tokens`; without either the answer may run to max_model_len."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    def requested_max_tokens(self) -> int | None:
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise InvalidRequestError("give max_tokens or max_completion_tokens, not both",
+                                      param="max_completion_tokens")
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        top = self.top_logprobs
+        if top is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}",
+                                      param="top_logprobs")
+        return self._params(max_tokens, (top or 0) if self.logprobs else None)
+
+
+class TokenizeRequest(_Strict):
+    """POST /tokenize: `prompt` text, or chat `messages` rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize: token ids -> text."""
+
+    model: str | None = None
+    tokens: list[StrictInt]

@@ -1,0 +1,227 @@
+"""`ferrum serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
+
+Endpoints:
+  POST /v1/completions, POST /v1/chat/completions   (JSON, or SSE with `stream: true`)
+  GET  /v1/models
+  POST /tokenize  {prompt | messages} -> {tokens, count, max_model_len}
+  POST /detokenize {tokens} -> {prompt}
+  GET  /health    200 {"status": "ok"} | 503 once the engine loop has failed
+  GET  /metrics   Prometheus text format (ferrum.metrics)
+  GET  /status    engine.status() as JSON (debug: running/waiting, kv_blocks_free, ...)
+
+With `--api-key KEY` the /v1/*, /tokenize and /detokenize endpoints want
+`Authorization: Bearer KEY` (else 401); /health, /metrics and /status stay open for probes
+and scrapers. Every error is an OpenAI-style body `{"error": {"message", "type", "param",
+"code"}}`: bad JSON or fields 400, unknown model 404, queue full 503 with Retry-After, engine
+failure 500; other ferrum errors use their `http_status`.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+from ferrum.engine.async_engine import AsyncLLMEngine
+from ferrum.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                DetokenizeRequest, TokenizeRequest)
+from ferrum.entrypoints.openai.serving import OpenAIServing, error_body, ferrum_error_body
+from ferrum.errors import FerrumError, InvalidRequestError, QueueFullError
+from ferrum.metrics import Metrics
+
+log = logging.getLogger("ferrum")
+
+_COUNTED_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize",
+                  "/detokenize"}
+_RETRY_AFTER_S = "1"
+
+
+class AuthenticationError(FerrumError):
+    """Missing or wrong `Authorization: Bearer <key>` header."""
+
+    http_status = 401
+    error_type = "authentication_error"
+
+
+class _CountRequests:
+    """ASGI middleware: counts API responses by path and status code. (A plain ASGI wrapper,
+    not BaseHTTPMiddleware, so that streaming responses and disconnects pass through as is.)"""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] not in _COUNTED_PATHS:
+            return await self.app(scope, receive, send)
+        status = [500]
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            self.metrics.count_request(scope["path"], status[0])
+
+
+class _RequireApiKey:
+    """ASGI middleware: API paths need `Authorization: Bearer <key>`, else 401. (Checked before
+    FastAPI reads the body, so an unauthenticated client learns nothing about its request.)"""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                e = AuthenticationError("missing or invalid API key: send 'Authorization: Bearer <key>'")
+                return await JSONResponse(ferrum_error_body(e), status_code=e.http_status)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """A readable message and the offending parameter from pydantic's error list."""
+    parts, param = [], None
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        name = ".".join(loc) or None
+        param = param or (loc[0] if loc else None)
+        if err.get("type") == "extra_forbidden":
+            parts.append(f"unsupported field {name!r}: ferrum does not implement it")
+        elif err.get("type") == "json_invalid":
+            parts.append(f"request body is not valid JSON: {err.get('msg')}")
+            param = None
+        else:
+            parts.append(f"{name}: {err.get('msg')}" if name else str(err.get("msg")))
+    return "; ".join(parts) or "invalid request", param
+
+
+def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | None = None) -> FastAPI:
+    """The FastAPI app over a running AsyncLLMEngine. model_names: accepted `model` values
+    (the first is the one listed by /v1/models and reported in responses); api_key: None for
+    no authentication."""
+    metrics = Metrics(model_names[0])
+    serving = OpenAIServing(engine, model_names, metrics)
+    app = FastAPI(title="ferrum", docs_url=None, redoc_url=None)
+    app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
+    if api_key is not None:
+        app.add_middleware(_RequireApiKey, api_key=api_key)
+    app.add_middleware(_CountRequests, metrics=metrics)   # added last = outermost: counts 401s
+    created = int(time.time())
+
+    @app.exception_handler(FerrumError)
+    async def _ferrum_error(request, e: FerrumError):
+        headers = {"Retry-After": _RETRY_AFTER_S} if isinstance(e, QueueFullError) else None
+        if e.http_status >= 500:
+            log.error("%s: %s", type(e).__name__, e)
+        return JSONResponse(ferrum_error_body(e), status_code=e.http_status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, e: RequestValidationError):
+        msg, param = _validation_message(e)
+        return JSONResponse(error_body(msg, "invalid_request_error", 400, param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(e.detail), kind, e.status_code), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(request, e: Exception):
+        log.exception("unhandled error")
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "internal_error", 500),
+                            status_code=500)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        return await serving.completions(body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, raw: Request):
+        return await serving.chat(body, raw)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "ferrum",
+             "max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size}
+            for name in model_names[:1]]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        serving.check_model(body.model)
+        tok = engine.tokenizer
+        if tok is None:
+            raise InvalidRequestError("this model has no tokenizer")
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
+        if body.prompt is not None:
+            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            ids = tok.apply_chat_template([m.as_dict() for m in body.messages],
+                                          add_generation_prompt=body.add_generation_prompt)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        serving.check_model(body.model)
+        if engine.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer")
+        vocab = engine.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
+                                      param="tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+    @app.get("/health")
+    async def health():
+        s = engine.status()
+        if not s["healthy"]:
+            return JSONResponse({"status": "unhealthy", "error": s.get("error")}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/status")
+    async def status():
+        return engine.status()
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(engine.status()),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+def serve(args) -> int:
+    """Build the engine from the CLI flags, then run uvicorn until interrupted."""
+    import uvicorn
+
+    from ferrum.engine.llm_engine import LLMEngine
+    from ferrum.entrypoints.cli import config_from_args
+
+    config = config_from_args(args)
+    config.scheduler.max_waiting = args.max_waiting
+    engine = AsyncLLMEngine(LLMEngine(config))
+    # Clients must name the served name; without --served-model-name the model argument as
+    # given (e.g. "smollm2" or a path) and the store's name for it are both accepted.
+    names = ([args.served_model_name] if args.served_model_name else
+             list(dict.fromkeys(n for n in (args.model, engine.engine.model_name) if n)))
+    app = build_app(engine, names, args.api_key)
+    print(f"ferrum: serving {names[0]!r} on http://{args.host}:{args.port}/v1 "
+          f"(max_model_len {engine.max_model_len})", flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port,
+                    log_level="info" if getattr(args, "verbose", False) else "warning")
+    finally:
+        engine.shutdown()
+    return 0

@@ -1,0 +1,350 @@
+"""Completions and chat completions over an AsyncLLMEngine: prompt handling, engine requests,
+OpenAI response bodies and SSE streams.
+
+One API request becomes one engine request per prompt (the `n` samples of a prompt share one
+engine request). Choice index = prompt index * n + sample index. `usage.prompt_tokens` counts
+each prompt once; `usage.completion_tokens` counts every generated token of every choice,
+including a final EOS / stop token (as vLLM does).
+
+A client that goes away aborts its engine requests: streaming responses are cancelled by
+Starlette when the client disconnects; non-streaming ones watch the connection themselves.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from ferrum.engine.async_engine import AsyncLLMEngine
+from ferrum.entrypoints.openai.logprobs import TokenFormatter, chat_logprobs, completion_logprobs
+from ferrum.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from ferrum.errors import FerrumError, InvalidRequestError, ModelNotFoundError, PromptTooLongError
+from ferrum.metrics import Metrics
+from ferrum.outputs import RequestOutput
+from ferrum.sampling_params import SamplingParams
+
+
+class ClientDisconnectedError(FerrumError):
+    """The client went away before the answer was ready (nobody receives this status)."""
+
+    http_status = 499
+    error_type = "client_closed_request"
+
+
+def error_body(message: str, error_type: str, status: int, param: str | None = None) -> dict:
+    """OpenAI-style error: {"error": {"message", "type", "param", "code"}} (code = HTTP status)."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+
+
+def ferrum_error_body(e: FerrumError) -> dict:
+    return error_body(str(e), e.error_type, e.http_status, getattr(e, "param", None))
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _Prompt:
+    """One prompt: its text (None when given as token ids and there is no tokenizer) and ids."""
+
+    def __init__(self, text: str | None, token_ids: list[int]):
+        self.text, self.token_ids = text, token_ids
+
+
+async def merge_streams(streams: list[AsyncIterator[RequestOutput]]
+                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several output streams as (stream index, output). Closing or cancelling the
+    merged iterator cancels every inner one, which aborts their requests."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s):
+        try:
+            async for out in s:
+                q.put_nowait((i, out))
+            q.put_nowait((i, None))
+        except Exception as e:  # noqa: BLE001 - re-raised by the consumer below
+            q.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await q.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    """Returns when the client closes the connection. The body has been read already, so the
+    server's receive() only ever answers with http.disconnect."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class OpenAIServing:
+    """The handlers behind /v1/completions and /v1/chat/completions.
+
+    engine: a running AsyncLLMEngine. model_names: names accepted in `model` (the first is
+    reported in responses). metrics: where latencies and token counts go.
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, model_names: list[str], metrics: Metrics):
+        self.engine = engine
+        self.model_names = model_names
+        self.metrics = metrics
+        self.tokenizer = engine.tokenizer
+        self.fmt = TokenFormatter(self.tokenizer)
+
+    # ---- shared ----------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> str:
+        """The served name for `model`; raises ModelNotFoundError (404) for another name."""
+        if model is not None and model not in self.model_names:
+            raise ModelNotFoundError(f"model {model!r} does not exist; this server serves "
+                                     f"{', '.join(repr(m) for m in self.model_names)}")
+        return self.model_names[0]
+
+    def _prompt(self, p: str | list[int]) -> _Prompt:
+        if isinstance(p, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer; send the prompt as token ids",
+                                          param="prompt")
+            return _Prompt(p, self.tokenizer.encode(p))
+        text = self.tokenizer.decode(p, skip_special_tokens=False) if self.tokenizer else None
+        return _Prompt(text, list(p))
+
+    def _max_tokens(self, num_prompt: int, requested: int | None, param: str) -> int | None:
+        """max_tokens for a prompt of `num_prompt` tokens: `requested`, or what is left of the
+        context when None. Raises PromptTooLongError when they do not fit in max_model_len."""
+        limit = self.engine.max_model_len
+        if num_prompt >= limit:
+            raise PromptTooLongError(f"prompt has {num_prompt} tokens but max_model_len is {limit}: "
+                                     f"at most {limit - 1} prompt tokens are allowed", param="prompt")
+        if requested is None:
+            return limit - num_prompt
+        if isinstance(requested, int) and requested > 0 and num_prompt + requested > limit:
+            raise PromptTooLongError(
+                f"prompt has {num_prompt} tokens and {param} is {requested}: {num_prompt} + "
+                f"{requested} = {num_prompt + requested} tokens exceed max_model_len {limit}; "
+                f"lower {param} to at most {limit - num_prompt}", param=param)
+        return requested
+
+    async def _start(self, request_id: str, prompts: list[_Prompt],
+                     params: list[SamplingParams]) -> list[AsyncIterator[RequestOutput]]:
+        """Add one engine request per prompt; if one is refused, abort those already added."""
+        streams = []
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                streams.append(await self.engine.add_request(f"{request_id}-{i}", None, sp,
+                                                             prompt_token_ids=p.token_ids))
+        except BaseException:
+            for i in range(len(streams)):
+                self.engine.abort(f"{request_id}-{i}")
+            raise
+        self.metrics.add_tokens(prompt=sum(len(p.token_ids) for p in prompts))
+        return streams
+
+    async def _tracked(self, streams, t0: float) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """merge_streams plus metrics: TTFT, TPOT, e2e, token counts, finish reasons."""
+        first: dict[int, float] = {}
+        async for i, out in merge_streams(streams):
+            now = time.perf_counter()
+            new = sum(c.num_delta_tokens for c in out.outputs)
+            if new:
+                self.metrics.add_tokens(generated=new)
+                if i not in first:
+                    first[i] = now
+                    self.metrics.observe_ttft(now - t0)
+            if out.finished:
+                self.metrics.observe_e2e(now - t0)
+                for c in out.outputs:
+                    self.metrics.observe_finish(c.finish_reason)
+                    if len(c.token_ids) > 1 and i in first:
+                        self.metrics.observe_tpot((now - first[i]) / (len(c.token_ids) - 1))
+            yield i, out
+
+    async def _collect(self, streams, t0: float, raw: Request) -> list[RequestOutput]:
+        """The final output of each stream; aborts everything if the client disconnects."""
+        finals: list[RequestOutput | None] = [None] * len(streams)
+
+        async def consume():
+            async for i, out in self._tracked(streams, t0):
+                finals[i] = out
+
+        consumer = asyncio.create_task(consume())
+        watcher = asyncio.create_task(_wait_for_disconnect(raw))
+        try:
+            await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not consumer.done():  # the client left (or we were cancelled): abort the requests
+                consumer.cancel()
+        if not consumer.done():
+            raise ClientDisconnectedError("the client closed the connection; request aborted")
+        consumer.result()  # re-raise an engine error
+        return finals
+
+    def _usage(self, prompts: list[_Prompt], completion_tokens: int) -> dict:
+        p = sum(len(x.token_ids) for x in prompts)
+        return {"prompt_tokens": p, "completion_tokens": completion_tokens,
+                "total_tokens": p + completion_tokens}
+
+    async def _stream_errors(self, gen: AsyncIterator[str]) -> AsyncIterator[str]:
+        """An error after the 200 header went out becomes an SSE error event, then [DONE]."""
+        try:
+            async for chunk in gen:
+                yield chunk
+        except FerrumError as e:
+            yield _sse(ferrum_error_body(e))
+            yield _sse("[DONE]")
+
+    # ---- /v1/completions ------------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest, raw: Request):
+        t0 = time.perf_counter()
+        model = self.check_model(req.model)
+        prompts = [self._prompt(p) for p in req.prompts()]
+        params = [req.sampling_params(self._max_tokens(len(p.token_ids), req.max_tokens, "max_tokens"))
+                  for p in prompts]
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        streams = await self._start(rid, prompts, params)
+        if req.stream:
+            return StreamingResponse(self._stream_errors(
+                self._completion_stream(rid, model, req, prompts, streams, t0)),
+                media_type="text/event-stream")
+        finals = await self._collect(streams, t0, raw)
+        choices, ntok = [], 0
+        for i, (p, out) in enumerate(zip(prompts, finals)):
+            for c in out.outputs:
+                ntok += len(c.token_ids)
+                prefix = (p.text or "") if req.echo else ""
+                lp = (completion_logprobs(self.fmt, c.token_ids, c.logprobs or [], len(prefix))
+                      if req.logprobs is not None else None)
+                choices.append({"index": i * req.n + c.index, "text": prefix + c.text,
+                                "logprobs": lp, "finish_reason": c.finish_reason})
+        choices.sort(key=lambda c: c["index"])
+        return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
+                             "model": model, "choices": choices,
+                             "usage": self._usage(prompts, ntok)})
+
+    async def _completion_stream(self, rid, model, req: CompletionRequest, prompts, streams, t0):
+        created = int(time.time())
+
+        def chunk(index, text, logprobs=None, finish_reason=None):
+            return _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                         "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                      "finish_reason": finish_reason}]})
+
+        n = req.n
+        sent_tokens: dict[int, int] = {}     # choice index -> tokens already streamed
+        text_len: dict[int, int] = {}        # choice index -> characters already streamed
+        finished: set[int] = set()
+        if req.echo:
+            for i, p in enumerate(prompts):
+                for j in range(n):
+                    text_len[i * n + j] = len(p.text or "")
+                    yield chunk(i * n + j, p.text or "")
+        ntok = 0
+        async for i, out in self._tracked(streams, t0):
+            for c in out.outputs:
+                idx = i * n + c.index
+                if idx in finished:
+                    continue
+                start = sent_tokens.get(idx, 0)
+                new_ids = c.token_ids[start:]
+                if not c.delta_text and not c.finished and not (req.logprobs is not None and new_ids):
+                    continue
+                lp = None
+                if req.logprobs is not None:
+                    lp = completion_logprobs(self.fmt, new_ids, (c.logprobs or [])[start:],
+                                             text_len.get(idx, 0))
+                sent_tokens[idx] = len(c.token_ids)
+                text_len[idx] = text_len.get(idx, 0) + len(c.delta_text)
+                if c.finished:
+                    finished.add(idx)
+                    ntok += len(c.token_ids)
+                yield chunk(idx, c.delta_text, lp, c.finish_reason)
+        if req.include_usage:
+            yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                        "choices": [], "usage": self._usage(prompts, ntok)})
+        yield _sse("[DONE]")
+
+    # ---- /v1/chat/completions -------------------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest, raw: Request):
+        t0 = time.perf_counter()
+        model = self.check_model(req.model)
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer, so it cannot chat; use "
+                                      "/v1/completions with token ids", param="messages")
+        ids = self.tokenizer.apply_chat_template([m.as_dict() for m in req.messages],
+                                                 add_generation_prompt=req.add_generation_prompt)
+        prompts = [_Prompt(None, ids)]
+        requested = req.requested_max_tokens()
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        params = req.sampling_params(self._max_tokens(len(ids), requested, param))
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self._start(rid, prompts, [params])
+        top_n = req.top_logprobs or 0
+        if req.stream:
+            return StreamingResponse(self._stream_errors(
+                self._chat_stream(rid, model, req, prompts, streams, t0, top_n)),
+                media_type="text/event-stream")
+        (out,) = await self._collect(streams, t0, raw)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": (chat_logprobs(self.fmt, c.token_ids, c.logprobs or [], top_n)
+                                 if req.logprobs else None),
+                    "finish_reason": c.finish_reason} for c in out.outputs]
+        ntok = sum(len(c.token_ids) for c in out.outputs)
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
+                             "model": model, "choices": choices, "usage": self._usage(prompts, ntok)})
+
+    async def _chat_stream(self, rid, model, req: ChatCompletionRequest, prompts, streams, t0, top_n):
+        created = int(time.time())
+
+        def chunk(index, delta, logprobs=None, finish_reason=None):
+            return _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                         "model": model, "choices": [{"index": index, "delta": delta,
+                                                      "logprobs": logprobs,
+                                                      "finish_reason": finish_reason}]})
+
+        for j in range(req.n):  # the role comes first, as OpenAI sends it
+            yield chunk(j, {"role": "assistant", "content": ""})
+        sent_tokens: dict[int, int] = {}
+        finished: set[int] = set()
+        ntok = 0
+        async for _, out in self._tracked(streams, t0):
+            for c in out.outputs:
+                if c.index in finished:
+                    continue
+                start = sent_tokens.get(c.index, 0)
+                new_ids = c.token_ids[start:]
+                if not c.delta_text and not c.finished and not (req.logprobs and new_ids):
+                    continue
+                lp = (chat_logprobs(self.fmt, new_ids, (c.logprobs or [])[start:], top_n)
+                      if req.logprobs else None)
+                sent_tokens[c.index] = len(c.token_ids)
+                if c.finished:
+                    finished.add(c.index)
+                    ntok += len(c.token_ids)
+                delta = {"content": c.delta_text} if c.delta_text else {}
+                yield chunk(c.index, delta, lp, c.finish_reason)
+        if req.include_usage:
+            yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                        "model": model, "choices": [], "usage": self._usage(prompts, ntok)})
+        yield _sse("[DONE]")

@@ -1,0 +1,406 @@
+"""`ferrum serve` end to end: a real server in a subprocess on a free loopback port (started once
+for the module, with an API key), driven by the official `openai` client and by httpx.
+
+The model is a tiny random Llama (vocab 49152) that carries the SmolLM2 tokenizer and chat
+template, so a step takes milliseconds on CPU. Greedy outputs are compared with the offline
+LLM API on the same weights.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ferrum.tokenizer import Tokenizer
+from tiny_models import make_tiny_model
+
+KEY = "sk-test-key"
+MODEL = "tiny"
+MAX_MODEL_LEN = 256
+PROMPT = "The quick brown fox jumps over the lazy dog because"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, smollm2_tokenizer):
+    folder = str(tmp_path_factory.mktemp("tiny_server"))
+    make_tiny_model(folder, "llama", vocab=49152, hidden=64, layers=2, max_pos=512, seed=3)
+    smollm2_tokenizer.hf.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("server_log") / "server.log", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ferrum.entrypoints.cli", "serve", model_dir, "--port", str(port),
+         "--api-key", KEY, "--served-model-name", MODEL, "--device", "cpu",
+         "--max-model-len", str(MAX_MODEL_LEN)],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                pytest.fail(f"server exited with {proc.returncode}:\n{log.read()}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                pytest.fail("server did not become healthy in 120 s")
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return Tokenizer.from_folder(model_dir)
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    from ferrum import LLM
+    llm = LLM(model_dir, progress=False, device="cpu", max_model_len=MAX_MODEL_LEN)
+    yield llm
+    llm.shutdown()
+
+
+def _post(server, path, body=None, key=KEY, content: bytes | None = None):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if content is not None:
+        return httpx.post(server + path, content=content, timeout=60,
+                          headers={**headers, "content-type": "application/json"})
+    return httpx.post(server + path, json=body, headers=headers, timeout=60)
+
+
+def _status(server) -> dict:
+    return httpx.get(server + "/status", timeout=10).json()
+
+
+# ---- happy paths ----------------------------------------------------------------------------------
+def test_models_health_and_tokenize(server, client, tok):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server + "/health").json() == {"status": "ok"}
+    r = _post(server, "/tokenize", {"model": MODEL, "prompt": PROMPT}).json()
+    assert r["tokens"] == tok.encode(PROMPT) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == MAX_MODEL_LEN
+    d = _post(server, "/detokenize", {"model": MODEL, "tokens": r["tokens"]}).json()
+    assert d["prompt"] == PROMPT
+
+
+def test_completion_greedy_matches_offline_and_usage(client, offline, tok):
+    from ferrum import SamplingParams
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    ref = offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+    c = r.choices[0]
+    assert c.text == ref.text and c.finish_reason == "length" and c.index == 0
+    assert r.object == "text_completion" and r.model == MODEL
+    assert r.usage.prompt_tokens == len(tok.encode(PROMPT))
+    assert r.usage.completion_tokens == 12 and r.usage.total_tokens == r.usage.prompt_tokens + 12
+
+
+def test_completion_token_prompts_and_echo(client, tok):
+    ids = tok.encode(PROMPT)
+    r = client.completions.create(model=MODEL, prompt=[ids, ids[:5]], max_tokens=4, temperature=0,
+                                  echo=True, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.choices[0].text.startswith(PROMPT) and len(r.choices[0].text) > len(PROMPT)
+    assert r.choices[1].text.startswith(tok.decode(ids[:5]))
+    assert r.usage.prompt_tokens == len(ids) + 5 and r.usage.completion_tokens == 8
+
+
+def test_completion_stream_equals_non_stream(client):
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw).choices[0].text
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_chat_greedy_matches_offline_stream_and_usage(client, offline, tok):
+    from ferrum import SamplingParams
+    msgs = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=9,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    ref = offline.chat(msgs, SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))[0].outputs[0]
+    m = r.choices[0]
+    assert m.message.role == "assistant" and m.message.content == ref.text
+    assert m.finish_reason == "length" and r.object == "chat.completion"
+    assert r.usage.prompt_tokens == len(tok.apply_chat_template(msgs))
+    assert r.usage.completion_tokens == 9
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=9, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+
+
+def test_stop_strings_cut_the_text(client):
+    kw = dict(model=MODEL, prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(max_tokens=16, **kw).choices[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    cut = full[:full.index(stop)]
+    r = client.completions.create(max_tokens=16, stop=[stop], **kw).choices[0]
+    assert r.text == cut and r.finish_reason == "stop"
+    streamed = list(client.completions.create(max_tokens=16, stop=stop, stream=True, **kw))
+    assert "".join(c.choices[0].text for c in streamed) == cut
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_n2_and_seed_reproducibility(client):
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, n=2,
+              extra_body={"ignore_eos": True})
+    a = client.completions.create(seed=11, **kw)
+    b = client.completions.create(seed=11, **kw)
+    c = client.completions.create(seed=12, **kw)
+    texts = lambda r: [ch.text for ch in sorted(r.choices, key=lambda ch: ch.index)]
+    assert [ch.index for ch in sorted(a.choices, key=lambda ch: ch.index)] == [0, 1]
+    assert texts(a) == texts(b)
+    assert texts(a) != texts(c)
+    assert texts(a)[0] != texts(a)[1]          # the samples differ from each other
+    assert a.usage.completion_tokens == 16
+    # Streaming n=2: every index streams and finishes.
+    parts = {0: "", 1: ""}
+    reasons = {}
+    for ch in client.completions.create(seed=11, stream=True, **kw):
+        for x in ch.choices:
+            parts[x.index] += x.text
+            if x.finish_reason:
+                reasons[x.index] = x.finish_reason
+    assert [parts[0], parts[1]] == texts(a) and reasons == {0: "length", 1: "length"}
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                          n=2, max_tokens=5, seed=3)
+    assert sorted(ch.index for ch in chat.choices) == [0, 1]
+
+
+def test_completion_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    for tok_text, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert val <= 0 and len(top) >= 3
+        assert abs(max(top.values()) - val) < 1e-4      # greedy picks the most likely token
+        assert top[tok_text] == pytest.approx(val)
+    offsets = [0]
+    for t in lp.tokens[:-1]:
+        offsets.append(offsets[-1] + len(t))
+    assert lp.text_offset == offsets
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=5, temperature=0, logprobs=True, top_logprobs=2,
+                                       extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 5
+    text = b""
+    for e in content:
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+        assert e.logprob == pytest.approx(e.top_logprobs[0].logprob, abs=1e-4)
+        text += bytes(e.bytes)
+    assert text.decode("utf-8", errors="replace") == r.choices[0].message.content
+
+
+def test_twenty_concurrent_streams_finish_complete(server):
+    async def one(c: openai.AsyncOpenAI, i: int):
+        stream = await c.completions.create(
+            model=MODEL, prompt=f"{PROMPT} {i}", max_tokens=12, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        text, reason, usage = "", None, None
+        async for ch in stream:
+            for x in ch.choices:
+                text += x.text
+                reason = x.finish_reason or reason
+            usage = ch.usage or usage
+        ref = await c.completions.create(model=MODEL, prompt=f"{PROMPT} {i}", max_tokens=12,
+                                         temperature=0, extra_body={"ignore_eos": True})
+        return text, reason, usage.completion_tokens, ref.choices[0].text
+
+    async def go():
+        async with openai.AsyncOpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0,
+                                      timeout=120) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(20)))
+    results = asyncio.run(go())
+    assert len(results) == 20
+    for text, reason, ntok, ref in results:
+        assert reason == "length" and ntok == 12 and text == ref
+
+
+def test_disconnect_mid_stream_frees_kv_blocks(server):
+    start = _status(server)
+    assert start["num_running"] == 0
+    body = {"model": MODEL, "prompt": PROMPT * 4, "max_tokens": 200, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.status_code == 200
+        # Keep the line iterator referenced: dropping it (e.g. `break` out of a for loop over
+        # r.iter_lines()) makes httpx close the connection, which is the disconnect itself.
+        lines = r.iter_lines()
+        seen = 0
+        while seen < 3:
+            seen += next(lines).startswith("data: ")
+        mid = _status(server)
+        assert mid["num_running"] == 1 and mid["requests_aborted"] == start["requests_aborted"]
+        assert mid["kv_blocks_free"] < start["kv_blocks_free"]
+    deadline, now = time.time() + 20, _status(server)
+    while time.time() < deadline and (now["num_running"] or now["kv_blocks_free"] != start["kv_blocks_free"]):
+        time.sleep(0.1)
+        now = _status(server)
+    assert now["kv_blocks_free"] == start["kv_blocks_free"]
+    assert now["requests_aborted"] == start["requests_aborted"] + 1
+    assert now["generation_tokens"] - start["generation_tokens"] < 200
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+def _err(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    e = r.json()["error"]
+    assert set(e) == {"message", "type", "param", "code"} and e["code"] == status
+    return e
+
+
+def test_bad_inputs(server):
+    ok = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    e = _err(_post(server, "/v1/completions", content=b'{"model": "tiny", "prompt": '), 400)
+    assert "JSON" in e["message"] and e["type"] == "invalid_request_error"
+    e = _err(_post(server, "/v1/completions", {**ok, "best_of": 2}), 400)
+    assert e["param"] == "best_of" and "best_of" in e["message"]
+    e = _err(_post(server, "/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "user", "content": "hi"}], "tools": []}), 400)
+    assert e["param"] == "tools"
+    e = _err(_post(server, "/v1/completions", {**ok, "temperature": -1}), 400)
+    assert e["param"] == "temperature"
+    e = _err(_post(server, "/v1/completions", {**ok, "prompt": [10**7]}), 400)
+    assert "vocabulary" in e["message"]
+    e = _err(_post(server, "/v1/completions", {**ok, "prompt": []}), 400)
+    e = _err(_post(server, "/v1/completions", {"model": MODEL}), 400)
+    assert e["param"] == "prompt"
+    e = _err(_post(server, "/v1/chat/completions", {"model": MODEL, "messages": []}), 400)
+    e = _err(_post(server, "/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "tool", "content": "x"}]}), 400)
+    assert e["param"] == "messages"
+    e = _err(_post(server, "/v1/completions", {**ok, "model": "gpt-4"}), 404)
+    assert "gpt-4" in e["message"] and e["type"] == "not_found_error"
+
+
+def test_errors_through_the_openai_client(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=2, top_logprobs=3)
+    assert info.value.body["param"] == "top_logprobs"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, suffix="!")
+    assert "suffix" in info.value.message
+
+
+def test_context_length_errors_give_the_numbers(server):
+    long_prompt = [100] * 250
+    e = _err(_post(server, "/v1/completions", {"model": MODEL, "prompt": long_prompt, "max_tokens": 10}), 400)
+    assert "250" in e["message"] and "10" in e["message"] and str(MAX_MODEL_LEN) in e["message"]
+    assert e["param"] == "max_tokens"
+    e = _err(_post(server, "/v1/completions", {"model": MODEL, "prompt": [100] * 300}), 400)
+    assert "300" in e["message"] and e["param"] == "prompt"
+    e = _err(_post(server, "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 1000}), 400)
+    assert "1000" in e["message"] and e["param"] == "max_completion_tokens"
+
+
+def test_api_key_is_enforced(server, client):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    e = _err(_post(server, "/v1/completions", body, key=None), 401)
+    assert e["type"] == "authentication_error"
+    _err(_post(server, "/v1/completions", body, key="wrong"), 401)
+    assert httpx.get(server + "/v1/models").status_code == 401
+    _err(_post(server, "/v1/completions", key=None, content=b"{not json"), 401)  # key first
+    _err(_post(server, "/tokenize", {"prompt": "hi"}, key=None), 401)
+    assert httpx.get(server + "/health").status_code == 200       # probes need no key
+    bad = openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    assert _post(server, "/v1/completions", body).status_code == 200
+
+
+def _metrics(server) -> dict[str, float]:
+    text = httpx.get(server + "/metrics").text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[f"{s.name}{{{labels}}}"] = s.value
+    return out
+
+
+def test_metrics_parse_and_move(server, client):
+    before = _metrics(server)
+    for name in ("ferrum_num_requests_running{}", "ferrum_num_requests_waiting{}",
+                 "ferrum_kv_cache_usage_ratio{}", "ferrum_prefix_cache_hit_rate{}",
+                 "ferrum_kv_blocks_free{}"):
+        assert name in before
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=7, extra_body={"ignore_eos": True})
+    after = _metrics(server)
+    ok = "ferrum_requests_total{endpoint=/v1/completions,status=200}"
+    assert after[ok] == before.get(ok, 0) + 1
+    assert after["ferrum_generation_tokens_total{}"] == before.get("ferrum_generation_tokens_total{}", 0) + 7
+    assert after["ferrum_prompt_tokens_total{}"] > before.get("ferrum_prompt_tokens_total{}", 0)
+    for h in ("ferrum_time_to_first_token_seconds_count{}", "ferrum_e2e_request_latency_seconds_count{}",
+              "ferrum_time_per_output_token_seconds_count{}"):
+        assert after[h] == before.get(h, 0) + 1
+    assert after["ferrum_request_success_total{finish_reason=length}"] == \
+        before.get("ferrum_request_success_total{finish_reason=length}", 0) + 1
+    _post(server, "/v1/completions", {"model": "nope", "prompt": "x"})
+    assert _metrics(server)["ferrum_requests_total{endpoint=/v1/completions,status=404}"] >= 1
+
+
+def test_bench_client_against_the_server(server):
+    """`ferrum bench serve`'s load generator: every request completes with exact token counts,
+    and the statistics are consistent."""
+    from ferrum.benchmarks.serve import arrival_times, percentile, run_load, summarize
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile([5.0], 99) == 5.0
+    gaps = arrival_times(200, 50.0, seed=0)
+    assert gaps == sorted(gaps) and 2.0 < gaps[-1] < 6.0       # ~200 / 50 requests/s
+    prompts = [[100 + i] * 8 for i in range(6)]
+    results, duration = asyncio.run(run_load(server, MODEL, prompts, 5, math.inf, 3, 0.0, 0, KEY))
+    s = summarize(results, duration)
+    assert s["completed"] == 6 and s["failed"] == 0 and s["total_output_tokens"] == 30
+    assert 0 < s["p50_ttft_ms"] <= s["p99_ttft_ms"] <= 1000 * duration
+    assert all(len(r.itl) <= 4 for r in results)
