@@ -121,13 +121,15 @@ class OpenAIServing:
                                      f"{', '.join(repr(m) for m in self.model_names)}")
         return self.model_names[0]
 
-    def _prompt(self, p: str | list[int]) -> _Prompt:
+    def _prompt(self, p: str | list[int], need_text: bool = False) -> _Prompt:
+        """Tokenize a text prompt; decode token ids only when the text is needed (echo)."""
         if isinstance(p, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer; send the prompt as token ids",
                                           param="prompt")
             return _Prompt(p, self.tokenizer.encode(p))
-        text = self.tokenizer.decode(p, skip_special_tokens=False) if self.tokenizer else None
+        text = (self.tokenizer.decode(p, skip_special_tokens=False)
+                if need_text and self.tokenizer else None)
         return _Prompt(text, list(p))
 
     def _max_tokens(self, num_prompt: int, requested: int | None, param: str) -> int | None:
@@ -163,7 +165,8 @@ class OpenAIServing:
 
     async def _tracked(self, streams, t0: float) -> AsyncIterator[tuple[int, RequestOutput]]:
         """merge_streams plus metrics: TTFT, TPOT, e2e, token counts, finish reasons."""
-        first: dict[int, float] = {}
+        first: dict[int, float] = {}               # stream -> time of its first token
+        done: set[tuple[int, int]] = set()         # (stream, sample) already finished
         async for i, out in merge_streams(streams):
             now = time.perf_counter()
             new = sum(c.num_delta_tokens for c in out.outputs)
@@ -172,12 +175,14 @@ class OpenAIServing:
                 if i not in first:
                     first[i] = now
                     self.metrics.observe_ttft(now - t0)
-            if out.finished:
-                self.metrics.observe_e2e(now - t0)
-                for c in out.outputs:
+            for c in out.outputs:  # samples of n > 1 finish at different steps
+                if c.finished and (i, c.index) not in done:
+                    done.add((i, c.index))
                     self.metrics.observe_finish(c.finish_reason)
                     if len(c.token_ids) > 1 and i in first:
                         self.metrics.observe_tpot((now - first[i]) / (len(c.token_ids) - 1))
+            if out.finished:
+                self.metrics.observe_e2e(now - t0)
             yield i, out
 
     async def _collect(self, streams, t0: float, raw: Request) -> list[RequestOutput]:
@@ -219,7 +224,7 @@ class OpenAIServing:
     async def completions(self, req: CompletionRequest, raw: Request):
         t0 = time.perf_counter()
         model = self.check_model(req.model)
-        prompts = [self._prompt(p) for p in req.prompts()]
+        prompts = [self._prompt(p, req.echo) for p in req.prompts()]
         params = [req.sampling_params(self._max_tokens(len(p.token_ids), req.max_tokens, "max_tokens"))
                   for p in prompts]
         rid = f"cmpl-{uuid.uuid4().hex}"
