@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 
 from ferrum.config import EngineConfig
 from ferrum.distributed.parallel_state import init_tensor_parallel
+from ferrum.distributed.shm_broadcast import ShmBroadcast
 from ferrum.errors import FerrumError, TensorParallelError
 from ferrum.executor.base import ExecutorBase
 from ferrum.executor.memory import compute_memory_requirements, num_kv_blocks
@@ -93,16 +94,18 @@ class TensorParallelExecutor(ExecutorBase):
                 raise TensorParallelError(f"torchrun started {world} ranks but tensor_parallel_size is {self.tp}")
             self.rank_device = rank_device(self.device, int(os.environ.get("LOCAL_RANK", 0)))
             init_method = None
-            self.error_queue, self.step_counter = None, None
+            self.error_queue, self.step_counter, self.channel = None, None, None
         else:
             self.rank_device = rank_device(self.device, 0)
             init_method = f"tcp://127.0.0.1:{_free_port()}"
             ctx = mp.get_context("spawn")
             self.error_queue = ctx.Queue()
             self.step_counter = std_mp.get_context("spawn").Array("q", self.tp, lock=False)
+            self.channel = ShmBroadcast(ctx, self.tp - 1)
             for r in range(1, self.tp):
                 p = ctx.Process(target=spawned_worker_main, daemon=True, name=f"ferrum-tp{r}",
-                                args=(r, self.tp, init_method, config, None, self.error_queue, self.step_counter))
+                                args=(r, self.tp, init_method, config, self.channel.reader(r - 1),
+                                      self.error_queue, self.step_counter))
                 p.start()
                 self.procs.append(p)
         _, self.control = init_distributed(0, self.tp, self.rank_device, init_method,
@@ -118,7 +121,7 @@ class TensorParallelExecutor(ExecutorBase):
             raise TensorParallelError("the tensor-parallel executor is shut down")
         try:
             self._check_workers()
-            broadcast_message(msg, self.control)
+            self._send(msg)
             out = local()
         except FerrumError:
             raise
@@ -129,6 +132,14 @@ class TensorParallelExecutor(ExecutorBase):
             raise err from e
         self._step_no += 1
         return out
+
+    def _send(self, msg) -> None:
+        """Step inputs to ranks 1..N-1: shared memory when we spawned them, else (torchrun)
+        a broadcast over the gloo control group."""
+        if self.channel is not None:
+            self.channel.send(msg, timeout=self.config.parallel.step_timeout_s)
+        else:
+            broadcast_message(msg, self.control)
 
     def _prefill(self, inp: PrefillInput) -> torch.Tensor:
         return self._run(("prefill", inp.token_ids, handles_to_wire(inp.kv)),
@@ -202,7 +213,7 @@ class TensorParallelExecutor(ExecutorBase):
 
     def inject_fault(self, message: str) -> None:
         """Test hook: make every worker rank raise `message` on its next step."""
-        broadcast_message(("raise", message), self.control)
+        self._send(("raise", message))
 
     def shutdown(self) -> None:
         if getattr(self, "_shut", False):
@@ -210,7 +221,7 @@ class TensorParallelExecutor(ExecutorBase):
         self._shut = True
         if not self._closed:
             try:
-                broadcast_message(("shutdown",), self.control)
+                self._send(("shutdown",))
             except Exception:
                 pass
             for p in self.procs:
@@ -220,6 +231,8 @@ class TensorParallelExecutor(ExecutorBase):
         if getattr(self, "runner", None) is not None:
             self.runner.release()
             self.runner = None
+        if getattr(self, "channel", None) is not None:
+            self.channel.close()
         try:
             dist.destroy_process_group()
         except Exception:
@@ -237,7 +250,7 @@ def run_spmd_worker(config: EngineConfig) -> None:
     runner = build_runner(config, device, progress=False)
     n = agree_num_blocks(local_num_blocks(runner, config, device), control)
     runner.allocate_kv_cache(n, config.cache.block_size)
-    worker_loop(runner, control, config.cache.block_size)
+    worker_loop(runner, lambda: broadcast_message(None, control), config.cache.block_size)
     try:
         dist.destroy_process_group()
     except Exception:

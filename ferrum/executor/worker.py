@@ -77,10 +77,10 @@ def agree_num_blocks(n: int, control_group) -> int:
     return int(t.item())
 
 
-def worker_loop(runner, control_group, block_size: int, step_counter=None) -> None:
-    """Ranks > 0: execute each broadcast step until 'shutdown'."""
+def worker_loop(runner, recv, block_size: int, step_counter=None) -> None:
+    """Ranks > 0: execute each step rank 0 sends (`recv()` returns it) until 'shutdown'."""
     while True:
-        msg = broadcast_message(None, control_group)
+        msg = recv()
         op = msg[0]
         if op == "shutdown":
             return
@@ -110,7 +110,7 @@ def _die_with_parent() -> None:
 
 
 def spawned_worker_main(rank: int, world: int, init_method: str, config: EngineConfig,
-                        num_blocks_local: int | None, error_queue, step_counter) -> None:
+                        reader, error_queue, step_counter) -> None:
     """Entry point of a rank spawned by TensorParallelExecutor (torch.multiprocessing)."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is handled by the engine process
@@ -122,7 +122,7 @@ def spawned_worker_main(rank: int, world: int, init_method: str, config: EngineC
         from ferrum.executor.tensor_parallel import local_num_blocks
         n = agree_num_blocks(local_num_blocks(runner, config, device), control)
         runner.allocate_kv_cache(n, config.cache.block_size)
-        worker_loop(runner, control, config.cache.block_size, step_counter)
+        worker_loop(runner, reader.recv, config.cache.block_size, step_counter)
     except BaseException as e:  # report to rank 0, then exit non-zero
         try:
             error_queue.put((rank, f"{type(e).__name__}: {e}"))

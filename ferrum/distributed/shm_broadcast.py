@@ -1,0 +1,81 @@
+"""Rank 0 -> worker ranks message channel over shared memory, for ranks spawned on one host.
+
+Each step rank 0 sends the step's inputs (token ids, block tables: a few KB) to every other
+rank. Through gloo's broadcast that costs two collectives and ~0.7 ms per step on a small
+CPU box; here it is one pickle into a shared buffer and one semaphore post per reader.
+Readers copy the message out and post `done`, so the writer never overwrites a message that
+is still being read. (Under torchrun, where ranks may be on other machines, the executor uses
+the gloo broadcast instead.)
+"""
+from __future__ import annotations
+
+import pickle
+import struct
+from multiprocessing import shared_memory
+
+_HEADER = struct.Struct("<q")  # payload length in bytes
+
+
+class ShmBroadcast:
+    def __init__(self, ctx, num_readers: int, size: int = 16 << 20):
+        self.shm = shared_memory.SharedMemory(create=True, size=size)
+        self.name, self.size = self.shm.name, size
+        self.ready = [ctx.Semaphore(0) for _ in range(num_readers)]
+        self.done = ctx.Semaphore(0)
+        self.num_readers = num_readers
+        self._outstanding = 0
+
+    def reader(self, index: int) -> "ShmReader":
+        return ShmReader(self.name, self.ready[index], self.done)
+
+    def send(self, msg, timeout: float | None = None) -> None:
+        """Publish `msg` to every reader. Raises TimeoutError if the previous message was not
+        picked up within `timeout` seconds (a reader is dead or hung)."""
+        while self._outstanding:
+            if not self.done.acquire(timeout=timeout):
+                raise TimeoutError("a worker rank did not take the previous step's inputs")
+            self._outstanding -= 1
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        if len(data) + _HEADER.size > self.size:
+            raise ValueError(f"step message of {len(data)} bytes exceeds the {self.size}-byte channel")
+        buf = self.shm.buf
+        _HEADER.pack_into(buf, 0, len(data))
+        buf[_HEADER.size:_HEADER.size + len(data)] = data
+        for sem in self.ready:
+            sem.release()
+        self._outstanding = self.num_readers
+
+    def close(self) -> None:
+        try:
+            self.shm.close()
+            self.shm.unlink()
+        except (FileNotFoundError, OSError):
+            pass
+
+
+class ShmReader:
+    """The worker side; picklable (carries the segment name and the semaphores)."""
+
+    def __init__(self, name: str, ready, done):
+        self.name, self.ready, self.done = name, ready, done
+        self.shm = None
+
+    def __getstate__(self):
+        return {"name": self.name, "ready": self.ready, "done": self.done}
+
+    def __setstate__(self, state):
+        self.__init__(state["name"], state["ready"], state["done"])
+
+    def recv(self):
+        if self.shm is None:
+            self.shm = shared_memory.SharedMemory(name=self.name)
+            try:  # the creator (rank 0) owns the segment; keep this process's tracker off it
+                from multiprocessing import resource_tracker
+                resource_tracker.unregister(self.shm._name, "shared_memory")
+            except Exception:
+                pass
+        self.ready.acquire()
+        (n,) = _HEADER.unpack_from(self.shm.buf, 0)
+        msg = pickle.loads(self.shm.buf[_HEADER.size:_HEADER.size + n])
+        self.done.release()
+        return msg
