@@ -23,7 +23,13 @@ def add_common_args(p) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
 
 
+_LOAD_AT_START: list[float] | None = None
+
+
 def setup_threads(threads: int | None) -> int:
+    """Set torch's intra-op threads (if given) and note the load average at the start."""
+    global _LOAD_AT_START
+    _LOAD_AT_START = load_average()
     if threads:
         torch.set_num_threads(threads)
     return torch.get_num_threads()
@@ -59,8 +65,12 @@ def git_commit() -> str | None:
 def hardware(device: str) -> dict:
     """CPU model / cores / threads, GPU name, versions, and the load average now."""
     hw = {"cpu": cpu_model(), "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-          "device": device, "load_average_1_5_15min": load_average(),
+          "device": device, "load_average_1_5_15min_at_start": _LOAD_AT_START,
+          "load_average_1_5_15min_at_end": load_average(),
           "python": platform.python_version(), "torch": torch.__version__}
+    if device == "cpu":
+        hw["load_note"] = ("load average above the core count means other jobs shared the cores "
+                           "during the run (CPU numbers are then pessimistic and noisy)")
     if device.startswith("cuda") and torch.cuda.is_available():
         hw["gpu"] = torch.cuda.get_device_name(torch.device(device))
         hw["gpu_count"] = torch.cuda.device_count()

@@ -9,7 +9,8 @@ request generates exactly its output length.
   sequential   the same prompts, one `LLM.generate` call each
   output tok/s = generated tokens / wall seconds; the ratio is batched / sequential.
 The prefix cache is cleared before each phase (the prompts are random, so it only matters for
-the repeat). `--plot FILE.png` draws generated tokens against time for both (needs matplotlib).
+the repeat). The JSON keeps a timeline of each phase, (seconds, generated tokens, running
+sequences) at up to 100 steps; `--plot FILE.png` draws it (needs matplotlib).
 """
 from __future__ import annotations
 
@@ -72,6 +73,14 @@ def _reset_prefix_cache(engine) -> None:
         reset()
 
 
+def _downsample(points: list, keep: int = 100) -> list:
+    """At most `keep` evenly spaced points of a timeline, always with the last one."""
+    if len(points) <= keep:
+        return points
+    step = -(-len(points) // keep)
+    return points[::step] + ([points[-1]] if (len(points) - 1) % step else [])
+
+
 def _phase(name: str, fn, timeline: _Timeline, expected_tokens: int) -> dict:
     timeline.start()
     t = time.perf_counter()
@@ -81,7 +90,7 @@ def _phase(name: str, fn, timeline: _Timeline, expected_tokens: int) -> dict:
     assert got == expected_tokens, f"{name}: generated {got} tokens, expected {expected_tokens}"
     r = {"elapsed_s": elapsed, "output_tokens": got, "output_tok_s": got / elapsed,
          "requests_per_s": len(outs) / elapsed, "max_running_sequences": timeline.max_running,
-         "timeline": [(round(a, 4), b, c) for a, b, c in timeline.points]}
+         "timeline": _downsample([(round(a, 3), b, c) for a, b, c in timeline.points])}
     print(f"{name:>10}: {got} tokens in {elapsed:.2f} s = {r['output_tok_s']:.1f} output tok/s "
           f"(max {timeline.max_running} running)", flush=True)
     return r
