@@ -360,17 +360,35 @@ def test_smollm2_capital_of_france(smol):
 
 
 def test_smollm2_greedy_matches_hf(smol, smollm2_gguf_path):
-    """Greedy tokens of the chat prompt match HF transformers loading the same GGUF."""
+    """SmolLM2 GGUF vs HF transformers loading the same GGUF: prefill logits within 1e-3 and
+    32 greedy tokens identical, for 3 prompts (one through the chat template)."""
     pytest.importorskip("accelerate")   # transformers needs it to load a GGUF
     import os
 
     import transformers
+    from ferrum.interfaces import KvCacheHandle, PrefillInput
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(smollm2_gguf_path), gguf_file=os.path.basename(smollm2_gguf_path),
         dtype=torch.float32).eval()
-    out = smol.chat(CAPITAL, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
-    ids = out.prompt_token_ids
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)
-    assert out.outputs[0].token_ids == ref[0, len(ids):].tolist()
+    tok = smol.tokenizer
+    prompts = [tok.apply_chat_template(CAPITAL), tok.encode("The three primary colors are"),
+               tok.encode("def fibonacci(n):\n")]
+    eng = smol.engine
+    for i, ids in enumerate(prompts):
+        # prefill logits through the executor, on blocks lent by the block manager
+        eng.block_manager.allocate("probe", ids, len(ids))
+        h = KvCacheHandle("probe", eng.block_manager.block_table("probe"), 0, eng.block_size)
+        got = eng.executor.prefill(PrefillInput([ids], [h])).logits[0]
+        eng.block_manager.free("probe")
+        eng.executor.release_cache("probe")
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0, -1]
+        diff = (got - ref).abs().max().item()
+        print(f"[smollm2] prompt {i}: max abs prefill logit diff vs HF {diff:.2e}")
+        assert diff < 1e-3, f"prompt {i}: max abs prefill logit diff vs HF {diff:.2e}"
+    outs = smol.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    for ids, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+        assert out.outputs[0].token_ids == ref[0, len(ids):].tolist()
