@@ -28,9 +28,13 @@ class ExecutorBase:
         self._live: dict[str, KvCacheHandle] = {}
         self._steps = {"prefill_steps": 0, "decode_steps": 0, "prefill_tokens": 0, "decode_tokens": 0}
 
-    # subclasses implement these two and set self.num_blocks
-    def _prefill(self, inp: PrefillInput) -> torch.Tensor: ...
-    def _decode(self, inp: DecodeInput) -> torch.Tensor: ...
+    # Subclasses implement these two (returning logits [num_seqs, vocab] float32) and set
+    # self.num_blocks; the public prefill/decode below add the bookkeeping.
+    def _prefill(self, inp: PrefillInput) -> torch.Tensor:
+        raise TypeError(f"{type(self).__name__} must implement _prefill")
+
+    def _decode(self, inp: DecodeInput) -> torch.Tensor:
+        raise TypeError(f"{type(self).__name__} must implement _decode")
 
     def prefill(self, inp: PrefillInput) -> PrefillOutput:
         logits = self._prefill(inp)
@@ -72,7 +76,7 @@ class ExecutorBase:
         return ExecutorStatus(self.num_blocks, used, self.num_blocks - used, len(self._live), **self._steps)
 
     def warmup(self) -> None:
-        pass
+        """Nothing to prepare by default (CPU); CUDA executors capture graphs here."""
 
     def shutdown(self) -> None:
-        pass
+        """Nothing to release by default; executors holding devices or ranks override it."""
