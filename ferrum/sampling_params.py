@@ -8,6 +8,7 @@ et al. 2019); presence/frequency penalties in [-2, 2] subtract from logits of ge
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ferrum.errors import InvalidRequestError
@@ -53,6 +54,10 @@ class SamplingParams:
         def bad(param: str, msg: str):
             raise InvalidRequestError(f"{param} {msg}", param=param)
 
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                bad(name, f"must be a finite number, got {getattr(self, name)}")
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", f"must be an integer >= 1, got {self.n!r}")
         if self.temperature < 0:

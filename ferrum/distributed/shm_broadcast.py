@@ -51,6 +51,9 @@ class ShmBroadcast:
             self.shm.unlink()
         except (FileNotFoundError, OSError):
             pass
+        # Drop the semaphores now: their finalizers unregister them from the resource tracker,
+        # which otherwise warns about "leaked semaphore objects" at exit.
+        self.ready, self.done = [], None
 
 
 class ShmReader:
@@ -68,12 +71,9 @@ class ShmReader:
 
     def recv(self):
         if self.shm is None:
+            # Spawned workers share rank 0's resource tracker, so attaching here registers the
+            # same name again (a no-op); rank 0's unlink() at shutdown removes it once.
             self.shm = shared_memory.SharedMemory(name=self.name)
-            try:  # the creator (rank 0) owns the segment; keep this process's tracker off it
-                from multiprocessing import resource_tracker
-                resource_tracker.unregister(self.shm._name, "shared_memory")
-            except Exception:
-                pass
         self.ready.acquire()
         (n,) = _HEADER.unpack_from(self.shm.buf, 0)
         msg = pickle.loads(self.shm.buf[_HEADER.size:_HEADER.size + n])

@@ -53,6 +53,13 @@ def config_from_args(args):
         enforce_eager=args.enforce_eager, chat_template=args.chat_template, seed=args.engine_seed)
 
 
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"port must be in 1..65535, got {port}")
+    return port
+
+
 def _cmd_pull(args) -> int:
     from ferrum.model_store import pull
     print(pull(args.name))
@@ -101,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(s)
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=_port, default=8000)
     s.add_argument("--api-key", default=None)
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--max-waiting", type=int, default=1024, help="queue limit; more gets HTTP 503")

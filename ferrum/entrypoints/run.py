@@ -45,6 +45,11 @@ def run(args) -> int:
                             seed=args.seed, max_tokens=args.max_tokens)
     engine = LLMEngine(config_from_args(args))
     tok = engine.tokenizer
+    if tok is None:
+        engine.shutdown()
+        raise InvalidRequestError(f"model {args.model!r} has no tokenizer files, so `ferrum run` cannot "
+                                  "encode text; add tokenizer.json/tokenizer_config.json to its folder, "
+                                  "or use the Python API with token-id prompts")
     try:
         if args.prompt is not None:
             if not args.prompt.strip():

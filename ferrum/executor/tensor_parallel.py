@@ -130,6 +130,11 @@ class TensorParallelExecutor(ExecutorBase):
             err = self._diagnose(e)
             self._kill_workers()
             raise err from e
+        except BaseException:
+            # Ctrl-C mid-step: the other ranks may be stuck in a collective waiting for us,
+            # so shutdown must not wait for them to read a message.
+            self._closed = True
+            raise
         self._step_no += 1
         return out
 
@@ -225,7 +230,7 @@ class TensorParallelExecutor(ExecutorBase):
             except Exception:
                 pass
             for p in self.procs:
-                p.join(timeout=10)
+                p.join(timeout=5)
         self._closed = True
         self._kill_workers()
         if getattr(self, "runner", None) is not None:
@@ -233,6 +238,12 @@ class TensorParallelExecutor(ExecutorBase):
             self.runner = None
         if getattr(self, "channel", None) is not None:
             self.channel.close()
+            self.channel = None
+        if getattr(self, "error_queue", None) is not None:
+            self.error_queue.close()
+            self.error_queue = None
+        import gc
+        gc.collect()
         try:
             dist.destroy_process_group()
         except Exception:

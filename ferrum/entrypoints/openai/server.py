@@ -220,7 +220,8 @@ def serve(args) -> int:
     print(f"ferrum: serving {names[0]!r} on http://{args.host}:{args.port}/v1 "
           f"(max_model_len {engine.max_model_len})", flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port,
+        # Ctrl-C: give open streams 2 s, then close them (their requests are aborted)
+        uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=2,
                     log_level="info" if getattr(args, "verbose", False) else "warning")
     finally:
         engine.shutdown()
