@@ -38,15 +38,20 @@ class RotaryEmbedding(nn.Module):
         # [max_position, head_dim/2] each; kept in float32 so bf16 models rotate accurately.
         self.register_buffer("cos", freqs.cos().float(), persistent=False)
         self.register_buffer("sin", freqs.sin().float(), persistent=False)
+        self._positions = None  # CPU path: cos/sin rows gathered once per forward, not per layer
+        self._rows = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions: [T] int64; q: [T, Hq, D]; k: [T, Hk, D] -> rotated (q, k), same dtypes.
         On CUDA q and k are rotated in place by one Triton kernel."""
         if q.is_cuda:
             return fused_ops.apply_rotary_emb_(positions, q, k, self.cos, self.sin)
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        if positions is not self._positions:
+            self._positions = positions
+            self._rows = (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+        cos, sin = self._rows
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
