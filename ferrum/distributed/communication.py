@@ -26,7 +26,9 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor, tp=None) -> torch.Tensor:
     tp = tp or get_tp()
     if tp.size == 1:
         return x
-    if _all_reduce_impl is not None:
+    # The fast path belongs to one process group: an engine built after an earlier one in the
+    # same process must not reach the earlier (destroyed) group through it.
+    if _all_reduce_impl is not None and getattr(_all_reduce_impl, "group", None) is tp.group:
         return _all_reduce_impl(x)
     dist.all_reduce(x, group=tp.group)
     return x

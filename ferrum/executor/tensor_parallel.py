@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ferrum.config import EngineConfig
+from ferrum.distributed.communication import set_all_reduce_impl
 from ferrum.distributed.parallel_state import init_tensor_parallel
 from ferrum.distributed.shm_broadcast import ShmBroadcast
 from ferrum.errors import FerrumError, TensorParallelError
@@ -249,6 +250,7 @@ class TensorParallelExecutor(ExecutorBase):
         except Exception:
             pass
         init_tensor_parallel(0, 1, None)
+        set_all_reduce_impl(None)
 
 
 def run_spmd_worker(config: EngineConfig) -> None:
