@@ -62,7 +62,6 @@ def free(llm):
 
 
 def bytes_per_step(llm, ctx_len):
-    from ferrum.executor.memory import compute_memory_requirements
     ex = llm.engine.executor
     cfg = ex.cfg
     mem = ex.memory
@@ -89,7 +88,6 @@ def timed_generate(llm, prompts, max_tokens):
             if o.finished:
                 last[o.request_id] = now
     t1 = time.perf_counter()
-    all_first = max(first.values())
     tpots = [(last[r] - first[r]) / max(1, ntok[r] - 1) for r in ids]
     ttfts = [first[r] - t0 for r in ids]
     return {"wall_s": t1 - t0, "ttft_s": ttfts, "tpot_s": tpots,
@@ -237,7 +235,6 @@ def sec_nanovllm(args):
     model = "qwen3-0.6b"
     llm = make_llm(model, 1, max_num_seqs=256, max_model_len=4096, max_num_batched_tokens=16384)
     rng = random.Random(0)
-    vocab = llm.engine.vocab_size
     prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(256)]
     outs_len = [rng.randint(100, 1024) for _ in range(256)]
     from ferrum import SamplingParams

@@ -151,3 +151,35 @@ def test_torchrun_matches_spawn(tmp_path_factory, smollm2_tokenizer):
     assert trun.returncode == 0, trun.stderr[-2000:]
     assert spawned.stdout.strip() != ""
     assert trun.stdout.strip() == spawned.stdout.strip()
+
+
+def test_all_reduce_fast_path_is_bound_to_its_group(tmp_path_factory):
+    """A fast all-reduce installed for one TP engine must not serve a later engine's group
+    (on the H200 a bf16 engine's symmetric-memory path outlived it and broke the next engine)."""
+    from ferrum.distributed import communication as comm
+    from ferrum.distributed.parallel_state import _TPState
+
+    class Stale:
+        group = object()  # a group no engine uses any more
+
+        def __call__(self, x):
+            raise AssertionError("stale all-reduce path used")
+
+    d = make_tiny_model(str(tmp_path_factory.mktemp("stale")), "llama")
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with LLM(d, progress=False, max_model_len=256) as llm:
+        ref = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    comm.set_all_reduce_impl(Stale())
+    try:
+        with LLM(d, progress=False, max_model_len=256, tensor_parallel_size=2) as llm:
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        assert got == ref
+        assert comm._all_reduce_impl is None  # shutdown clears it
+        fake = Stale()
+        comm.set_all_reduce_impl(lambda x: x * 0 + 7.0)
+        comm._all_reduce_impl.group = fake.group
+        tp = _TPState(0, 2, fake.group)
+        assert comm.tensor_model_parallel_all_reduce(torch.ones(3), tp).tolist() == [7.0] * 3
+    finally:
+        comm.set_all_reduce_impl(None)

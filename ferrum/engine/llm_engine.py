@@ -14,7 +14,7 @@ import torch
 
 from ferrum.config import EngineConfig
 from ferrum.engine.block_manager import BlockManager
-from ferrum.engine.scheduler import Scheduler, SchedulerOutput
+from ferrum.engine.scheduler import Scheduler
 from ferrum.engine.sequence import Request, Sequence, SequenceStatus
 from ferrum.engine.stop_checker import SequenceOutputState
 from ferrum.errors import (CacheConfigError, InvalidRequestError, OutOfKvCacheError,

@@ -4,7 +4,7 @@ its slice (`narrow`) and no rank ever materialises the whole model."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Protocol
 
 import torch
 

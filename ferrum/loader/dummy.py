@@ -17,10 +17,12 @@ def load_dummy(spec: str) -> ModelSource:
     with open(path) as f:
         cfg = ModelConfig.from_hf_dict(json.load(f))
     folder = os.path.dirname(os.path.abspath(path))
-    tok = None
-    if os.path.exists(os.path.join(folder, "tokenizer.json")) or os.path.exists(os.path.join(folder, "tokenizer_config.json")):
-        def tok():
-            from ferrum.tokenizer.tokenizer import Tokenizer
-            return Tokenizer.from_folder(folder)
+
+    def load_tokenizer():
+        from ferrum.tokenizer.tokenizer import Tokenizer
+        return Tokenizer.from_folder(folder)
+
+    has_tok = any(os.path.exists(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+    tok = load_tokenizer if has_tok else None
     return ModelSource(name=f"dummy-{cfg.architecture}", config=cfg, weights=lambda: None,
                        tokenizer_loader=tok, eos_token_ids=list(cfg.eos_token_id), path=path, fmt="dummy")
