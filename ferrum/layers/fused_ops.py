@@ -171,6 +171,20 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 # =============================================================================================
 if HAS_TRITON:
     @triton.jit
+    def _rope_heads(base, stride_h, cos, sin, offs_d, d_mask, H: tl.constexpr, HALF: tl.constexpr,
+                    BLOCK_H: tl.constexpr):
+        """Rotate the H heads of one token in place (q or k)."""
+        offs_h = tl.arange(0, BLOCK_H)
+        m = (offs_h[:, None] < H) & d_mask[None, :]
+        p1 = base + offs_h[:, None] * stride_h + offs_d[None, :]
+        x1 = tl.load(p1, mask=m, other=0.0)
+        x2 = tl.load(p1 + HALF, mask=m, other=0.0)
+        y1 = x1.to(tl.float32) * cos - x2.to(tl.float32) * sin
+        y2 = x2.to(tl.float32) * cos + x1.to(tl.float32) * sin
+        tl.store(p1, y1.to(x1.dtype), mask=m)
+        tl.store(p1 + HALF, y2.to(x1.dtype), mask=m)
+
+    @triton.jit
     def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_cos,
                      HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr,
@@ -184,25 +198,8 @@ if HAS_TRITON:
         cos = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=d_mask, other=0.0)[None, :]
         sin = tl.load(sin_ptr + pos * stride_cos + offs_d, mask=d_mask, other=0.0)[None, :]
 
-        offs_h = tl.arange(0, BLOCK_HQ)
-        m = (offs_h[:, None] < HQ) & d_mask[None, :]
-        p1 = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
-        x1 = tl.load(p1, mask=m, other=0.0)
-        x2 = tl.load(p1 + HALF, mask=m, other=0.0)
-        y1 = x1.to(tl.float32) * cos - x2.to(tl.float32) * sin
-        y2 = x2.to(tl.float32) * cos + x1.to(tl.float32) * sin
-        tl.store(p1, y1.to(x1.dtype), mask=m)
-        tl.store(p1 + HALF, y2.to(x1.dtype), mask=m)
-
-        offs_h = tl.arange(0, BLOCK_HK)
-        m = (offs_h[:, None] < HK) & d_mask[None, :]
-        p1 = k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
-        x1 = tl.load(p1, mask=m, other=0.0)
-        x2 = tl.load(p1 + HALF, mask=m, other=0.0)
-        y1 = x1.to(tl.float32) * cos - x2.to(tl.float32) * sin
-        y2 = x2.to(tl.float32) * cos + x1.to(tl.float32) * sin
-        tl.store(p1, y1.to(x1.dtype), mask=m)
-        tl.store(p1 + HALF, y2.to(x1.dtype), mask=m)
+        _rope_heads(q_ptr + t * stride_qt, stride_qh, cos, sin, offs_d, d_mask, HQ, HALF, BLOCK_HQ)
+        _rope_heads(k_ptr + t * stride_kt, stride_kh, cos, sin, offs_d, d_mask, HK, HALF, BLOCK_HK)
 
 
 def _torch_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
