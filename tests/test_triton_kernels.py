@@ -356,6 +356,23 @@ def check_fused_ops(device: str) -> None:
             assert torch.equal(qkv[:, (hq + hk) * D:].cpu(), qkv_cpu[:, (hq + hk) * D:]), "rope wrote outside q/k"
 
 
+def check_gemv(device: str) -> None:
+    """Batch-1 GEMV against F.linear in float64, on unmasked (even) and masked tiles, with and
+    without bias."""
+    from ferrum.layers import gemv
+    gen = torch.Generator().manual_seed(5)
+    for dtype in (torch.bfloat16, torch.float16):
+        for N, K, bias, cfg in ((64, 256, False, (8, 128, 4, 1)), (70, 200, True, (8, 64, 4, 1)),
+                                (48, 512, True, (16, 512, 4, 2))):
+            x = torch.randn(1, K, generator=gen).to(dtype)
+            w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype)
+            b = torch.randn(N, generator=gen).to(dtype) if bias else None
+            got = gemv.gemv(x.to(device), w.to(device), None if b is None else b.to(device), config=cfg)
+            ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+            assert got.shape == (1, N) and got.dtype == dtype
+            _assert_close(got, ref, dtype, f"gemv {dtype} N={N} K={K} bias={bias} cfg={cfg}")
+
+
 def check_sm90_compile(device: str) -> None:
     """Compile the default configurations for sm_90 (H100/H200) without a GPU (Triton's bundled
     ptxas) and assert no register spills and shared memory within the 227 KB an sm_90 block
@@ -409,6 +426,10 @@ def check_sm90_compile(device: str) -> None:
     build(fo._add_rms_norm_kernel, dict(HAS_RES=True, BLOCK=8192),
           dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", res_out_ptr="*bf16"), 8, 2, "rmsnorm")
     build(fo._silu_and_mul_kernel, dict(BLOCK=1024), dict(x_ptr="*bf16", out_ptr="*bf16"), 4, 2, "silu_and_mul")
+    from ferrum.layers import gemv
+    bn, bk, w, st = gemv.gemv_config(4096, 4096)
+    build(gemv._gemv_kernel, dict(HAS_BIAS=False, EVEN=True, BLOCK_N=bn, BLOCK_K=bk),
+          dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", y_ptr="*bf16"), w, st, "gemv")
     build(fo._rope_kernel, dict(HQ=32, HK=8, HALF=64, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_D=64),
           dict(q_ptr="*bf16", k_ptr="*bf16", pos_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32"), 4, 2, "rope")
 
@@ -421,7 +442,7 @@ interp = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 
 @interp
 @pytest.mark.parametrize("check", ["check_write_kv", "check_decode", "check_prefill", "check_attention_layer",
-                                   "check_fused_ops"])
+                                   "check_fused_ops", "check_gemv"])
 def test_kernel_in_interpreter(check):
     _run_interpreted(check)
 
@@ -464,7 +485,7 @@ def test_cpu_fallbacks_match_torch_modules():
 
 
 @pytest.mark.parametrize("check", ["check_write_kv", "check_decode", "check_prefill", "check_attention_layer",
-                                   "check_fused_ops"])
+                                   "check_fused_ops", "check_gemv"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUDA + triton")
 def test_kernel_on_gpu(check):

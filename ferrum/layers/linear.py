@@ -16,6 +16,7 @@ from torch import nn
 
 from ferrum.distributed.communication import tensor_model_parallel_all_reduce
 from ferrum.distributed.parallel_state import divide, get_tp
+from ferrum.layers import gemv
 
 
 def _copy(param: nn.Parameter, w: torch.Tensor, name: str = "") -> None:
@@ -38,6 +39,8 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if gemv.can_use(x, self.weight):
+            return gemv.gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -119,7 +122,7 @@ class RowParallelLinear(LinearBase):
         _copy(param, lazy.narrow(1, self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = gemv.gemv(x, self.weight) if gemv.can_use(x, self.weight) else F.linear(x, self.weight)
         y = tensor_model_parallel_all_reduce(y, self.tp)
         if self.bias is not None:
             y = y + self.bias

@@ -13,6 +13,7 @@ from torch import nn
 from ferrum.distributed.communication import (tensor_model_parallel_all_reduce,
                                               tensor_model_parallel_gather)
 from ferrum.distributed.parallel_state import get_tp
+from ferrum.layers import gemv
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -45,7 +46,10 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: [N, hidden] -> logits [N, vocab_size] on TP rank 0 (None elsewhere)."""
-        logits = F.linear(hidden, self.weight)
+        if gemv.can_use(hidden, self.weight):
+            logits = gemv.gemv(hidden, self.weight)
+        else:
+            logits = F.linear(hidden, self.weight)
         logits = tensor_model_parallel_gather(logits, dim=-1, tp=self.tp)
         if logits is None:
             return None

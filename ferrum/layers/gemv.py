@@ -1,0 +1,98 @@
+"""Batch-1 GEMV y = x W^T + b in Triton, for decode steps with one token (CUDA only).
+
+A batch-1 decode step is a chain of matrix-vector products whose speed is the rate at which
+the weights stream from HBM. cuBLAS reaches the roofline on large matrices but loses time on
+the smaller ones of a step (o_proj, and every matrix at TP=2, 8-50 MB each); this kernel
+streams W in [BLOCK_N, BLOCK_K] tiles with each program owning BLOCK_N output rows, so the
+grid always has thousands of programs and no split-K reduction is needed.
+
+Used by LinearBase and the LM head when x has exactly one row and the dtype is 16-bit
+(`FERRUM_TRITON_GEMV=0` turns it off); the block shape comes from `gemv_config`. On H200 it
+took a Llama-3-8B batch-1 step's matrix time from 4.07 to 3.73 ms (93% of the 4.35 TB/s
+roofline); see benchmarks/results/h200-2026-11-30/.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover
+    HAS_TRITON = False
+
+ENABLED = os.environ.get("FERRUM_TRITON_GEMV", "1") != "0"
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
+                     HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid = tl.program_id(0)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: unmasked, fully vectorised loads
+                x = tl.load(x_ptr + offs_k)
+                w = tl.load(rows + offs_k[None, :], eviction_policy="evict_first")
+            else:
+                k_mask = offs_k < K
+                x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
+                w = tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
+                            eviction_policy="evict_first")
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        y = tl.sum(acc, axis=1)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+def gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [n, k] weight: the best of 8 block
+    shapes per Llama-3-8B matrix on H200 (benchmarks/profile_decode.py gemv; bf16 TB/s):
+    wide matrices (gate_up, LM head: 3.9-4.45 TB/s) like short wide tiles; matrices of <= 32 MB
+    (o_proj, qkv at TP=2: 2.7-3.1 TB/s vs cuBLAS 2.2-2.5) like long thin tiles, which give
+    more programs; the rest (qkv, down: 3.5-3.8 vs 3.0-3.6) sit in between.
+    `FERRUM_GEMV_CONFIG="BN,BK,warps,stages"` overrides (tuning runs)."""
+    env = os.environ.get("FERRUM_GEMV_CONFIG")
+    if env:
+        bn, bk, w, s = (int(v) for v in env.split(","))
+        return bn, bk, w, s
+    if n >= 14336:
+        bn, bk, w, s = 16, 256, 4, 4
+    elif n * k <= 4096 * 4096:
+        bn, bk, w, s = 4, 1024, 4, 2
+    else:
+        bn, bk, w, s = 8, 512, 4, 3
+    while bk > 64 and k % bk:  # a BLOCK_K dividing K keeps the unmasked (EVEN) path
+        bk //= 2
+    return bn, bk, w, s
+
+
+def can_use(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (ENABLED and HAS_TRITON and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and weight.stride(1) == 1 and x.is_contiguous())
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """x: [1, K] contiguous; weight: [N, K] with unit stride along K; bias: [N] or None.
+    Returns [1, N] in x's dtype, accumulated in float32."""
+    N, K = weight.shape
+    assert x.shape == (1, K), (x.shape, weight.shape)
+    bn, bk, warps, stages = config or gemv_config(N, K)
+    y = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    even = N % bn == 0 and K % bk == 0
+    _gemv_kernel[(triton.cdiv(N, bn),)](
+        x, weight, bias if bias is not None else x, y, N, K, weight.stride(0),
+        HAS_BIAS=bias is not None, EVEN=even, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=warps, num_stages=stages)
+    return y
