@@ -14,6 +14,16 @@ import torch.distributed as dist
 
 log = logging.getLogger("ferrum")
 
+# torch keys a symmetric allocation's rendezvous by a per-process allocation counter, so a
+# second TP engine built in the same process as an earlier one (tests, benchmark scripts) would
+# wait 30 s for fresh workers whose counters start at 0 and then fall back to NCCL. Rank 0
+# remembers that it allocated once and tells every rank to skip symmetric memory instead.
+_allocated_in_process = False
+
+
+def allocated_in_process() -> bool:
+    return _allocated_in_process
+
 
 class SymmMemAllReduce:
     def __init__(self, group, device: torch.device, dtype: torch.dtype, max_bytes: int = 512 * 1024):
@@ -22,6 +32,8 @@ class SymmMemAllReduce:
         self.group_name = group.group_name
         self.max_numel = max_bytes // torch.finfo(dtype).bits * 8
         self.dtype = dtype
+        global _allocated_in_process
+        _allocated_in_process = True
         self.buf = symm_mem.empty(self.max_numel, dtype=dtype, device=device)
         symm_mem.rendezvous(self.buf, self.group_name)
         # Check the result once against NCCL before trusting it.

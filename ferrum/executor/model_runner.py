@@ -83,11 +83,17 @@ class ModelRunner:
         self.graphs = DecodeCudaGraphs(self, graph_batch_sizes(max_num_seqs),
                                        -(-max_model_len // self.block_size))
 
-    def enable_symm_mem_all_reduce(self) -> bool:
+    def graph_replay_stats(self, bs: int, iters: int = 50, profile_steps: int = 0) -> dict | None:
+        """See DecodeCudaGraphs.replay_stats; None without graphs (eager / CPU)."""
+        if self.graphs is None or bs not in self.graphs.graphs:
+            return None
+        return self.graphs.replay_stats(bs, iters, profile_steps)
+
+    def enable_symm_mem_all_reduce(self, allowed: bool = True) -> bool:
+        """Every rank gets the same `allowed` (rank 0 decides, see symm_mem.py)."""
         from ferrum.distributed.parallel_state import get_tp
         from ferrum.distributed.symm_mem import try_enable_symm_mem
-        import os
-        if os.environ.get("FERRUM_DISABLE_SYMM_MEM") == "1":
+        if not allowed or os.environ.get("FERRUM_DISABLE_SYMM_MEM") == "1":
             return False
         tp = get_tp()
         return tp.size > 1 and try_enable_symm_mem(tp.group, self.device, self.dtype)

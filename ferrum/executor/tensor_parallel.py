@@ -164,7 +164,12 @@ class TensorParallelExecutor(ExecutorBase):
         here), then decode CUDA graphs captured on every rank with the collectives inside."""
         if not self.rank_device.startswith("cuda"):
             return
-        self.symm_mem = self.call_all("enable_symm_mem_all_reduce")
+        from ferrum.distributed import symm_mem
+        allowed = not symm_mem.allocated_in_process()
+        if not allowed:
+            log.info("symmetric memory was set up by an earlier engine in this process; TP "
+                     "all-reduces use NCCL")
+        self.symm_mem = self.call_all("enable_symm_mem_all_reduce", allowed)
         if not self.config.enforce_eager:
             self.call_all("capture_cuda_graphs", self.config.scheduler.max_num_seqs, self.max_model_len)
             self.cuda_graphs = True
