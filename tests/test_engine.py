@@ -87,8 +87,8 @@ class Watch:
             assert len(ids) == len(set(ids)), "a sequence scheduled twice in one step"
             return out
 
-        def step():
-            outs = orig_step()
+        def step(**kw):
+            outs = orig_step(**kw)
             self.steps += 1
             self.max_running = max(self.max_running, len(self.sched.running))
             if hasattr(self.bm, "check_invariants"):

@@ -165,8 +165,10 @@ class LLMEngine:
         return bool(self.requests)
 
     # ---- one step ---------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; returns an output for each request that produced tokens."""
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Run one scheduler step; returns an output for each request that produced tokens
+        (with final_only, only for requests that finished: an offline batch needs no
+        per-step snapshots, and building one copies every running request's token list)."""
         sched = self.scheduler.schedule()
         for seq in sched.preempted:   # its blocks went back to the pool: drop the stale handle
             self.executor.release_cache(seq.seq_id)
@@ -200,7 +202,7 @@ class LLMEngine:
         if sample_seqs:
             self._sample(torch.cat(logits_parts) if len(logits_parts) > 1 else logits_parts[0],
                          sample_seqs, touched)
-        return [self._output(r) for r in touched.values()]
+        return [self._output(r) for r in touched.values() if not final_only or r.finished()]
 
     def _handles(self, seqs: list[Sequence]) -> list[KvCacheHandle]:
         return [KvCacheHandle(s.seq_id, self.block_manager.block_table(s.seq_id),

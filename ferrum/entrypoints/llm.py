@@ -65,14 +65,13 @@ class LLM:
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
-        t0, gen = time.perf_counter(), 0
+        t0, gen0 = time.perf_counter(), self.engine.stats["generation_tokens"]
         try:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    gen += sum(o.num_delta_tokens for o in out.outputs)
-                    if out.finished:
-                        done[out.request_id] = out
-                        bar.update(1)
+                for out in self.engine.step(final_only=True):
+                    done[out.request_id] = out
+                    bar.update(1)
+                gen = self.engine.stats["generation_tokens"] - gen0
                 bar.set_postfix_str(f"{gen / max(time.perf_counter() - t0, 1e-9):.1f} tok/s, "
                                     f"running {len(self.engine.scheduler.running)}", refresh=False)
         except BaseException:

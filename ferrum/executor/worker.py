@@ -117,6 +117,8 @@ def spawned_worker_main(rank: int, world: int, init_method: str, config: EngineC
     logging.basicConfig(level=logging.WARNING)
     try:
         device = rank_device(resolve_device(config.device), rank)
+        if device.startswith("cuda"):
+            reader.spin_s = 0.05  # GPU hosts have cores to spare; on CPU the ranks need them
         _, control = init_distributed(rank, world, device, init_method, config.parallel.step_timeout_s)
         runner = build_runner(config, device, progress=False)
         from ferrum.executor.tensor_parallel import local_num_blocks
