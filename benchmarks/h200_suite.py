@@ -33,7 +33,7 @@ def cfg_path(name):
 
 
 def meta(args):
-    return {"command": " ".join([sys.executable] + sys.argv), "date": datetime.datetime.utcnow().isoformat() + "Z",
+    return {"command": " ".join([sys.executable] + sys.argv), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "gpu": torch.cuda.get_device_name(0), "num_gpus": torch.cuda.device_count(),
             "torch": torch.__version__, "env": {k: os.environ.get(k) for k in
                                                 ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",

@@ -274,7 +274,7 @@ def sec_engine(args):
             while eng.has_unfinished_requests():
                 n0 = prefills[0]
                 t = time.perf_counter()
-                eng.step()
+                eng.step(final_only=True)  # as LLM.generate runs it
                 dt = time.perf_counter() - t
                 if prefills[0] == n0:
                     times.append(dt)
