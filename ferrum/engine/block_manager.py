@@ -227,6 +227,19 @@ class BlockManager:
         for _ in range(needed):
             table.append(self._take_block())
 
+    def try_append_slots(self, seq_id: str, num_total_tokens: int) -> bool:
+        """`append_slots` if `can_append`, in one lookup (the per-sequence decode path of the
+        scheduler, which runs for every running sequence every step). False: nothing changed."""
+        table = self._seqs[seq_id].block_table
+        needed = -(-num_total_tokens // self.block_size) - len(table)
+        if needed <= 0:
+            return True
+        if needed > len(self._free) + len(self._evictable):
+            return False
+        for _ in range(needed):
+            table.append(self._take_block())
+        return True
+
     def commit_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Register the sequence's newly full and computed blocks in the prefix cache.
 

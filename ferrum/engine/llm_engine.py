@@ -192,12 +192,16 @@ class LLMEngine:
                 idx = [i for i, c in enumerate(completes) if c]
                 logits_parts.append(out.logits[idx] if len(idx) < len(seqs) else out.logits)
                 sample_seqs += [seqs[i] for i in idx]
+        bs = self.block_size
         for c in sched.decodes + sched.prefills:
             s = c.seq
             s.num_computed_tokens += c.num_tokens
-            if s.request.metrics.first_scheduled_time is None:
-                s.request.metrics.first_scheduled_time = now
-            self.block_manager.commit_full_blocks(s.seq_id, s.token_ids, s.num_computed_tokens)
+            metrics = s.request.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+            # a decode fills a block only when it lands on a block boundary
+            if c.num_tokens > 1 or s.num_computed_tokens % bs == 0:
+                self.block_manager.commit_full_blocks(s.seq_id, s.token_ids, s.num_computed_tokens)
         touched: dict[str, Request] = {}
         if sample_seqs:
             self._sample(torch.cat(logits_parts) if len(logits_parts) > 1 else logits_parts[0],
@@ -209,31 +213,39 @@ class LLMEngine:
                               s.num_computed_tokens, self.block_size) for s in seqs]
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict) -> None:
+        params = [s.request.params for s in seqs]
+        # Output ids (a copy per sequence) only when penalties or min_tokens read them.
+        need_out = any(p.min_tokens or p.repetition_penalty != 1.0 or p.presence_penalty
+                       or p.frequency_penalty for p in params)
         md = SamplingMetadata.build(
-            [s.request.params for s in seqs], [s.request.prompt_token_ids for s in seqs],
-            [s.output_token_ids for s in seqs], [s.generator for s in seqs],
-            self.eos_token_ids, self.vocab_size, logits.device)
+            params, [s.request.prompt_token_ids for s in seqs],
+            [s.output_token_ids for s in seqs] if need_out else [()] * len(seqs),
+            [s.generator for s in seqs], self.eos_token_ids, self.vocab_size, logits.device)
         out = self.sampler(logits, md)
         token_ids = out.token_ids.tolist()
         now = time.perf_counter()
+        requests, logprobs = self.requests, out.logprobs
+        generated = 0
         for i, (seq, tok) in enumerate(zip(seqs, token_ids)):
             req = seq.request
-            if req.request_id not in self.requests:
+            if req.request_id not in requests:
                 continue
             if seq.index == 0 and req.params.n > 1 and not req.forked:
                 self._fork(req, seq)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             seq.token_ids.append(tok)
-            seq.output_state.append(tok)
+            state = seq.output_state
+            state.append(tok)
             seq.new_tokens += 1
-            if out.logprobs is not None and out.logprobs[i] is not None:
-                seq.logprobs.append(out.logprobs[i])
-                seq.cumulative_logprob += out.logprobs[i].get(tok, 0.0)
-            self.stats["generation_tokens"] += 1
-            if seq.output_state.finished:
+            if logprobs is not None and logprobs[i] is not None:
+                seq.logprobs.append(logprobs[i])
+                seq.cumulative_logprob += logprobs[i].get(tok, 0.0)
+            generated += 1
+            if state.finish_reason is not None:
                 self._drop(seq)
             touched[req.request_id] = req
+        self.stats["generation_tokens"] += generated
 
     def _fork(self, req: Request, parent: Sequence) -> None:
         """n > 1: the other samples share the prompt's full blocks with sample 0 and compute

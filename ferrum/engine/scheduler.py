@@ -96,20 +96,26 @@ class Scheduler:
         scheduled: set[str] = set()
 
         # 1. Decodes: running sequences with exactly one uncomputed token, oldest first.
-        for seq in sorted(self.running, key=lambda s: s.arrival):
-            if seq.num_uncomputed != 1 or seq.status != SequenceStatus.RUNNING:
+        #    (This loop runs for every running sequence every step: keep it lean.)
+        running = sorted(self.running, key=lambda s: s.arrival)
+        RUNNING = SequenceStatus.RUNNING
+        for seq in running:
+            n = len(seq.token_ids)
+            if n - seq.num_computed_tokens != 1 or seq.status is not RUNNING:
                 continue
             if budget < 1:
                 break
-            if not self._reserve(seq, seq.num_tokens, scheduled, out):
-                continue
-            self.bm.append_slots(seq.seq_id, seq.num_tokens)
+            if not self.bm.try_append_slots(seq.seq_id, n):
+                # out of blocks: preempt later arrivals (or this one), then try again
+                if not self._reserve(seq, n, scheduled, out):
+                    continue
+                self.bm.append_slots(seq.seq_id, n)
             out.decodes.append(ScheduledChunk(seq, 1))
             scheduled.add(seq.seq_id)
             budget -= 1
 
         # 2. Running sequences in the middle of a (chunked) prefill.
-        for seq in sorted(self.running, key=lambda s: s.arrival):
+        for seq in running:
             if budget <= 0:
                 break
             if seq.seq_id in scheduled or seq.num_uncomputed <= 1 or seq.status != SequenceStatus.RUNNING:
