@@ -547,3 +547,24 @@ def test_decode_in_cuda_graph():
         ref = torch.stack([o[0] for o in _ref_attention(list(q[:, None]), clean, bt, lens,
                                                          [[L - 1] for L in lens], D ** -0.5)])
         _assert_close(out, ref, dtype, f"graph replay lens={lens}")
+
+
+def test_torch_decode_reads_consecutive_blocks_in_place():
+    """The CPU decode path reads K/V in place when every sequence's blocks are consecutive and
+    gathers otherwise; both must equal the padded, masked form (no Python context lengths)."""
+    from ferrum.attention import torch_backend as tb
+    from ferrum.attention.metadata import AttentionMetadata
+    gen = torch.Generator().manual_seed(6)
+    bs, Hkv, H, D = 4, 2, 6, 16
+    cache = torch.randn(2, 40, bs, Hkv, D, generator=gen)
+    q = torch.randn(2, H, D, generator=gen)
+    lens = [9, 14]  # context lengths before this step; +1 token each
+    for tables, runs in (([[3, 4, 5, 0], [10, 11, 12, 13]], True),     # consecutive
+                         ([[3, 7, 5, 0], [10, 11, 12, 13]], False)):    # row 0 is not
+        bt = torch.tensor(tables)
+        md = AttentionMetadata(False, torch.zeros(2, dtype=torch.int64), bt,
+                               torch.tensor([n + 1 for n in lens]), max(lens) + 1, [1, 1], lens)
+        got = tb.decode_attention(q, cache, md, 0.25)
+        assert (md._decode_plan[3] is not None) == runs
+        padded = AttentionMetadata(False, md.slot_mapping, bt, md.seq_lens, md.max_seq_len)
+        torch.testing.assert_close(got, tb.decode_attention(q, cache, padded, 0.25), atol=1e-6, rtol=1e-5)

@@ -141,6 +141,10 @@ def main(args) -> int:
             f_ttft.append(a)
             f_tpot.append(b)
         if model is not None:
+            if device == "cpu":
+                # ferrum's CPU linears run on numpy's OpenBLAS, whose workers spin ~0.1 s
+                # after the last call; let them park so they do not slow HF's prefill.
+                time.sleep(0.5)
             a, b = hf_iter(model, args, vocab, device, it)
             if it:
                 h_ttft.append(a)

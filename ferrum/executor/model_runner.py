@@ -11,6 +11,7 @@ import torch
 from ferrum.attention.metadata import AttentionMetadata, forward_context
 from ferrum.config import ModelConfig
 from ferrum.interfaces import KvCacheHandle
+from ferrum.layers.gemv import cpu_blas_forward
 from ferrum.loader.base import ModelSource
 from ferrum.loader.model_loader import init_dummy_weights, load_weights
 from ferrum.models.registry import get_model_class
@@ -57,6 +58,9 @@ class ModelRunner:
         if self.device.type == "cpu" and os.environ.get("FERRUM_CPU_COLUMN_MAJOR_WEIGHTS", "1") != "0":
             _column_major_weights(self.model)
         self.attn_layers = [m for m in self.model.modules() if m.__class__.__name__ == "Attention"]
+        # CPU fp32, one process: linears run on numpy's BLAS (ferrum/layers/gemv.py)
+        from ferrum.distributed.parallel_state import get_tp
+        self.cpu_blas = self.device.type == "cpu" and dtype == torch.float32 and get_tp().size == 1
         self.block_size = 16
         self.num_blocks = 0
         self.graphs = None
@@ -139,10 +143,10 @@ class ModelRunner:
             max_seq_len=max(c + q for c, q in zip(ctx, qlens)),
             query_lens=qlens, context_lens=ctx, cu_seqlens_q=cu.to(dev))
         ids = torch.tensor([t for seq in token_ids for t in seq], dtype=torch.int64).to(dev, non_blocking=True)
-        with forward_context(md):
+        with forward_context(md), cpu_blas_forward(self.cpu_blas):
             hidden = self.model(ids, pos.to(dev, non_blocking=True))
-        last = (cu[1:] - 1).to(dev)
-        logits = self.model.compute_logits(hidden[last])
+            last = (cu[1:] - 1).to(dev)
+            logits = self.model.compute_logits(hidden[last])
         return None if logits is None else logits.float()
 
     @torch.inference_mode()
@@ -162,7 +166,7 @@ class ModelRunner:
             max_seq_len=int(pos.max()) + 1,
             query_lens=[1] * B, context_lens=[h.num_tokens for h in kv])
         ids = torch.tensor(token_ids, dtype=torch.int64).to(dev, non_blocking=True)
-        with forward_context(md):
+        with forward_context(md), cpu_blas_forward(self.cpu_blas):
             hidden = self.model(ids, pos.to(dev, non_blocking=True))
-        logits = self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(hidden)
         return None if logits is None else logits.float()

@@ -1,4 +1,4 @@
-"""Batch-1 GEMV y = x W^T + b in Triton, for decode steps with one token (CUDA only).
+"""Batch-1 GEMV y = x W^T + b: a Triton kernel on CUDA, the BLAS that numpy ships on CPU.
 
 A batch-1 decode step is a chain of matrix-vector products whose speed is the rate at which
 the weights stream from HBM. cuBLAS reaches the roofline on large matrices but loses time on
@@ -13,9 +13,11 @@ roofline); see benchmarks/results/h200-2026-11-30/.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
@@ -25,6 +27,12 @@ except ImportError:  # pragma: no cover
     HAS_TRITON = False
 
 ENABLED = os.environ.get("FERRUM_TRITON_GEMV", "1") != "0"
+# CPU: numpy's bundled OpenBLAS reads fp32 weights for one row at 16-31 GB/s on the 2-core
+# AMD EPYC dev box where torch's MKL path reads 11-22 GB/s (SmolLM2 shapes, weights larger
+# than the caches): a batch-1 SmolLM2 step's matrix time drops from ~32 to ~21 ms. Single
+# process only: OpenBLAS sizes its own thread pool from the core count, which CPU TP ranks
+# sharing the cores would oversubscribe.
+CPU_BLAS = os.environ.get("FERRUM_CPU_BLAS_GEMV", "1") != "0"
 
 
 if HAS_TRITON:
@@ -96,3 +104,39 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         HAS_BIAS=bias is not None, EVEN=even, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=warps, num_stages=stages)
     return y
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           single_process: bool = True) -> torch.Tensor:
+    """F.linear(x, weight, bias) with batch-1 fast paths: `gemv` on CUDA (16-bit), numpy's
+    BLAS on CPU (float32, `single_process` only). x: [T, K]; weight: [N, K] (any strides);
+    returns [T, N]."""
+    if x.dim() == 2 and x.shape[0] == 1 and can_use(x, weight):
+        return gemv(x, weight, bias)
+    if (CPU_BLAS and single_process and x.dim() == 2 and x.device.type == "cpu"
+            and x.dtype == torch.float32 and weight.dtype == torch.float32):
+        w = weight.numpy()
+        if x.shape[0] == 1:
+            y = torch.from_numpy(w.dot(x.numpy()[0]))[None]   # sgemv
+        else:
+            y = torch.from_numpy(x.numpy() @ w.T)              # sgemm
+        return y if bias is None else y.add_(bias)
+    return F.linear(x, weight, bias)
+
+
+@contextlib.contextmanager
+def cpu_blas_forward(active: bool):
+    """Around a CPU forward whose linears go to numpy's BLAS: torch's own ops run on one
+    thread meanwhile. Both libraries keep their worker threads spinning for a while after
+    each call, and on a small box torch's spinning workers and OpenBLAS's fight for the same
+    cores (measured: SmolLM2 batch-1 decode 261 ms per token instead of 34 ms on 2 cores).
+    The matrix work, nearly all of a step, still uses every core through OpenBLAS."""
+    if not (active and CPU_BLAS):
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)

@@ -11,7 +11,6 @@ slice from a `LazyWeight` (ferrum/loader/base.py).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ferrum.distributed.communication import tensor_model_parallel_all_reduce
@@ -39,9 +38,7 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if gemv.can_use(x, self.weight):
-            return gemv.gemv(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return gemv.linear(x, self.weight, self.bias, self.tp.size == 1)
 
 
 class ReplicatedLinear(LinearBase):
@@ -122,7 +119,7 @@ class RowParallelLinear(LinearBase):
         _copy(param, lazy.narrow(1, self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = gemv.gemv(x, self.weight) if gemv.can_use(x, self.weight) else F.linear(x, self.weight)
+        y = gemv.linear(x, self.weight, None, self.tp.size == 1)
         y = tensor_model_parallel_all_reduce(y, self.tp)
         if self.bias is not None:
             y = y + self.bias

@@ -46,10 +46,7 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: [N, hidden] -> logits [N, vocab_size] on TP rank 0 (None elsewhere)."""
-        if gemv.can_use(hidden, self.weight):
-            logits = gemv.gemv(hidden, self.weight)
-        else:
-            logits = F.linear(hidden, self.weight)
+        logits = gemv.linear(hidden, self.weight, None, self.tp.size == 1)
         logits = tensor_model_parallel_gather(logits, dim=-1, tp=self.tp)
         if logits is None:
             return None
