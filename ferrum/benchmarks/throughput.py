@@ -48,13 +48,13 @@ class _Timeline:
     """Wraps engine.step: (seconds since start, generated tokens so far, running sequences)."""
 
     def __init__(self, engine):
-        self.engine, self.points, self.t0, self.tokens = engine, [], 0.0, 0
+        self.engine, self.points, self.t0, self.tokens, self.tokens0 = engine, [], 0.0, 0, 0
         self.max_running = 0
         orig = engine.step
 
-        def step():
-            outs = orig()
-            self.tokens += sum(c.num_delta_tokens for o in outs for c in o.outputs)
+        def step(**kw):
+            outs = orig(**kw)
+            self.tokens = engine.stats["generation_tokens"] - self.tokens0
             running = len(engine.scheduler.running)
             self.max_running = max(self.max_running, running)
             self.points.append((time.perf_counter() - self.t0, self.tokens, running))
@@ -64,6 +64,7 @@ class _Timeline:
 
     def start(self):
         self.points, self.tokens, self.max_running = [], 0, 0
+        self.tokens0 = self.engine.stats["generation_tokens"]
         self.t0 = time.perf_counter()
 
 
