@@ -192,8 +192,9 @@ def _from_hub(repo_id: str) -> ModelSource:
         raise ModelNotFoundError(f"no model {repo_id!r} on the Hugging Face Hub "
                                  "(or it is gated/private)") from e
     except Exception as e:  # connection errors, offline mode, HTTP errors
+        first = (str(e).strip().splitlines() or [""])[0][:200]  # hub errors run to many lines
         raise ModelNotFoundError(f"could not fetch {repo_id!r}: the Hugging Face Hub could not be "
-                                 f"reached ({type(e).__name__}: {e})") from e
+                                 f"reached ({type(e).__name__}: {first})") from e
     return load_hf_folder(folder)
 
 

@@ -40,6 +40,9 @@ class LLMEngine:
         from ferrum.model_store import resolve_model
         self.config = config
         source = resolve_model(config.model)
+        if config.parallel.tensor_parallel_size > 1:  # fail before loading the tokenizer/weights
+            from ferrum.executor.tensor_parallel import validate_tp_sizes
+            validate_tp_sizes(source.config, config.parallel.tensor_parallel_size)
         self.model_name = source.name
         self.model_config = source.config
         self.tokenizer = None

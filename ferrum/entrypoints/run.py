@@ -43,6 +43,8 @@ def run(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                             seed=args.seed, max_tokens=args.max_tokens)
+    if args.prompt is not None and not args.prompt.strip():  # before loading anything
+        raise InvalidRequestError("--prompt is empty", param="prompt")
     engine = LLMEngine(config_from_args(args))
     tok = engine.tokenizer
     if tok is None:
