@@ -266,15 +266,23 @@ def main():
     p.add_argument("--tp-input", type=int, default=1000)
     p.add_argument("--tp-output", type=int, default=1000)
     args = p.parse_args()
+    run_sections(args, globals(), lambda s, e: save(args, f"failed_{s}", {"error": f"{type(e).__name__}: {e}"}))
+
+
+def run_sections(args, namespace: dict, on_error=None) -> None:
+    """Run `namespace["sec_<name>"](args)` for each of args.sections, timing each; a section
+    that raises is reported (and passed to on_error) and the others still run, so a long GPU
+    call returns every figure it could make."""
     for s in args.sections:
         t = time.perf_counter()
         print(f"[{time.strftime('%H:%M:%S')}] {s} ...", flush=True)
         try:
-            globals()[f"sec_{s}"](args)
-        except Exception as e:  # keep going: the other sections' figures still come back
+            namespace[f"sec_{s}"](args)
+        except Exception as e:
             import traceback
             traceback.print_exc()
-            save(args, f"failed_{s}", {"error": f"{type(e).__name__}: {e}"})
+            if on_error is not None:
+                on_error(s, e)
         print(f"[{s} took {time.perf_counter() - t:.1f} s]", flush=True)
 
 

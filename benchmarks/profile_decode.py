@@ -317,15 +317,8 @@ def main():
     p.add_argument("--engine-batches", type=int, nargs="+", default=[1, 256])
     p.add_argument("--gemv-modes", nargs="+", default=["0", "1"], help="FERRUM_TRITON_GEMV values to compare")
     args = p.parse_args()
-    for s in args.sections:
-        t = time.perf_counter()
-        print(f"[{time.strftime('%H:%M:%S')}] {s} ...", flush=True)
-        try:
-            globals()[f"sec_{s}"](args)
-        except Exception:
-            import traceback
-            traceback.print_exc()
-        print(f"[{s} took {time.perf_counter() - t:.1f} s]", flush=True)
+    from h200_suite import run_sections  # benchmarks/ is sys.path[0] when run as a script
+    run_sections(args, globals())
 
 
 if __name__ == "__main__":
