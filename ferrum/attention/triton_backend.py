@@ -145,6 +145,30 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
         num_warps=4 if hkv * d >= 1024 else 1)
 
 
+if HAS_TRITON:
+    @triton.jit
+    def _attend_tile(q, kc_ptr, vc_ptr, off, offs_d, n, n_mask, last_pos, m_i, l_i, acc, qk_scale,
+                     CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
+        """Fold one tile of BLOCK_N cached tokens (positions n, cache offsets `off`, present
+        where n_mask) into the online-softmax state (m_i running max, l_i running sum, acc
+        unnormalised output; base 2) of the query rows q. CAUSAL: row r sees positions <=
+        last_pos[r]. Shared by the decode and prefill kernels (FlashAttention-2's inner loop)."""
+        kt = tl.load(kc_ptr + off[None, :] + offs_d[:, None], mask=n_mask[None, :], other=0.0)
+        s = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PREC) * qk_scale
+        if CAUSAL:
+            s = tl.where((n[None, :] <= last_pos[:, None]) & n_mask[None, :], s, float("-inf"))
+        else:
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(vc_ptr + off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        v = v.to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        return m_new, l_i, acc
+
+
 # =============================================================================================
 # decode
 # =============================================================================================
@@ -192,18 +216,9 @@ if HAS_TRITON:
             # Per-token page lookup: works for any page size, BLOCK_N need not divide it.
             blk = tl.load(bt_row + n // PAGE, mask=n_mask, other=0).to(tl.int64)
             off = blk * stride_cblk + (n % PAGE) * stride_cslot + kvh * stride_ch
-            kt = tl.load(kc_ptr + off[None, :] + offs_d[:, None], mask=n_mask[None, :], other=0.0)
-            s = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PREC) * qk_scale  # [GROUP_PAD, BLOCK_N]
-            s = tl.where(n_mask[None, :], s, float("-inf"))
-            # Every tile has >= 1 valid column, so m_new is finite and exp2 never sees inf-inf.
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(vc_ptr + off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-            v = v.to(q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-            m_i = m_new
+            # Every tile has >= 1 valid column, so the running max stays finite.
+            m_i, l_i, acc = _attend_tile(q, kc_ptr, vc_ptr, off, offs_d, n, n_mask, n, m_i, l_i, acc,
+                                         qk_scale, CAUSAL=False, DOT_PREC=DOT_PREC)
 
         has = l_i > 0
         o = acc / tl.where(has, l_i, 1.0)[:, None]  # zero rows where nothing was seen
@@ -356,18 +371,8 @@ if HAS_TRITON:
                 n_mask = n < hi
                 blk = tl.load(bt_row + n // PAGE, mask=n_mask, other=0).to(tl.int64)
                 off = blk * stride_cblk + (n % PAGE) * stride_cslot + kvh * stride_ch
-                kt = tl.load(kc_ptr + off[None, :] + offs_d[:, None], mask=n_mask[None, :], other=0.0)
-                s = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PREC) * qk_scale
-                ok = (n[None, :] <= ctx + offs_m[:, None]) & n_mask[None, :]
-                s = tl.where(ok, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(vc_ptr + off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-                v = v.to(q.dtype)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-                m_i = m_new
+                m_i, l_i, acc = _attend_tile(q, kc_ptr, vc_ptr, off, offs_d, n, n_mask, ctx + offs_m,
+                                             m_i, l_i, acc, qk_scale, CAUSAL=True, DOT_PREC=DOT_PREC)
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                      o.to(o_ptr.dtype.element_ty), mask=m_mask[:, None])
