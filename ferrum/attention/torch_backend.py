@@ -59,20 +59,15 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMeta
 
 def _decode_plan(md: AttentionMetadata, block_size: int):
     """Per step, shared by all layers (memoised on `md`): each sequence's length, the flat
-    list of the blocks all sequences use (no padding), where each sequence starts in it (in
-    tokens), and `runs`: the first block of each sequence when every sequence's blocks are
-    consecutive ids (then K/V are read in place, no gather), else None."""
+    list of the blocks to gather (no padding), where each sequence starts (in tokens) in the
+    gathered K/V, and `runs`: the first block of each sequence when every sequence's blocks
+    are consecutive ids (then nothing is gathered, `blocks` is None and `starts` are cache
+    slots), else None."""
     plan = getattr(md, "_decode_plan", None)
     if plan is None:
         lens = [c + 1 for c in md.context_lens]
         nblk = [-(-n // block_size) for n in lens]
         bt = md.block_tables
-        rows = [bt[i, :k] for i, k in enumerate(nblk)]
-        blocks = rows[0] if len(rows) == 1 else torch.cat(rows)
-        starts, acc = [], 0
-        for k in nblk:
-            starts.append(acc * block_size)
-            acc += k
         runs = None
         width = max(nblk)
         if width == 1:
@@ -83,6 +78,15 @@ def _decode_plan(md: AttentionMetadata, block_size: int):
                       < (torch.tensor(nblk, device=bt.device) - 1)[:, None])
             if bool(((steps == 1) | ~in_use).all()):
                 runs = bt[:, 0].tolist()
+        if runs is None:  # gathered: sequence i starts where the blocks before it end
+            rows = [bt[i, :k] for i, k in enumerate(nblk)]
+            blocks = rows[0] if len(rows) == 1 else torch.cat(rows)
+            starts, acc = [], 0
+            for k in nblk:
+                starts.append(acc * block_size)
+                acc += k
+        else:  # read in place: sequence i starts at its first block's first slot
+            blocks, starts = None, [b * block_size for b in runs]
         plan = md._decode_plan = (lens, blocks, starts, runs)
     return plan
 
@@ -103,8 +107,6 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetad
         if runs is not None:
             # Consecutive blocks (the usual case for a lone sequence): read them in place;
             # the gather cost as much as the attention itself (SmolLM2, batch 1: 80 us/layer).
-            bs = kv_cache.shape[2]
-            starts = [b * bs for b in runs]
             kv = kv_cache.flatten(1, 2)                        # [2, slots, Hkv, D], a view
         else:
             kv = kv_cache.index_select(1, blocks).flatten(1, 2)   # [2, tokens, Hkv, D]

@@ -142,8 +142,8 @@ def main(args) -> int:
             f_tpot.append(b)
         if model is not None:
             if device == "cpu":
-                # ferrum's CPU linears run on numpy's OpenBLAS, whose workers spin ~0.1 s
-                # after the last call; let them park so they do not slow HF's prefill.
+                # ferrum's CPU linears run on numpy's OpenBLAS, whose workers may still be
+                # spinning after its last call; let them park before HF is timed.
                 time.sleep(0.5)
             a, b = hf_iter(model, args, vocab, device, it)
             if it:

@@ -7,8 +7,8 @@ Readers copy the message out and post `done`, so the writer never overwrites a m
 is still being read. On GPUs a reader first busy-polls a sequence number in the header for a
 short window (a decode step arrives every few ms; a semaphore wake-up adds its latency to
 every TP step, since rank 0's first all-reduce waits for the last rank to launch), then
-blocks on the semaphore, so an idle server does not spin. (Under torchrun, where ranks may be on other machines, the executor uses
-the gloo broadcast instead.)
+blocks on the semaphore, so an idle server does not spin. (Under torchrun, where ranks may be
+on other machines, the executor uses the gloo broadcast instead.)
 """
 from __future__ import annotations
 

@@ -216,25 +216,20 @@ class BlockManager:
         A no-op if it already does. Raises OutOfKvCacheError (nothing changed) when the pool
         lacks blocks; the scheduler should check `can_append` first and preempt otherwise.
         """
-        table = self._seqs[seq_id].block_table
-        needed = self._num_blocks_for(num_total_tokens) - len(table)
-        if needed <= 0:
-            return
-        if needed > self.num_free_blocks:
+        if not self.try_append_slots(seq_id, num_total_tokens):
+            needed = self._num_blocks_for(num_total_tokens) - len(self._seqs[seq_id].block_table)
             raise OutOfKvCacheError(
                 f"sequence {seq_id!r} needs {needed} more KV blocks to hold {num_total_tokens} "
                 f"tokens, but only {self.num_free_blocks} of {self.num_blocks} are free")
-        for _ in range(needed):
-            table.append(self._take_block())
 
     def try_append_slots(self, seq_id: str, num_total_tokens: int) -> bool:
         """`append_slots` if `can_append`, in one lookup (the per-sequence decode path of the
         scheduler, which runs for every running sequence every step). False: nothing changed."""
         table = self._seqs[seq_id].block_table
-        needed = -(-num_total_tokens // self.block_size) - len(table)
+        needed = self._num_blocks_for(num_total_tokens) - len(table)
         if needed <= 0:
             return True
-        if needed > len(self._free) + len(self._evictable):
+        if needed > self.num_free_blocks:
             return False
         for _ in range(needed):
             table.append(self._take_block())

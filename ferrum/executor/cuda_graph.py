@@ -122,11 +122,11 @@ class DecodeCudaGraphs:
         # one host tensor per step: [token, position, slot, seq_len, block table...], filled
         # from one flat list through numpy (3x faster than torch.tensor on nested lists: at
         # batch 256 this is on the host's critical path every step)
-        W, page = 4 + M, self.runner.block_size
+        W = 4 + M
         flat: list[int] = []
         for t, hd in zip(token_ids, kv):
             n, bt = hd.num_tokens, hd.block_table
-            flat += (t, n, bt[n // page] * page + n % page, n + 1)
+            flat += (t, n, hd.slot(n), n + 1)
             flat += bt
             if len(bt) < M:
                 flat += [0] * (M - len(bt))

@@ -1,4 +1,4 @@
-"""Batch-1 GEMV y = x W^T + b: a Triton kernel on CUDA, the BLAS that numpy ships on CPU.
+"""Fast paths for y = x W^T + b: a batch-1 Triton GEMV on CUDA; numpy's bundled BLAS on CPU.
 
 A batch-1 decode step is a chain of matrix-vector products whose speed is the rate at which
 the weights stream from HBM. cuBLAS reaches the roofline on large matrices but loses time on
@@ -6,10 +6,10 @@ the smaller ones of a step (o_proj, and every matrix at TP=2, 8-50 MB each); thi
 streams W in [BLOCK_N, BLOCK_K] tiles with each program owning BLOCK_N output rows, so the
 grid always has thousands of programs and no split-K reduction is needed.
 
-Used by LinearBase and the LM head when x has exactly one row and the dtype is 16-bit
-(`FERRUM_TRITON_GEMV=0` turns it off); the block shape comes from `gemv_config`. On H200 it
-took a Llama-3-8B batch-1 step's matrix time from 4.07 to 3.73 ms (93% of the 4.35 TB/s
-roofline); see benchmarks/results/h200-2026-11-30/.
+The Triton GEMV serves LinearBase and the LM head when x has exactly one row and the dtype
+is 16-bit (`FERRUM_TRITON_GEMV=0` turns it off); the block shape comes from `gemv_config`. On
+H200 it took a Llama-3-8B batch-1 step's matrix time from 4.07 to 3.70 ms (94% of the
+4.35 TB/s roofline); see benchmarks/results/h200-2026-11-30-r2/. `linear` dispatches.
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ except ImportError:  # pragma: no cover
 ENABLED = os.environ.get("FERRUM_TRITON_GEMV", "1") != "0"
 # CPU: numpy's bundled OpenBLAS reads fp32 weights for one row at 16-31 GB/s on the 2-core
 # AMD EPYC dev box where torch's MKL path reads 11-22 GB/s (SmolLM2 shapes, weights larger
-# than the caches): a batch-1 SmolLM2 step's matrix time drops from ~32 to ~21 ms. Single
+# than the caches): a batch-1 SmolLM2 step's matrix time drops from ~32 to ~21 ms; it is also
+# ahead at 2-128 rows (32 rows: 78 vs 91-101 ms per step), so it takes every row count. Single
 # process only: OpenBLAS sizes its own thread pool from the core count, which CPU TP ranks
 # sharing the cores would oversubscribe.
 CPU_BLAS = os.environ.get("FERRUM_CPU_BLAS_GEMV", "1") != "0"
@@ -108,10 +109,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            single_process: bool = True) -> torch.Tensor:
-    """F.linear(x, weight, bias) with batch-1 fast paths: `gemv` on CUDA (16-bit), numpy's
-    BLAS on CPU (float32, `single_process` only). x: [T, K]; weight: [N, K] (any strides);
-    returns [T, N]."""
-    if x.dim() == 2 and x.shape[0] == 1 and can_use(x, weight):
+    """F.linear(x, weight, bias) with fast paths: `gemv` on CUDA (one row, 16-bit), numpy's
+    BLAS on CPU (float32, `single_process` only; run inside `cpu_blas_forward`). x: [T, K];
+    weight: [N, K] (any strides); returns [T, N]."""
+    if can_use(x, weight):
         return gemv(x, weight, bias)
     if (CPU_BLAS and single_process and x.dim() == 2 and x.device.type == "cpu"
             and x.dtype == torch.float32 and weight.dtype == torch.float32):
@@ -141,6 +142,7 @@ def cpu_blas_forward(active: bool):
         yield
     finally:
         torch.set_num_threads(n)
+
 
 _openblas_libs: list | None = None
 _openblas_threads: int | None = None
