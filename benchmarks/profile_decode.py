@@ -245,17 +245,19 @@ def sec_engine(args):
     full engine (LLM engine.step: schedule, send to workers, graph replay, sample, outputs).
     Over the steps with no prefill, step_ms is the wall time per step; the graph replay of the
     same batch size on the last step's inputs, back to back on every rank, is the GPU time;
-    host_ms = step_ms - replay_ms is what the GPU waits for the host. At TP=1, batch 1, a
-    torch.profiler kernel table of one replay is saved too."""
+    host_ms = step_ms - replay_ms is what the GPU waits for the host. Each TP size runs with
+    async scheduling off and on (`--async-modes`): with it on, the host prepares step n+1
+    while the GPU runs step n, so host_ms is only the part the overlap does not hide. At TP=1,
+    batch 1, a torch.profiler kernel table of one replay is saved too."""
     from ferrum import LLM, SamplingParams
     res = {"model": args.model, "prompt_len": 128, "steps": args.steps, "runs": {}}
-    for tp in args.tp:
+    for tp, mode in [(tp, m) for tp in args.tp for m in args.async_modes]:
         if args.device == "cuda" and tp > torch.cuda.device_count():
             continue
         B_max = max(args.engine_batches)
         llm = LLM(f"dummy:{cfg_path(args.model)}", progress=False, tensor_parallel_size=tp,
                   dtype="bfloat16", device=args.device, max_num_seqs=B_max, max_model_len=128 + args.steps + 16,
-                  max_num_batched_tokens=8192)
+                  max_num_batched_tokens=8192, async_scheduling=mode == "on")
         eng, ex = llm.engine, llm.engine.executor
         runner_call = (lambda m, *a: ex.call_all(m, *a)) if tp > 1 else (lambda m, *a: getattr(ex.runner, m)(*a))
         prefills = [0]
@@ -280,9 +282,9 @@ def sec_engine(args):
                     times.append(dt)
             times = times[2:-2]  # drop the edges (first decode after prefill, last partial)
             step_ms = 1000 * sum(times) / len(times)
-            prof = 5 if (tp == 1 and B == 1) else 0
+            prof = 5 if (tp == 1 and B == 1 and mode == args.async_modes[-1]) else 0
             st = runner_call("graph_replay_stats", B, 50, prof)
-            row = {"batch": B, "decode_steps_timed": len(times), "step_ms": step_ms,
+            row = {"batch": B, "async_scheduling": mode, "decode_steps_timed": len(times), "step_ms": step_ms,
                    "tokens_per_s": B / step_ms * 1000, "symm_mem": getattr(ex, "symm_mem", None)}
             if st is not None:
                 row.update(replay_ms=st["replay_ms"], host_ms=step_ms - st["replay_ms"],
@@ -293,8 +295,8 @@ def sec_engine(args):
                         cats[_category(k)] = cats.get(_category(k), 0.0) + v["us_per_step"]
                     row["kernel_categories_us"] = dict(sorted(cats.items(), key=lambda kv: -kv[1]))
                     row["kernels"] = dict(sorted(st["kernels"].items(), key=lambda kv: -kv[1]["us_per_step"])[:30])
-            res["runs"][f"tp{tp}_b{B}"] = row
-            print(f"tp{tp} B={B}", {k: v for k, v in row.items() if k != "kernels"}, flush=True)
+            res["runs"][f"tp{tp}_b{B}_async_{mode}"] = row
+            print(f"tp{tp} B={B} async {mode}", {k: v for k, v in row.items() if k != "kernels"}, flush=True)
         llm.shutdown()
         del llm
         import gc
@@ -315,6 +317,8 @@ def main():
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--device", default="cuda", help="engine section only (cpu: a smoke run)")
     p.add_argument("--engine-batches", type=int, nargs="+", default=[1, 256])
+    p.add_argument("--async-modes", nargs="+", default=["off", "on"], choices=["off", "on"],
+                   help="engine section: async scheduling off / on")
     p.add_argument("--gemv-modes", nargs="+", default=["0", "1"], help="FERRUM_TRITON_GEMV values to compare")
     args = p.parse_args()
     from h200_suite import run_sections  # benchmarks/ is sys.path[0] when run as a script

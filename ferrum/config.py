@@ -165,6 +165,9 @@ class SchedulerConfig:
     max_model_len: int | None = None          # None -> model's max_position_embeddings
     enable_chunked_prefill: bool = True
     max_waiting: int = 4096                   # more waiting requests -> QueueFullError
+    # Prepare and launch decode step n+1 while the device still runs step n (the sampled ids
+    # stay on the device). None -> on for CUDA, off for CPU (no device to overlap with).
+    async_scheduling: bool | None = None
 
 
 @dataclass

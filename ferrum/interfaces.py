@@ -61,10 +61,19 @@ class DecodeInput:
     """One new token per running sequence, batched in one forward pass.
 
     token_ids[i] sits at position `kv[i].num_tokens` of sequence i.
+
+    Async scheduling (the engine prepares step n+1 while the device runs step n) adds:
+    prev_sampled: [P] int64 on the executor's (rank 0) device, the ids the sampler drew in the
+        previous step, which the host has not read yet; None when no row needs it.
+    prev_rows: per row, the index into prev_sampled of that row's input token (its
+        token_ids[i] is then ignored), or -1 to use token_ids[i]. Under TP the ids reach the
+        other ranks by one broadcast on the TP group.
     """
 
     token_ids: list[int]
     kv: list[KvCacheHandle]
+    prev_sampled: torch.Tensor | None = None
+    prev_rows: list[int] | None = None
 
 
 @dataclass

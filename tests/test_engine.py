@@ -138,6 +138,9 @@ BATCH_CONFIGS = {
     "chunked-budget-16-no-prefix": dict(max_num_batched_tokens=16, enable_prefix_caching=False),
     "no-chunk-budget-32-block-8": dict(enable_chunked_prefill=False, max_num_batched_tokens=32, block_size=8),
     "max-seqs-5": dict(max_num_seqs=5, max_num_batched_tokens=40, block_size=8),
+    # async scheduling (default on CUDA): step n+1 launched before step n's tokens are read
+    "async": dict(async_scheduling=True),
+    "async-max-seqs-5": dict(max_num_seqs=5, max_num_batched_tokens=40, block_size=8, async_scheduling=True),
 }
 
 
@@ -157,9 +160,13 @@ def test_batch_matches_alone(folder, reference, cfg):
     if "budget-16" in cfg:
         assert w.max_tokens_seen == 16
         assert llm.engine.executor.status().prefill_steps > 64   # prompts were chunked
-    if cfg == "max-seqs-5":
+    if cfg.endswith("max-seqs-5"):
         assert w.max_running == 5
-    if cfg in ("chunked-budget-16", "max-seqs-5"):
+    if cfg.startswith("async"):
+        assert llm.engine.status()["overlapped_steps"] > 0, "no step overlapped the one before"
+    else:
+        assert llm.engine.status()["overlapped_steps"] == 0
+    if cfg in ("chunked-budget-16", "max-seqs-5", "async-max-seqs-5"):
         # Admission is spread over steps, so later prompts hit the shared 40-token prefix
         # (with the whole batch admitted in one step nothing is cached yet).
         assert llm.engine.status()["prefix_cache_hit_rate"] > 0
@@ -167,13 +174,14 @@ def test_batch_matches_alone(folder, reference, cfg):
     w.assert_drained()
 
 
-@pytest.mark.parametrize("cfg", ["prefix-chunked", "no-prefix-no-chunk"])
+@pytest.mark.parametrize("cfg", ["prefix-chunked", "no-prefix-no-chunk", "async"])
 def test_preemption_under_kv_pressure(folder, reference, cfg):
     """A pool of 24 blocks of 8 (192 tokens; one max_model_len sequence needs 16) for 64
     prompts: sequences are preempted and recomputed, and every output is unchanged."""
     prompts, params = workload()
-    extra = dict(max_num_batched_tokens=48) if cfg == "prefix-chunked" else \
-        dict(enable_prefix_caching=False, enable_chunked_prefill=False)
+    extra = {"prefix-chunked": dict(max_num_batched_tokens=48),
+             "no-prefix-no-chunk": dict(enable_prefix_caching=False, enable_chunked_prefill=False),
+             "async": dict(max_num_batched_tokens=48, async_scheduling=True)}[cfg]
     llm = make_llm(folder, num_kv_blocks=24, block_size=8, **extra)
     w = Watch(llm)
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -240,8 +248,41 @@ def test_n_samples_seeded_fork_shares_blocks(folder):
     w.assert_drained()
 
 
-def test_abort_frees_blocks(folder):
-    llm = make_llm(folder, max_num_batched_tokens=32, block_size=8)
+def test_async_scheduling_matches_sync(folder):
+    """Seeded sampling (n=2, top-k/top-p), penalties and logprobs (which read output ids on
+    the host, so the step after them waits) give identical outputs with async scheduling."""
+    prompts, _ = workload(24, seed=4)
+    params = []
+    for i in range(len(prompts)):
+        kw = dict(temperature=0.8, top_k=20, top_p=0.9, seed=100 + i, max_tokens=4 + i % 13,
+                  n=2 if i % 4 == 0 else 1)
+        if i % 6 == 1:
+            kw.update(repetition_penalty=1.3, frequency_penalty=0.5)
+        if i % 6 == 2:
+            kw.update(logprobs=3)
+        params.append(SamplingParams(**kw))
+    runs = {}
+    for mode in (False, True):
+        llm = make_llm(folder, max_num_seqs=6, async_scheduling=mode)
+        w = Watch(llm)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs[mode] = [[(c.token_ids, c.finish_reason, c.logprobs) for c in o.outputs] for o in outs]
+        assert (llm.engine.stats["overlapped_steps"] > 0) == mode
+        w.assert_drained()
+    for sync, overlapped in zip(runs[False], runs[True]):
+        assert [c[:2] for c in overlapped] == [c[:2] for c in sync]
+        # logprobs: same tokens; values may differ in the last bits, since a step that
+        # overlaps carries the rows of sequences finished by the step before it (batch size)
+        for (_, _, a), (_, _, b) in zip(sync, overlapped):
+            assert (a is None) == (b is None)
+            for da, db in zip(a or [], b or []):
+                assert list(da) == list(db)
+                assert max(abs(da[t] - db[t]) for t in da) < 1e-5
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_abort_frees_blocks(folder, async_scheduling):
+    llm = make_llm(folder, max_num_batched_tokens=32, block_size=8, async_scheduling=async_scheduling)
     w = Watch(llm)
     eng = llm.engine
     prompts, _ = workload(12, seed=2)

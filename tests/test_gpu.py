@@ -76,7 +76,25 @@ def test_tp2_equals_tp1_fp32(tiny):
     with LLM(tiny, progress=False, dtype="float32", device="cuda", max_num_seqs=16, max_model_len=1024,
              tensor_parallel_size=2) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        assert llm.engine.stats["overlapped_steps"] > 0   # async scheduling is on under TP too
     assert got == ref
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_async_scheduling_matches_sync(tiny, eager):
+    """Async scheduling (the CUDA default: decode inputs taken from the previous step's samples
+    on the device) gives the tokens of the synchronous loop: greedy and seeded sampling."""
+    prompts = _prompts(8)
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=8 + 4 * i, ignore_eos=True)
+              for i in range(len(prompts))]
+    runs = {}
+    for mode in (False, True):
+        with LLM(tiny, progress=False, dtype="float32", device="cuda", max_num_seqs=16,
+                 max_model_len=1024, enforce_eager=eager, async_scheduling=mode) as llm:
+            runs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            assert (llm.engine.stats["overlapped_steps"] > 0) == mode
+    assert runs[True] == runs[False]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

@@ -74,6 +74,12 @@ def test_tp2_greedy_batch_identical(tmp_path_factory):
         assert llm.engine.executor.status().running_sequences == 0
     assert all(len(t) == 64 for t in got)
     assert got == ref
+    # async scheduling: decode inputs come from the previous step's samples, which rank 0
+    # broadcasts to rank 1 on the TP group
+    with LLM(d, progress=False, max_model_len=256, tensor_parallel_size=2, async_scheduling=True) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        assert llm.engine.stats["overlapped_steps"] >= 60
+    assert got == ref
 
 
 def test_bad_tp_size_named_error(tmp_path_factory):

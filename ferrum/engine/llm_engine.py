@@ -3,12 +3,15 @@
 step(): scheduler picks decodes + prefill chunks -> executor runs them (one batched decode
 forward, one batched prefill forward) -> the sampler draws the next token of every sequence
 whose computation reached its end -> stop checks and incremental detokenization -> outputs.
+With async scheduling (default on CUDA) the sampled ids stay on the device and the host
+schedules and launches the next decode step before it reads them (see `step`).
 """
 from __future__ import annotations
 
 import itertools
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -25,6 +28,31 @@ from ferrum.outputs import CompletionOutput, RequestOutput
 from ferrum.sampling_params import SamplingParams
 
 log = logging.getLogger("ferrum")
+
+PLACEHOLDER = -1  # a sequence's next token while it is still on the device (async scheduling)
+
+
+@dataclass
+class StepInFlight:
+    """A launched step whose samples the host has not processed yet.
+
+    seqs / positions: the sampled sequences, in the sampler's row order, and the index in each
+        one's token_ids of the PLACEHOLDER its sample replaces.
+    token_ids: [B] int64 sampler output on the device (the next step's inputs may come from it);
+        host_ids: its copy on the host, valid once `ready` (a CUDA event; None on CPU) fired.
+    commits: (sequence, computed tokens) whose full blocks enter the prefix cache once every
+        token in them is known.
+    overlappable: no row needs its output ids on the host before its next step.
+    """
+
+    seqs: list[Sequence]
+    positions: list[int]
+    token_ids: torch.Tensor | None
+    host_ids: torch.Tensor | None
+    ready: "torch.cuda.Event | None"
+    logprobs: list | None
+    commits: list[tuple[Sequence, int]]
+    overlappable: bool
 
 
 def create_executor(source, config: EngineConfig, progress: bool = True) -> ModelExecutor:
@@ -88,7 +116,11 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.stats = {"requests_finished": 0, "requests_aborted": 0, "prompt_tokens": 0,
-                      "generation_tokens": 0, "steps": 0}
+                      "generation_tokens": 0, "steps": 0, "overlapped_steps": 0}
+        self.sample_device = self.executor.info().device   # logits arrive on rank 0's device
+        a = config.scheduler.async_scheduling
+        self.async_scheduling = self.sample_device.startswith("cuda") if a is None else a
+        self._in_flight: StepInFlight | None = None
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int] | None,
@@ -123,6 +155,9 @@ class LLMEngine:
                                      f"at most {self.max_model_len - 1} prompt tokens are allowed",
                                      param="prompt")
         validate_token_ids(params, self.vocab_size)
+        if params.n > self.config.scheduler.max_num_seqs:
+            raise InvalidRequestError(f"n={params.n} samples exceed max_num_seqs "
+                                      f"({self.config.scheduler.max_num_seqs})", param="n")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", param="stop")
         total = min(self.max_model_len, n + (params.max_tokens or self.max_model_len))
@@ -140,7 +175,7 @@ class LLMEngine:
         return request_id
 
     def _new_seq(self, req: Request, index: int) -> Sequence:
-        seq = Sequence(f"{req.request_id}#{index}", req, index)
+        seq = Sequence(f"{req.request_id}#{index}", req, index, self.sample_device)
         seq.output_state = SequenceOutputState(req.params, self.tokenizer, req.prompt_token_ids,
                                                self.eos_token_ids, self.max_model_len)
         req.seqs.append(seq)
@@ -171,19 +206,67 @@ class LLMEngine:
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Run one scheduler step; returns an output for each request that produced tokens
         (with final_only, only for requests that finished: an offline batch needs no
-        per-step snapshots, and building one copies every running request's token list)."""
+        per-step snapshots, and building one copies every running request's token list).
+
+        With async scheduling a step's sampled ids stay on the device: when the next step can
+        run without them on the host (`_can_overlap`), it is scheduled and launched first and
+        the previous step's tokens are read and processed while the device runs it. So a call
+        returns the tokens of the step launched by the call before, or of its own step when
+        the two could not overlap."""
+        touched: dict[str, Request] = {}
+        if self._in_flight is not None and not self._can_overlap():
+            self._finish(touched)
+        overlapped = self._in_flight is not None
         sched = self.scheduler.schedule()
+        # overlap is only chosen when scheduling cannot admit or preempt (see _can_overlap)
+        assert not overlapped or not (sched.prefills or sched.preempted), "overlap broke its rule"
         for seq in sched.preempted:   # its blocks went back to the pool: drop the stale handle
             self.executor.release_cache(seq.seq_id)
-        if sched.is_empty():
-            return []
-        self.stats["steps"] += 1
+        launched = None
+        if not sched.is_empty():
+            self.stats["steps"] += 1
+            self.stats["overlapped_steps"] += overlapped
+            launched = self._launch(sched)
+        self._finish(touched)         # the previous step, while the device runs this one
+        self._in_flight = launched
+        if not self.async_scheduling:
+            self._finish(touched)
+        return [self._output(r) for r in touched.values() if not final_only or r.finished()]
+
+    def _can_overlap(self) -> bool:
+        """True when the next step needs nothing from the in-flight step's samples on the
+        host: every running sequence was sampled in it and only decodes (their input ids are
+        taken from the device), no penalties / min_tokens / logprobs read output ids, the
+        scheduler will neither admit (no waiting request, or no free sequence slot) nor
+        preempt (enough free blocks). A sequence that the in-flight token finishes gets one
+        wasted row (as in vLLM); its position is still < max_model_len, since a running
+        sequence holds at most max_model_len tokens."""
+        f, sch = self._in_flight, self.scheduler
+        if not f.overlappable or (sch.waiting and len(sch.running) < self.config.scheduler.max_num_seqs):
+            return False
+        bs = self.block_size
+        new_blocks = 0
+        for s in sch.running:
+            if s.token_ids[-1] != PLACEHOLDER:
+                return False
+            new_blocks += s.num_computed_tokens % bs == 0
+        return new_blocks <= self.block_manager.num_free_blocks
+
+    def _launch(self, sched) -> "StepInFlight":
+        """Run the step's forward passes and the sampler; returns without waiting for the
+        device. Every sampled sequence gets a PLACEHOLDER token until `_finish` reads it."""
         now = time.perf_counter()
+        prev = self._in_flight
         logits_parts, sample_seqs = [], []
         if sched.decodes:
             seqs = [c.seq for c in sched.decodes]
-            out = self.executor.decode(DecodeInput([s.token_ids[-1] for s in seqs], self._handles(seqs)))
-            logits_parts.append(out.logits)
+            tokens = [s.token_ids[-1] for s in seqs]
+            inp = DecodeInput(tokens, self._handles(seqs))
+            if PLACEHOLDER in tokens:  # inputs sampled by the in-flight step, still on the device
+                inp.prev_sampled = prev.token_ids
+                inp.prev_rows = [s.sampled_row if t == PLACEHOLDER else -1 for s, t in zip(seqs, tokens)]
+                inp.token_ids = [max(t, 0) for t in tokens]
+            logits_parts.append(self.executor.decode(inp).logits)
             sample_seqs += seqs
         if sched.prefills:
             seqs = [c.seq for c in sched.prefills]
@@ -196,6 +279,7 @@ class LLMEngine:
                 logits_parts.append(out.logits[idx] if len(idx) < len(seqs) else out.logits)
                 sample_seqs += [seqs[i] for i in idx]
         bs = self.block_size
+        commits = []
         for c in sched.decodes + sched.prefills:
             s = c.seq
             s.num_computed_tokens += c.num_tokens
@@ -204,40 +288,64 @@ class LLMEngine:
                 metrics.first_scheduled_time = now
             # a decode fills a block only when it lands on a block boundary
             if c.num_tokens > 1 or s.num_computed_tokens % bs == 0:
-                self.block_manager.commit_full_blocks(s.seq_id, s.token_ids, s.num_computed_tokens)
-        touched: dict[str, Request] = {}
-        if sample_seqs:
-            self._sample(torch.cat(logits_parts) if len(logits_parts) > 1 else logits_parts[0],
-                         sample_seqs, touched)
-        return [self._output(r) for r in touched.values() if not final_only or r.finished()]
+                commits.append((s, s.num_computed_tokens))
+        if not sample_seqs:
+            return StepInFlight([], [], None, None, None, None, commits, True)
+        logits = torch.cat(logits_parts) if len(logits_parts) > 1 else logits_parts[0]
+        params = [s.request.params for s in sample_seqs]
+        # Output ids (a copy per sequence) only when penalties or min_tokens read them.
+        need_out = any(p.min_tokens or p.repetition_penalty != 1.0 or p.presence_penalty
+                       or p.frequency_penalty for p in params)
+        md = SamplingMetadata.build(
+            params, [s.request.prompt_token_ids for s in sample_seqs],
+            [s.output_token_ids for s in sample_seqs] if need_out else [()] * len(sample_seqs),
+            [s.generator for s in sample_seqs], self.eos_token_ids, self.vocab_size, logits.device)
+        out = self.sampler(logits, md)
+        ids, ready = out.token_ids, None
+        host = ids
+        if ids.is_cuda:  # copy into pinned memory; `ready` fires when it has landed
+            host = ids.to("cpu", non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        positions = []
+        for i, s in enumerate(sample_seqs):
+            positions.append(len(s.token_ids))
+            s.token_ids.append(PLACEHOLDER)
+            s.sampled_row = i
+        return StepInFlight(sample_seqs, positions, ids, host, ready, out.logprobs, commits,
+                            overlappable=not need_out and out.logprobs is None)
 
     def _handles(self, seqs: list[Sequence]) -> list[KvCacheHandle]:
         return [KvCacheHandle(s.seq_id, self.block_manager.block_table(s.seq_id),
                               s.num_computed_tokens, self.block_size) for s in seqs]
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict) -> None:
-        params = [s.request.params for s in seqs]
-        # Output ids (a copy per sequence) only when penalties or min_tokens read them.
-        need_out = any(p.min_tokens or p.repetition_penalty != 1.0 or p.presence_penalty
-                       or p.frequency_penalty for p in params)
-        md = SamplingMetadata.build(
-            params, [s.request.prompt_token_ids for s in seqs],
-            [s.output_token_ids for s in seqs] if need_out else [()] * len(seqs),
-            [s.generator for s in seqs], self.eos_token_ids, self.vocab_size, logits.device)
-        out = self.sampler(logits, md)
-        token_ids = out.token_ids.tolist()
+    def _finish(self, touched: dict) -> None:
+        """Wait for the in-flight step's samples, put them in place of the placeholders, hash
+        the blocks it filled, and run stop checks / detokenization."""
+        f, self._in_flight = self._in_flight, None
+        if f is None:
+            return
+        for seq, n in f.commits:
+            if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.commit_full_blocks(seq.seq_id, seq.token_ids, n)
+        if not f.seqs:
+            return
+        if f.ready is not None:
+            f.ready.synchronize()
+        token_ids = f.host_ids.tolist()
         now = time.perf_counter()
-        requests, logprobs = self.requests, out.logprobs
+        requests, logprobs = self.requests, f.logprobs
+        FINISHED = SequenceStatus.FINISHED
         generated = 0
-        for i, (seq, tok) in enumerate(zip(seqs, token_ids)):
+        for i, (seq, pos, tok) in enumerate(zip(f.seqs, f.positions, token_ids)):
             req = seq.request
-            if req.request_id not in requests:
-                continue
+            if seq.status is FINISHED or req.request_id not in requests:
+                continue  # aborted, or finished by the step before (this row was extra work)
             if seq.index == 0 and req.params.n > 1 and not req.forked:
                 self._fork(req, seq)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
-            seq.token_ids.append(tok)
+            seq.token_ids[pos] = tok
             state = seq.output_state
             state.append(tok)
             seq.new_tokens += 1
@@ -246,6 +354,7 @@ class LLMEngine:
                 seq.cumulative_logprob += logprobs[i].get(tok, 0.0)
             generated += 1
             if state.finish_reason is not None:
+                del seq.token_ids[pos + 1:]  # a placeholder of a step launched after this one
                 self._drop(seq)
             touched[req.request_id] = req
         self.stats["generation_tokens"] += generated
@@ -299,4 +408,5 @@ class LLMEngine:
         }
 
     def shutdown(self) -> None:
+        self._in_flight = None
         self.executor.shutdown()

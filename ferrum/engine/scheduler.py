@@ -131,9 +131,17 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             budget -= n
 
-        # 3. Admit waiting sequences (FCFS; stop at the first that does not fit).
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # 3. Admit waiting sequences (FCFS; stop at the first that does not fit). A request
+        #    with n > 1 samples forks them after its prefill: keep their slots free too.
+        reserved = 0
+        if self.waiting:
+            reserved = sum(s.request.params.n - 1 for s in self.running
+                           if s.index == 0 and not s.request.forked)
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            slots = seq.request.params.n if seq.index == 0 and not seq.request.forked else 1
+            if len(self.running) + reserved + slots > self.config.max_num_seqs:
+                break
             # A prefix-cache hit means fewer tokens to compute; the budget counts computed ones.
             cached = self.bm.lookup_prefix(seq.token_ids)
             n = self._chunk(seq.num_tokens - cached, budget, first=not out.prefills)
@@ -147,6 +155,7 @@ class Scheduler:
             self.bm.append_slots(seq.seq_id, total)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            reserved += slots - 1
             out.prefills.append(ScheduledChunk(seq, n))
             scheduled.add(seq.seq_id)
             budget -= n

@@ -20,7 +20,8 @@ class SequenceStatus(enum.Enum):
 
 
 class Sequence:
-    def __init__(self, seq_id: str, request: "Request", index: int):
+    def __init__(self, seq_id: str, request: "Request", index: int, device: str = "cpu"):
+        """device: where the sampler runs (a seeded sample's torch.Generator must live there)."""
         self.seq_id = seq_id
         self.request = request
         self.index = index
@@ -31,10 +32,11 @@ class Sequence:
         self.num_cached_tokens = 0          # prefix-cache hit at first scheduling
         self.output_state = None            # ferrum.engine.stop_checker state, set by the engine
         seed = request.params.seed
-        self.generator = None if seed is None else torch.Generator().manual_seed(seed + index)
+        self.generator = None if seed is None else torch.Generator(device).manual_seed(seed + index)
         self.logprobs: list[dict[int, float]] = []
         self.cumulative_logprob = 0.0
         self.new_tokens = 0                 # generated since the last RequestOutput
+        self.sampled_row = -1               # its row in the last launched step's samples
 
     @property
     def num_tokens(self) -> int:

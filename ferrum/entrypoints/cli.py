@@ -33,6 +33,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = True) -
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch decode step n+1 before reading step n's tokens (default: on for CUDA)")
     g.add_argument("--chat-template", default=None, help="Jinja chat template file (overrides the model's)")
     g.add_argument("--engine-seed", type=int, default=0, help="seed for dummy weights / global RNG")
 
@@ -50,7 +52,8 @@ def config_from_args(args):
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, load_format=args.load_format,
-        enforce_eager=args.enforce_eager, chat_template=args.chat_template, seed=args.engine_seed)
+        enforce_eager=args.enforce_eager, chat_template=args.chat_template, seed=args.engine_seed,
+        async_scheduling=args.async_scheduling)
 
 
 def _port(text: str) -> int:

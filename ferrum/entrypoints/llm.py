@@ -19,7 +19,7 @@ def engine_config(model: str = "smollm2", *, tensor_parallel_size: int = 1, dtyp
                   kv_cache_memory: int | None = None, num_kv_blocks: int | None = None,
                   gpu_memory_utilization: float = 0.9, load_format: str = "auto", seed: int = 0,
                   enforce_eager: bool = False, chat_template: str | None = None,
-                  max_waiting: int = 4096) -> EngineConfig:
+                  max_waiting: int = 4096, async_scheduling: bool | None = None) -> EngineConfig:
     """Keyword arguments (the CLI flags without dashes) -> EngineConfig."""
     return EngineConfig(
         model=model, device=device, dtype=dtype, load_format=load_format, seed=seed,
@@ -29,7 +29,7 @@ def engine_config(model: str = "smollm2", *, tensor_parallel_size: int = 1, dtyp
                           enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
-                                  max_waiting=max_waiting),
+                                  max_waiting=max_waiting, async_scheduling=async_scheduling),
         parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size))
 
 

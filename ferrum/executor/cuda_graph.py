@@ -41,10 +41,14 @@ class DecodeCudaGraphs:
         self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, device=dev)
         self.block_tables = torch.zeros(max_bs, M, dtype=torch.int32, device=dev)
         self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=dev)
-        # host staging buffer, pinned so the copy is one async DMA
-        self.host = torch.zeros(max_bs, 4 + M, dtype=torch.int64).pin_memory()
+        # host staging buffers, pinned so the copy is one async DMA. Two, used in turn: with
+        # async scheduling the host fills step n+1's while the copy of step n's may still be
+        # queued; step n-1's (same buffer) is done, since the engine waited for its samples.
+        self.host = torch.zeros(2, max_bs, 5 + M, dtype=torch.int64).pin_memory()
         self.host_np = self.host.numpy()  # same memory
-        self.pad_row = torch.tensor([0, 0, -1, 0])  # token, position, slot -1 (skipped), seq_len 0
+        self.turn = 0
+        # token, position, slot -1 (skipped), seq_len 0, no previous-step row
+        self.pad_row = torch.tensor([0, 0, -1, 0, -1])
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
         self.pool = None
         self.max_blocks = M
@@ -114,30 +118,39 @@ class DecodeCudaGraphs:
         return batch <= self.sizes[-1]
 
     @torch.inference_mode()
-    def run(self, token_ids: list[int], kv: list[KvCacheHandle]) -> torch.Tensor | None:
+    def run(self, token_ids: list[int], kv: list[KvCacheHandle], prev: torch.Tensor | None = None,
+            prev_rows: list[int] | None = None) -> torch.Tensor | None:
+        """prev / prev_rows: see ModelRunner.decode (input ids from the previous step's
+        sampled ids, on the device)."""
         B = len(token_ids)
         bs = self.sizes[bisect.bisect_left(self.sizes, B)]
         M = max(len(h.block_table) for h in kv)
-        h = self.host[:bs]
-        # one host tensor per step: [token, position, slot, seq_len, block table...], filled
-        # from one flat list through numpy (3x faster than torch.tensor on nested lists: at
-        # batch 256 this is on the host's critical path every step)
-        W = 4 + M
+        self.turn ^= 1
+        h, h_np = self.host[self.turn, :bs], self.host_np[self.turn]
+        # one host tensor per step: [token, position, slot, seq_len, prev row, block table...],
+        # filled from one flat list through numpy (3x faster than torch.tensor on nested lists:
+        # at batch 256 this is on the host's critical path every step)
+        W = 5 + M
         flat: list[int] = []
-        for t, hd in zip(token_ids, kv):
+        rows = prev_rows or [-1] * B
+        for t, hd, r in zip(token_ids, kv, rows):
             n, bt = hd.num_tokens, hd.block_table
-            flat += (t, n, hd.slot(n), n + 1)
+            flat += (t, n, hd.slot(n), n + 1, r)
             flat += bt
             if len(bt) < M:
                 flat += [0] * (M - len(bt))
-        self.host_np[:B, :W] = np.fromiter(flat, dtype=np.int64, count=B * W).reshape(B, W)
-        h[B:, :4] = self.pad_row
+        h_np[:B, :W] = np.fromiter(flat, dtype=np.int64, count=B * W).reshape(B, W)
+        h[B:, :5] = self.pad_row
         dev = h.to(self.runner.device, non_blocking=True)
-        self.input_ids[:bs].copy_(dev[:, 0])
+        if prev is None:
+            self.input_ids[:bs].copy_(dev[:, 0])
+        else:
+            from ferrum.executor.model_runner import take_prev_sampled
+            self.input_ids[:bs].copy_(take_prev_sampled(dev[:, 0], prev, dev[:, 4]))
         self.positions[:bs].copy_(dev[:, 1])
         self.slot_mapping[:bs].copy_(dev[:, 2])
         self.seq_lens[:bs].copy_(dev[:, 3])
-        self.block_tables[:bs, :M].copy_(dev[:, 4:4 + M])
+        self.block_tables[:bs, :M].copy_(dev[:, 5:5 + M])
         g, out = self.graphs[bs]
         g.replay()
         # a copy: the graph's output buffer is overwritten by the next replay

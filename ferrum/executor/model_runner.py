@@ -37,6 +37,11 @@ def _column_major_weights(model: torch.nn.Module) -> None:
                 w.data = w.data.t().contiguous().t()
 
 
+def take_prev_sampled(ids: torch.Tensor, prev: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """ids [B] with row i replaced by prev[rows[i]] where rows[i] >= 0 (all on one device)."""
+    return torch.where(rows >= 0, prev[rows.clamp(min=0)], ids)
+
+
 class ModelRunner:
     def __init__(self, source: ModelSource, device: str, dtype: torch.dtype,
                  load_format: str = "auto", seed: int = 0, progress: bool = True):
@@ -60,7 +65,8 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if m.__class__.__name__ == "Attention"]
         # CPU fp32, one process: linears run on numpy's BLAS (ferrum/layers/gemv.py)
         from ferrum.distributed.parallel_state import get_tp
-        self.cpu_blas = self.device.type == "cpu" and dtype == torch.float32 and get_tp().size == 1
+        self.tp = get_tp()
+        self.cpu_blas = self.device.type == "cpu" and dtype == torch.float32 and self.tp.size == 1
         self.block_size = 16
         self.num_blocks = 0
         self.graphs = None
@@ -149,11 +155,31 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[last])
         return None if logits is None else logits.float()
 
+    def prev_sampled_ids(self, prev_sampled: torch.Tensor | None, num_prev: int) -> torch.Tensor:
+        """The previous step's sampled ids [num_prev] int64 on this rank's device (async
+        scheduling): rank 0 holds them (the engine's sampler output), the other ranks receive
+        them with one broadcast on the TP group, queued on the stream like the forward."""
+        if self.tp.size == 1:
+            return prev_sampled
+        import torch.distributed as dist
+        buf = (prev_sampled.contiguous() if self.tp.rank == 0 else
+               torch.empty(num_prev, dtype=torch.int64, device=self.device))
+        dist.broadcast(buf, src=0, group=self.tp.group)
+        return buf
+
     @torch.inference_mode()
-    def decode(self, token_ids: list[int], kv: list[KvCacheHandle]) -> torch.Tensor | None:
-        """One token per sequence; returns logits [num_seqs, vocab] float32 (TP rank 0)."""
+    def decode(self, token_ids: list[int], kv: list[KvCacheHandle],
+               prev_sampled: torch.Tensor | None = None, prev_rows: list[int] | None = None,
+               num_prev: int = 0) -> torch.Tensor | None:
+        """One token per sequence; returns logits [num_seqs, vocab] float32 (TP rank 0).
+        With prev_rows (async scheduling, see DecodeInput), row i whose prev_rows[i] >= 0 takes
+        its input token from the previous step's sampled ids instead of token_ids[i]; on ranks
+        > 0 prev_sampled is None and num_prev gives its length."""
+        prev = None
+        if prev_rows is not None:
+            prev = self.prev_sampled_ids(prev_sampled, num_prev or len(prev_sampled))
         if self.graphs is not None and self.graphs.can_run(len(kv)):
-            return self.graphs.run(token_ids, kv)
+            return self.graphs.run(token_ids, kv, prev, prev_rows)
         B = len(kv)
         bt = self._block_tables(kv)
         pos = torch.tensor([h.num_tokens for h in kv], dtype=torch.int64)
@@ -166,6 +192,8 @@ class ModelRunner:
             max_seq_len=int(pos.max()) + 1,
             query_lens=[1] * B, context_lens=[h.num_tokens for h in kv])
         ids = torch.tensor(token_ids, dtype=torch.int64).to(dev, non_blocking=True)
+        if prev is not None:
+            ids = take_prev_sampled(ids, prev, torch.tensor(prev_rows).to(dev, non_blocking=True))
         with forward_context(md), cpu_blas_forward(self.cpu_blas):
             hidden = self.model(ids, pos.to(dev, non_blocking=True))
             logits = self.model.compute_logits(hidden)

@@ -31,7 +31,7 @@ class SingleDeviceExecutor(ExecutorBase):
         return self.runner.prefill(inp.token_ids, inp.kv)
 
     def _decode(self, inp: DecodeInput) -> torch.Tensor:
-        return self.runner.decode(inp.token_ids, inp.kv)
+        return self.runner.decode(inp.token_ids, inp.kv, inp.prev_sampled, inp.prev_rows)
 
     def warmup(self) -> None:
         """On CUDA: capture decode CUDA graphs (unless --enforce-eager)."""

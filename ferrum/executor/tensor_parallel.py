@@ -152,8 +152,10 @@ class TensorParallelExecutor(ExecutorBase):
                          lambda: self.runner.prefill(inp.token_ids, inp.kv))
 
     def _decode(self, inp: DecodeInput) -> torch.Tensor:
-        return self._run(("decode", inp.token_ids, handles_to_wire(inp.kv)),
-                         lambda: self.runner.decode(inp.token_ids, inp.kv))
+        num_prev = 0 if inp.prev_rows is None else len(inp.prev_sampled)
+        return self._run(("decode", inp.token_ids, handles_to_wire(inp.kv), inp.prev_rows, num_prev),
+                         lambda: self.runner.decode(inp.token_ids, inp.kv, inp.prev_sampled,
+                                                    inp.prev_rows, num_prev))
 
     def call_all(self, method: str, *args):
         """Run `runner.<method>(*args)` on every rank (warmup, CUDA graph capture)."""

@@ -87,7 +87,7 @@ def worker_loop(runner, recv, block_size: int, step_counter=None) -> None:
         if op == "prefill":
             runner.prefill(msg[1], handles_from_wire(msg[2], block_size))
         elif op == "decode":
-            runner.decode(msg[1], handles_from_wire(msg[2], block_size))
+            runner.decode(msg[1], handles_from_wire(msg[2], block_size), None, msg[3], msg[4])
         elif op == "allocate_kv_cache":
             runner.allocate_kv_cache(msg[1], msg[2])
         elif op == "call":  # generic runner method (warmup, CUDA graph capture, ...)

@@ -58,15 +58,22 @@ def _counts(token_lists: list[list[int]], vocab_size: int, device) -> torch.Tens
     lands in an extra column that is dropped)."""
     width = max(1, max(len(t) for t in token_lists))
     padded = [t + [vocab_size] * (width - len(t)) for t in token_lists]
-    idx = torch.tensor(padded, dtype=torch.long, device=device)
+    idx = _to_device(padded, torch.long, device)
     counts = torch.zeros(len(token_lists), vocab_size + 1, dtype=torch.float32, device=device)
     counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.float32))
     return counts[:, :vocab_size]
 
 
+def _to_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
+    """torch.tensor(values) on `device` without waiting for the device: a plain
+    torch.tensor(..., device="cuda") synchronizes the stream, which would stall the host
+    until the step's forward pass ends (async scheduling overlaps them)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def _column(values: list, dtype: torch.dtype, device) -> torch.Tensor:
     """[B, 1] tensor, shaped to broadcast against [B, V] logits."""
-    return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
+    return _to_device(values, dtype, device).unsqueeze(1)
 
 
 @dataclass
@@ -135,7 +142,7 @@ class SamplingMetadata:
                              f"{len(generators)}")
         greedy = [p.greedy for p in params]
         md = cls(vocab_size=vocab_size,
-                 greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+                 greedy=_to_device(greedy, torch.bool, device),
                  all_greedy=all(greedy), generators=list(generators),
                  num_logprobs=[p.logprobs for p in params])
 
@@ -175,9 +182,9 @@ class SamplingMetadata:
                 for tok, bias in (p.logit_bias or {}).items():
                     rows.append(i), cols.append(tok), vals.append(bias)
             md.logit_bias = torch.zeros(batch, vocab_size, dtype=torch.float32, device=device)
-            md.logit_bias.index_put_((torch.tensor(rows, device=device),
-                                      torch.tensor(cols, device=device)),
-                                     torch.tensor(vals, dtype=torch.float32, device=device))
+            md.logit_bias.index_put_((_to_device(rows, torch.long, device),
+                                      _to_device(cols, torch.long, device)),
+                                     _to_device(vals, torch.float32, device))
 
         rows, cols = [], []
         for i, (p, out) in enumerate(zip(params, output_ids)):
@@ -186,8 +193,8 @@ class SamplingMetadata:
                 rows += [i] * len(stoppers)
                 cols += sorted(stoppers)
         if rows:
-            md.min_tokens_rows = torch.tensor(rows, dtype=torch.long, device=device)
-            md.min_tokens_cols = torch.tensor(cols, dtype=torch.long, device=device)
+            md.min_tokens_rows = _to_device(rows, torch.long, device)
+            md.min_tokens_cols = _to_device(cols, torch.long, device)
         return md
 
 
