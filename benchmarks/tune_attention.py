@@ -1,0 +1,103 @@
+"""Time the Triton paged decode-attention kernel over its tuning knobs on the GPU.
+
+    python benchmarks/tune_attention.py --out $OUT
+
+Llama-3-8B attention shapes (32 query heads, 8 KV heads, head_dim 128, bf16, 16-token pages,
+block tables shuffled over the pool as a long-running server leaves them). For each
+(batch, context) case every (BLOCK_N, num_warps, num_stages, splits) config is timed with CUDA
+events (median of 20 after warm-up) and reported as us per call and the KV bytes read per
+second (the kernel's useful traffic: B x context x 8 heads x 128 x 2 (K, V) x 2 bytes, over
+the 4.35 TB/s roofline). The current defaults (`_decode_config`, `num_decode_splits`) are the
+baseline row. Writes tune_attention.json.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from ferrum.attention import triton_backend as tb  # noqa: E402
+from ferrum.attention.metadata import AttentionMetadata  # noqa: E402
+
+H, HKV, D, PAGE = 32, 8, 128, 16
+
+
+def _case(B, ctx, gen):
+    M = -(-ctx // PAGE)
+    pool = B * M + 1
+    kv = torch.randn(2, pool, PAGE, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    perm = torch.randperm(pool - 1, device="cuda", generator=gen) + 1
+    bt = perm[:B * M].view(B, M).to(torch.int32)
+    q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    seq = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
+    md = AttentionMetadata(is_prefill=False, slot_mapping=torch.empty(0, device="cuda"),
+                           block_tables=bt, seq_lens=seq, max_seq_len=ctx)
+    return q, kv, md
+
+
+def _time(fn, iters=20):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1000)
+    return sorted(ts)[len(ts) // 2]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    p.add_argument("--cases", default="256x1536,256x512,64x1536,1x640")
+    args = p.parse_args()
+    gen = torch.Generator("cuda").manual_seed(0)
+    res = {"shapes": dict(H=H, HKV=HKV, D=D, page=PAGE, dtype="bfloat16"), "cases": {}}
+    scale = D ** -0.5
+    for case in args.cases.split(","):
+        B, ctx = map(int, case.split("x"))
+        q, kv, md = _case(B, ctx, gen)
+        kv_bytes = B * ctx * HKV * D * 2 * 2
+        ref = tb.decode_attention(q, kv, md, scale)
+        base_s = tb.num_decode_splits(B, HKV, md.block_tables.shape[1], PAGE, q.device)
+        rows = []
+        splits = sorted({1, 2, 4, base_s}) if B >= 64 else sorted({base_s, max(1, base_s // 2), base_s * 2})
+        configs = [(None, None, None, base_s)] + list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4), splits))
+        for bn, warps, stages, s in configs:
+            tb.DECODE_BLOCK_N, tb.DECODE_NUM_WARPS, tb.DECODE_NUM_STAGES = bn, warps, stages
+            try:
+                out = tb.decode_attention(q, kv, md, scale, num_splits=s)
+                err = (out.float() - ref.float()).abs().max().item()
+                us = _time(lambda: tb.decode_attention(q, kv, md, scale, num_splits=s))
+            except Exception as e:  # out of shared memory / registers for this config
+                rows.append({"block_n": bn, "warps": warps, "stages": stages, "splits": s,
+                             "error": str(e).splitlines()[0][:200]})
+                continue
+            rows.append({"block_n": bn, "warps": warps, "stages": stages, "splits": s, "us": us,
+                         "kv_TBps": kv_bytes / us / 1e6, "frac_roofline": kv_bytes / us / 1e6 / 4.35,
+                         "max_abs_diff_vs_default": err})
+        tb.DECODE_BLOCK_N = tb.DECODE_NUM_WARPS = tb.DECODE_NUM_STAGES = None
+        ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
+        res["cases"][case] = {"default": rows[0], "best": ok[:5], "all": rows}
+        print(case, "default", {k: rows[0].get(k) for k in ("splits", "us", "kv_TBps")},
+              "best", [{k: r[k] for k in ("block_n", "warps", "stages", "splits", "us", "kv_TBps")} for r in ok[:3]],
+              flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    import json
+    with open(os.path.join(args.out, "tune_attention.json"), "w") as f:
+        json.dump({"command": " ".join([sys.executable] + sys.argv), "gpu": torch.cuda.get_device_name(0),
+                   "torch": torch.__version__, **res}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
