@@ -209,6 +209,37 @@ def sec_sweep(args):
         pass
 
 
+def _time_steps_by_kind(eng) -> dict:
+    """Wrap eng.step to add up wall time per kind of step: 'prefill' (the step ran a prefill
+    chunk, possibly with decodes) or 'decode' (decodes only), with the prefill tokens and
+    decode rows they ran. Returns the dict it fills in."""
+    split = {kind: {"steps": 0, "s": 0.0, "prefill_tokens": 0, "decode_rows": 0} for kind in ("prefill", "decode")}
+    ex, step, prefill, decode = eng.executor, eng.step, eng.executor.prefill, eng.executor.decode
+    now = {"prefill": 0, "decode": 0}
+
+    def counted_prefill(inp):
+        now["prefill"] += sum(map(len, inp.token_ids))
+        return prefill(inp)
+
+    def counted_decode(inp):
+        now["decode"] += len(inp.token_ids)
+        return decode(inp)
+
+    def timed(*a, **k):
+        now["prefill"] = now["decode"] = 0
+        t = time.perf_counter()
+        out = step(*a, **k)
+        dt = time.perf_counter() - t
+        row = split["prefill" if now["prefill"] else "decode"]
+        row["steps"] += 1
+        row["s"] += dt
+        row["prefill_tokens"] += now["prefill"]
+        row["decode_rows"] += now["decode"]
+        return out
+    ex.prefill, ex.decode, eng.step = counted_prefill, counted_decode, timed
+    return split
+
+
 def sec_throughput(args):
     model = args.model
     n, P, G = args.num_requests, args.tp_input, args.tp_output
@@ -218,6 +249,7 @@ def sec_throughput(args):
     from ferrum import SamplingParams
     sp = SamplingParams(temperature=0, max_tokens=G, ignore_eos=True)
     llm.generate(prompts[:8], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    split = _time_steps_by_kind(llm.engine)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=True)  # the bar's tok/s is in the log if time runs out
     dt = time.perf_counter() - t0
@@ -225,7 +257,8 @@ def sec_throughput(args):
     st = llm.engine.status()
     res = {"model": model, "requests": n, "input_len": P, "output_len": G, "wall_s": dt,
            "output_tokens_per_s": toks / dt, "total_tokens_per_s": (toks + n * P) / dt,
-           "preemptions": st["num_preemptions"], "kv_blocks": st["kv_blocks_total"]}
+           "preemptions": st["num_preemptions"], "kv_blocks": st["kv_blocks_total"],
+           "overlapped_steps": st["overlapped_steps"], "step_time_split": split}
     free(llm)
     save(args, f"throughput_{model}_{n}x{P}x{G}", res)
 

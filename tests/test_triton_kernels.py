@@ -408,12 +408,14 @@ def check_sm90_compile(device: str) -> None:
 
     for dtype, D in ((bf16, 128), (bf16, 256), (f32, 128)):
         t = "*" + tname[dtype]
-        bn, w, st = tb._decode_config(D, dtype)
-        build(tb._decode_split_kernel,
-              dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=D, PAGE=16, BLOCK_N=bn, NUM_SPLITS=4, DIRECT_OUT=False,
-                   DOT_PREC=tb._dot_precision(dtype)),
-              dict(q_ptr=t, kc_ptr=t, vc_ptr=t, bt_ptr="*i32", seqlen_ptr="*i32", o_ptr="*fp32", lse_ptr="*fp32"),
-              w, st, f"decode {dtype} D={D}")
+        for splits in (4, 1):
+            bn, w, st = tb._decode_config(D, dtype, splits)
+            build(tb._decode_split_kernel,
+                  dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=D, PAGE=16, BLOCK_N=bn, NUM_SPLITS=splits,
+                       DIRECT_OUT=splits == 1, DOT_PREC=tb._dot_precision(dtype)),
+                  dict(q_ptr=t, kc_ptr=t, vc_ptr=t, bt_ptr="*i32", seqlen_ptr="*i32",
+                       o_ptr=t if splits == 1 else "*fp32", lse_ptr=t if splits == 1 else "*fp32"),
+                  w, st, f"decode {dtype} D={D} splits={splits}")
         bm, bn, w, st = tb._prefill_config(D, dtype)
         build(tb._prefill_kernel,
               dict(GROUP=4, HEAD_DIM=D, PAGE=16, BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=tb._dot_precision(dtype)),

@@ -43,7 +43,7 @@ FORCE_TRITON: bool = os.environ.get("FERRUM_FORCE_TRITON", "0") == "1"
 # ---- tuning knobs (module-level so a benchmark can sweep them; all static => graph safe) ----
 # None = the defaults of _decode_config / _prefill_config, picked from offline sm_90 compiles
 # (no register spills, cp.async-pipelined loads; tests/test_triton_kernels.py checks this);
-# not yet timed on the GPU: sweep them there.
+# the decode ones were timed on H200 with benchmarks/tune_attention.py.
 DECODE_NUM_SPLITS: int | None = None   # None: heuristic `num_decode_splits`
 DECODE_MAX_SPLITS = 32
 # Don't split the capacity M*block_size finer than this. A split walks its tokens serially, so
@@ -255,12 +255,18 @@ if HAS_TRITON:
                  out.to(out_ptr.dtype.element_ty))
 
 
-def _decode_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+def _decode_config(head_dim: int, dtype: torch.dtype, num_splits: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages). 16-bit: 32 tokens per iteration (sm_90: 64 registers,
-    21 KB shared for D=128). fp32 goes through FMA dots ("ieee"), which spill at 32 tokens with
+    21 KB shared for D=128); with one split (large batch: every program walks a whole sequence)
+    64 tokens and 3 stages, which on H200 read K/V 7-8% faster (`benchmarks/tune_attention.py`,
+    Llama-3-8B shapes: batch 256 x 1536 tokens 464 -> 428 us = 3.76 TB/s, 256 x 512 225 -> 209,
+    64 x 1536 191 -> 178; D = 256 stays at 32: 64 needs 254 registers). fp32 goes through FMA dots ("ieee"), which spill at 32 tokens with
     D >= 128, so 16."""
-    bn = 16 if dtype == torch.float32 else 32
-    return DECODE_BLOCK_N or bn, DECODE_NUM_WARPS or 4, DECODE_NUM_STAGES or 2
+    if dtype == torch.float32:
+        bn, stages = 16, 2
+    else:
+        bn, stages = (64, 3) if num_splits == 1 and head_dim <= 128 else (32, 2)
+    return DECODE_BLOCK_N or bn, DECODE_NUM_WARPS or 4, DECODE_NUM_STAGES or stages
 
 
 def num_decode_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
@@ -304,7 +310,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetad
     group = H // hkv
     S = num_splits or num_decode_splits(B, hkv, M, page, q.device)
     kc, vc = kv_cache[0], kv_cache[1]
-    bn, warps, stages = _decode_config(D, q.dtype)
+    bn, warps, stages = _decode_config(D, q.dtype, S)
     common = dict(GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=D, PAGE=page,
                   BLOCK_N=bn, NUM_SPLITS=S, DOT_PREC=_dot_precision(q.dtype),
                   num_warps=warps, num_stages=stages)
