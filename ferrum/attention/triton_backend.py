@@ -30,9 +30,12 @@ import torch
 from ferrum.attention import torch_backend
 from ferrum.attention.metadata import AttentionMetadata
 
+from ferrum.layers.gemv import pdl_ok
+
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents
     HAS_TRITON = True
 except ImportError:  # CPU-only installs: everything falls back to torch_backend
     HAS_TRITON = False
@@ -184,7 +187,9 @@ if HAS_TRITON:
             qk_scale,  # softmax scale * log2(e): the kernel works in base 2 (exp2)
             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
             PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-            DIRECT_OUT: tl.constexpr, DOT_PREC: tl.constexpr):
+            DIRECT_OUT: tl.constexpr, DOT_PREC: tl.constexpr, TRIGGER: tl.constexpr):
+        if TRIGGER:  # one split writes the output: the o_proj GEMV may launch now (gemv.py, PDL)
+            gdc_launch_dependents()
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -235,7 +240,10 @@ if HAS_TRITON:
                              stride_pb, stride_ph, stride_ps,
                              stride_lb, stride_lh,
                              stride_ob, stride_oh,
-                             NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+                             NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                             TRIGGER: tl.constexpr):
+        if TRIGGER:  # the o_proj GEMV may launch now (gemv.py, PDL)
+            gdc_launch_dependents()
         # out = sum_s w_s * o_s / sum_s w_s, w_s = 2^(lse_s - max lse). Empty splits have
         # lse = -inf (w = 0); if all are empty (seq_len 0) the output is 0, not NaN.
         b = tl.program_id(0)
@@ -319,18 +327,20 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetad
         # One split: normalise in place and write the final output directly (no merge launch).
         _decode_split_kernel[(B, hkv, 1)](
             q, kc, vc, bt, md.seq_lens, out, out, *args,
-            out.stride(0), out.stride(1), 0, 0, 0, scale * _LOG2E, DIRECT_OUT=True, **common)
+            out.stride(0), out.stride(1), 0, 0, 0, scale * _LOG2E, DIRECT_OUT=True,
+            TRIGGER=pdl_ok(q), **common)
         return out
     o_part = torch.empty(B, H, S, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(B, hkv, S)](
         q, kc, vc, bt, md.seq_lens, o_part, lse, *args,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
-        scale * _LOG2E, DIRECT_OUT=False, **common)
+        scale * _LOG2E, DIRECT_OUT=False, TRIGGER=False, **common)
     _decode_merge_kernel[(B, H)](
         o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-        NUM_SPLITS=S, SPLITS_PAD=_next_pow2(S), HEAD_DIM=D, num_warps=4 if D >= 128 else 2)
+        NUM_SPLITS=S, SPLITS_PAD=_next_pow2(S), HEAD_DIM=D, TRIGGER=pdl_ok(q),
+        num_warps=4 if D >= 128 else 2)
     return out
 
 

@@ -19,9 +19,12 @@ import os
 import torch
 import torch.nn.functional as F
 
+from ferrum.layers.gemv import pdl_ok
+
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents
     HAS_TRITON = True
 except ImportError:
     HAS_TRITON = False
@@ -50,8 +53,10 @@ if HAS_TRITON:
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr,
                              stride_x, stride_r, stride_o, stride_ro, N, eps,
-                             HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                             HAS_RES: tl.constexpr, BLOCK: tl.constexpr, TRIGGER: tl.constexpr):
         # One program per row; the whole row (hidden <= BLOCK) stays in registers.
+        if TRIGGER:  # let the next kernel (a GEMV) launch now: see gemv.py, PDL
+            gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < N
@@ -99,7 +104,7 @@ def _launch_rms(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
         _add_rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, res_out,
             x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0), n, eps,
-            HAS_RES=residual is not None, BLOCK=block,
+            HAS_RES=residual is not None, BLOCK=block, TRIGGER=pdl_ok(x),
             num_warps=min(max(block // 256, 1), 8))
     return out.view(shape), (res_out.view(shape) if residual is not None else None)
 
@@ -136,7 +141,10 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: t
 # =============================================================================================
 if HAS_TRITON:
     @triton.jit
-    def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, D, BLOCK: tl.constexpr):
+    def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, D, BLOCK: tl.constexpr,
+                             TRIGGER: tl.constexpr):
+        if TRIGGER:  # the down-projection GEMV may launch now (gemv.py, PDL)
+            gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < D
@@ -162,7 +170,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0] > 0 and d > 0:
         block = min(_SILU_BLOCK, _next_pow2(d))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=4 if block >= 512 else 2)
+            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, TRIGGER=pdl_ok(x),
+            num_warps=4 if block >= 512 else 2)
     return out.view(*x.shape[:-1], d)
 
 

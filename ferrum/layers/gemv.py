@@ -36,26 +36,63 @@ ENABLED = os.environ.get("FERRUM_TRITON_GEMV", "1") != "0"
 CPU_BLAS = os.environ.get("FERRUM_CPU_BLAS_GEMV", "1") != "0"
 
 
+# Programmatic dependent launch (PDL, sm_90+): the GEMV is launched while the kernel before it
+# still runs, reads its first weight tile (weights never change), and only then waits for that
+# kernel's output (`gdc_wait`). The kernels that come before GEMVs (RMSNorm, SiLU*mul,
+# attention, the GEMV itself) signal early (`gdc_launch_dependents`), so the weight stream of
+# the next matrix starts during their tail instead of after it. FERRUM_PDL=0 turns it off.
+PDL = os.environ.get("FERRUM_PDL", "1") != "0"
+_SM90: dict[int, bool] = {}
+
+
+def pdl_ok(t: torch.Tensor) -> bool:
+    """True when kernels on t's device may use programmatic dependent launch."""
+    if not (PDL and HAS_TRITON and t.is_cuda):
+        return False
+    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if idx not in _SM90:
+        _SM90[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    return _SM90[idx]
+
+
 if HAS_TRITON:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @triton.jit
+    def _load_w_tile(rows, offs_k, n_mask, K, EVEN: tl.constexpr):
+        if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: unmasked, fully vectorised loads
+            w = tl.load(rows + offs_k[None, :], eviction_policy="evict_first")
+        else:
+            k_mask = offs_k < K
+            w = tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
+                        eviction_policy="evict_first")
+        return w
+
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
                      HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        offs_k = tl.arange(0, BLOCK_K)
+        w = _load_w_tile(rows, offs_k, n_mask, K, EVEN)  # first tile: weights only
+        if USE_PDL:
+            gdc_wait()              # x (written by the previous kernel) is ready after this
+            gdc_launch_dependents()
+        if EVEN:
+            x = tl.load(x_ptr + offs_k)
+        else:
+            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0)
+        acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: unmasked, fully vectorised loads
+            if EVEN:
                 x = tl.load(x_ptr + offs_k)
-                w = tl.load(rows + offs_k[None, :], eviction_policy="evict_first")
             else:
-                k_mask = offs_k < K
-                x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
-                w = tl.load(rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
-                            eviction_policy="evict_first")
+                x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0)
+            w = _load_w_tile(rows, offs_k, n_mask, K, EVEN)
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
@@ -100,10 +137,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     bn, bk, warps, stages = config or gemv_config(N, K)
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
     even = N % bn == 0 and K % bk == 0
+    pdl = pdl_ok(x)
     _gemv_kernel[(triton.cdiv(N, bn),)](
         x, weight, bias if bias is not None else x, y, N, K, weight.stride(0),
-        HAS_BIAS=bias is not None, EVEN=even, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=warps, num_stages=stages)
+        HAS_BIAS=bias is not None, EVEN=even, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl,
+        num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return y
 
 
