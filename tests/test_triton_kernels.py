@@ -412,7 +412,7 @@ def check_sm90_compile(device: str) -> None:
             bn, w, st = tb._decode_config(D, dtype, splits)
             build(tb._decode_split_kernel,
                   dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=D, PAGE=16, BLOCK_N=bn, NUM_SPLITS=splits,
-                       DIRECT_OUT=splits == 1, DOT_PREC=tb._dot_precision(dtype), TRIGGER=splits == 1),
+                       DIRECT_OUT=splits == 1, DOT_PREC=tb._dot_precision(dtype), USE_PDL=True),
                   dict(q_ptr=t, kc_ptr=t, vc_ptr=t, bt_ptr="*i32", seqlen_ptr="*i32",
                        o_ptr=t if splits == 1 else "*fp32", lse_ptr=t if splits == 1 else "*fp32"),
                   w, st, f"decode {dtype} D={D} splits={splits}")
@@ -421,18 +421,18 @@ def check_sm90_compile(device: str) -> None:
               dict(GROUP=4, HEAD_DIM=D, PAGE=16, BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=tb._dot_precision(dtype)),
               dict(q_ptr=t, kc_ptr=t, vc_ptr=t, o_ptr=t, bt_ptr="*i64", seqlen_ptr="*i32", cu_q_ptr="*i64"),
               w, st, f"prefill {dtype} D={D}")
-    build(tb._decode_merge_kernel, dict(NUM_SPLITS=5, SPLITS_PAD=8, HEAD_DIM=128, TRIGGER=True),
+    build(tb._decode_merge_kernel, dict(NUM_SPLITS=5, SPLITS_PAD=8, HEAD_DIM=128, USE_PDL=True),
           dict(o_part_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16"), 4, 2, "decode merge")
-    build(tb._write_kv_kernel, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128),
+    build(tb._write_kv_kernel, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, USE_PDL=True),
           dict(k_ptr="*bf16", v_ptr="*bf16", kc_ptr="*bf16", vc_ptr="*bf16", slot_ptr="*i64"), 4, 2, "write_kv")
-    build(fo._add_rms_norm_kernel, dict(HAS_RES=True, BLOCK=8192, TRIGGER=True),
+    build(fo._add_rms_norm_kernel, dict(HAS_RES=True, BLOCK=8192, USE_PDL=True),
           dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", res_out_ptr="*bf16"), 8, 2, "rmsnorm")
-    build(fo._silu_and_mul_kernel, dict(BLOCK=1024, TRIGGER=True), dict(x_ptr="*bf16", out_ptr="*bf16"), 4, 2, "silu_and_mul")
+    build(fo._silu_and_mul_kernel, dict(BLOCK=1024, USE_PDL=True), dict(x_ptr="*bf16", out_ptr="*bf16"), 4, 2, "silu_and_mul")
     from ferrum.layers import gemv
     bn, bk, w, st = gemv.gemv_config(4096, 4096)
     build(gemv._gemv_kernel, dict(HAS_BIAS=False, EVEN=True, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=True),
           dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", y_ptr="*bf16"), w, st, "gemv")
-    build(fo._rope_kernel, dict(HQ=32, HK=8, HALF=64, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_D=64),
+    build(fo._rope_kernel, dict(HQ=32, HK=8, HALF=64, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_D=64, USE_PDL=True),
           dict(q_ptr="*bf16", k_ptr="*bf16", pos_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32"), 4, 2, "rope")
 
 

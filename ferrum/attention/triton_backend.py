@@ -35,7 +35,7 @@ from ferrum.layers.gemv import pdl_ok
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
     HAS_TRITON = True
 except ImportError:  # CPU-only installs: everything falls back to torch_backend
     HAS_TRITON = False
@@ -99,8 +99,11 @@ if HAS_TRITON:
                          stride_kt, stride_kh, stride_vt, stride_vh,
                          stride_cslot, stride_ch,
                          NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
         # One program per token: all KV heads of K and V, cast to the cache dtype.
+        if USE_PDL:  # see ferrum/layers/gemv.py, PDL
+            gdc_wait()
+            gdc_launch_dependents()
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:  # slot < 0: padded row of a CUDA graph, nothing to write
@@ -145,7 +148,7 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kc.stride(1), kc.stride(2),
         NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_H=_next_pow2(hkv), BLOCK_D=_next_pow2(d),
-        num_warps=4 if hkv * d >= 1024 else 1)
+        USE_PDL=pdl_ok(kv_cache), num_warps=4 if hkv * d >= 1024 else 1, launch_pdl=pdl_ok(kv_cache))
 
 
 if HAS_TRITON:
@@ -187,8 +190,9 @@ if HAS_TRITON:
             qk_scale,  # softmax scale * log2(e): the kernel works in base 2 (exp2)
             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
             PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-            DIRECT_OUT: tl.constexpr, DOT_PREC: tl.constexpr, TRIGGER: tl.constexpr):
-        if TRIGGER:  # one split writes the output: the o_proj GEMV may launch now (gemv.py, PDL)
+            DIRECT_OUT: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr):
+        if USE_PDL:  # launched early (ferrum/layers/gemv.py, PDL): wait for q and the cache
+            gdc_wait()
             gdc_launch_dependents()
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -241,8 +245,9 @@ if HAS_TRITON:
                              stride_lb, stride_lh,
                              stride_ob, stride_oh,
                              NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                             TRIGGER: tl.constexpr):
-        if TRIGGER:  # the o_proj GEMV may launch now (gemv.py, PDL)
+                             USE_PDL: tl.constexpr):
+        if USE_PDL:  # see ferrum/layers/gemv.py, PDL
+            gdc_wait()
             gdc_launch_dependents()
         # out = sum_s w_s * o_s / sum_s w_s, w_s = 2^(lse_s - max lse). Empty splits have
         # lse = -inf (w = 0); if all are empty (seq_len 0) the output is 0, not NaN.
@@ -319,6 +324,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetad
     S = num_splits or num_decode_splits(B, hkv, M, page, q.device)
     kc, vc = kv_cache[0], kv_cache[1]
     bn, warps, stages = _decode_config(D, q.dtype, S)
+    pdl = pdl_ok(q)
     common = dict(GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=D, PAGE=page,
                   BLOCK_N=bn, NUM_SPLITS=S, DOT_PREC=_dot_precision(q.dtype),
                   num_warps=warps, num_stages=stages)
@@ -328,19 +334,19 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetad
         _decode_split_kernel[(B, hkv, 1)](
             q, kc, vc, bt, md.seq_lens, out, out, *args,
             out.stride(0), out.stride(1), 0, 0, 0, scale * _LOG2E, DIRECT_OUT=True,
-            TRIGGER=pdl_ok(q), **common)
+            USE_PDL=pdl, launch_pdl=pdl, **common)
         return out
     o_part = torch.empty(B, H, S, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(B, hkv, S)](
         q, kc, vc, bt, md.seq_lens, o_part, lse, *args,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
-        scale * _LOG2E, DIRECT_OUT=False, TRIGGER=False, **common)
+        scale * _LOG2E, DIRECT_OUT=False, USE_PDL=pdl, launch_pdl=pdl, **common)
     _decode_merge_kernel[(B, H)](
         o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-        NUM_SPLITS=S, SPLITS_PAD=_next_pow2(S), HEAD_DIM=D, TRIGGER=pdl_ok(q),
-        num_warps=4 if D >= 128 else 2)
+        NUM_SPLITS=S, SPLITS_PAD=_next_pow2(S), HEAD_DIM=D, USE_PDL=pdl,
+        num_warps=4 if D >= 128 else 2, launch_pdl=pdl)
     return out
 
 

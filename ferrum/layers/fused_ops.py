@@ -24,7 +24,7 @@ from ferrum.layers.gemv import pdl_ok
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
     HAS_TRITON = True
 except ImportError:
     HAS_TRITON = False
@@ -53,9 +53,10 @@ if HAS_TRITON:
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr,
                              stride_x, stride_r, stride_o, stride_ro, N, eps,
-                             HAS_RES: tl.constexpr, BLOCK: tl.constexpr, TRIGGER: tl.constexpr):
+                             HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
         # One program per row; the whole row (hidden <= BLOCK) stays in registers.
-        if TRIGGER:  # let the next kernel (a GEMV) launch now: see gemv.py, PDL
+        if USE_PDL:  # launched early (gemv.py, PDL): wait for the inputs, let the next launch
+            gdc_wait()
             gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
@@ -104,8 +105,8 @@ def _launch_rms(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
         _add_rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, res_out,
             x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0), n, eps,
-            HAS_RES=residual is not None, BLOCK=block, TRIGGER=pdl_ok(x),
-            num_warps=min(max(block // 256, 1), 8))
+            HAS_RES=residual is not None, BLOCK=block, USE_PDL=pdl_ok(x),
+            num_warps=min(max(block // 256, 1), 8), launch_pdl=pdl_ok(x))
     return out.view(shape), (res_out.view(shape) if residual is not None else None)
 
 
@@ -142,8 +143,9 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: t
 if HAS_TRITON:
     @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, D, BLOCK: tl.constexpr,
-                             TRIGGER: tl.constexpr):
-        if TRIGGER:  # the down-projection GEMV may launch now (gemv.py, PDL)
+                             USE_PDL: tl.constexpr):
+        if USE_PDL:  # see gemv.py, PDL
+            gdc_wait()
             gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -170,8 +172,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0] > 0 and d > 0:
         block = min(_SILU_BLOCK, _next_pow2(d))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, TRIGGER=pdl_ok(x),
-            num_warps=4 if block >= 512 else 2)
+            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, USE_PDL=pdl_ok(x),
+            num_warps=4 if block >= 512 else 2, launch_pdl=pdl_ok(x))
     return out.view(*x.shape[:-1], d)
 
 
@@ -197,7 +199,11 @@ if HAS_TRITON:
     def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_cos,
                      HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr,
-                     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
+                     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+        if USE_PDL:  # see gemv.py, PDL
+            gdc_wait()
+            gdc_launch_dependents()
         # One program per token: all q and k heads. x = [x1 | x2] (halves of head_dim):
         # out = [x1*cos - x2*sin | x2*cos + x1*sin], in float32, rounded to x's dtype.
         t = tl.program_id(0).to(tl.int64)
@@ -237,5 +243,6 @@ def apply_rotary_emb_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         _rope_kernel[(T,)](
             q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
             HQ=hq, HK=hk, HALF=d // 2, BLOCK_HQ=_next_pow2(hq), BLOCK_HK=_next_pow2(hk),
-            BLOCK_D=_next_pow2(d // 2), num_warps=4 if hq * d >= 2048 else 1)
+            BLOCK_D=_next_pow2(d // 2), USE_PDL=pdl_ok(q), num_warps=4 if hq * d >= 2048 else 1,
+            launch_pdl=pdl_ok(q))
     return q, k
