@@ -10,6 +10,8 @@ The Triton GEMV serves LinearBase and the LM head when x has exactly one row and
 is 16-bit (`FERRUM_TRITON_GEMV=0` turns it off); the block shape comes from `gemv_config`. On
 H200 it took a Llama-3-8B batch-1 step's matrix time from 4.07 to 3.70 ms (94% of the
 4.35 TB/s roofline); see benchmarks/results/h200-2026-11-30-r2/. `linear` dispatches.
+This module also decides where programmatic dependent launch is used (`pdl_ok`, below): with
+it on every decode-path kernel the batch-1 step went from 4.18 to 3.90 ms (r3/pdl/).
 """
 from __future__ import annotations
 
