@@ -80,6 +80,13 @@ class SamplingParams:
             bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None:
+            bad("prompt_logprobs", "is not supported by ferrum")
+        # sample i of a request draws from torch.Generator().manual_seed(seed + i), which takes
+        # [-2**63, 2**64 - 1]
+        if self.seed is not None and (not isinstance(self.seed, int)
+                                      or not -2**63 <= self.seed <= 2**64 - self.n):
+            bad("seed", f"must be an integer in [-2**63, 2**64 - n], got {self.seed!r}")
         if any((not isinstance(s, str)) or s == "" for s in self.stop):
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -321,10 +321,14 @@ def test_errors_are_named_and_leave_nothing_behind(folder):
         llm.generate("hello", greedy, use_tqdm=False)
     for kw, param in [(dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"),
                       (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"),
-                      (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n")]:
+                      (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"),
+                      (dict(seed=2**64), "seed"), (dict(seed=2**64 - 1, n=2), "seed"),
+                      (dict(prompt_logprobs=1), "prompt_logprobs")]:
         with pytest.raises(InvalidRequestError) as e:
             SamplingParams(**kw)
         assert e.value.param == param
+    with pytest.raises(InvalidRequestError, match="max_num_seqs"):
+        llm.generate([[5, 6]], SamplingParams(n=300, max_tokens=2), use_tqdm=False)
     # A bad prompt in the middle of a batch: the good ones queued before it are withdrawn.
     with pytest.raises(PromptTooLongError):
         llm.generate([[5, 6], [7, 8, 9], [5] * (MAX_LEN + 3)], greedy, use_tqdm=False)

@@ -306,6 +306,9 @@ def test_bad_inputs(server):
     e = _err(_post(server, "/v1/chat/completions", {"model": MODEL, "messages": [
         {"role": "user", "content": "hi"}], "tools": []}), 400)
     assert e["param"] == "tools"
+    # a seed torch.Generator cannot take for sample n-1 (seed + 1): 400, and still serving
+    e = _err(_post(server, "/v1/completions", {**ok, "seed": 2**64 - 1, "n": 2}), 400)
+    assert e["param"] == "seed"
     e = _err(_post(server, "/v1/completions", {**ok, "temperature": -1}), 400)
     assert e["param"] == "temperature"
     e = _err(_post(server, "/v1/completions", {**ok, "prompt": [10**7]}), 400)

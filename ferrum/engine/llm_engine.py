@@ -169,8 +169,8 @@ class LLMEngine:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests are waiting "
                                  f"(limit {self.config.scheduler.max_waiting}); retry later")
         req = Request(request_id, text, list(prompt_token_ids), params)
-        self.requests[request_id] = req
         self._new_seq(req, 0)
+        self.requests[request_id] = req  # only once nothing above can raise
         self.stats["prompt_tokens"] += n
         return request_id
 
@@ -210,9 +210,10 @@ class LLMEngine:
 
         With async scheduling a step's sampled ids stay on the device: when the next step can
         run without them on the host (`_can_overlap`), it is scheduled and launched first and
-        the previous step's tokens are read and processed while the device runs it. So a call
-        returns the tokens of the step launched by the call before, or of its own step when
-        the two could not overlap."""
+        the previous step's tokens are read and processed while the device runs it; when
+        they cannot overlap the previous step is processed first. Either way a call returns
+        the tokens of the step launched by the call before (on CPU, where a launch runs the
+        whole forward, that only delays each token by a step: async is off there by default)."""
         touched: dict[str, Request] = {}
         if self._in_flight is not None and not self._can_overlap():
             self._finish(touched)

@@ -34,7 +34,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = True) -
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="launch decode step n+1 before reading step n's tokens (default: on for CUDA)")
+                   help="launch decode step n+1 before reading step n's tokens (default: on for CUDA, "
+                        "off for CPU, where it only delays each token by one step)")
     g.add_argument("--chat-template", default=None, help="Jinja chat template file (overrides the model's)")
     g.add_argument("--engine-seed", type=int, default=0, help="seed for dummy weights / global RNG")
 
