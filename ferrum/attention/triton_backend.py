@@ -30,12 +30,11 @@ import torch
 from ferrum.attention import torch_backend
 from ferrum.attention.metadata import AttentionMetadata
 
-from ferrum.layers.gemv import pdl_ok
+from ferrum.layers.gemv import pdl_ok, pdl_start
 
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
     HAS_TRITON = True
 except ImportError:  # CPU-only installs: everything falls back to torch_backend
     HAS_TRITON = False
@@ -102,8 +101,7 @@ if HAS_TRITON:
                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
         # One program per token: all KV heads of K and V, cast to the cache dtype.
         if USE_PDL:  # see ferrum/layers/gemv.py, PDL
-            gdc_wait()
-            gdc_launch_dependents()
+            pdl_start()
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:  # slot < 0: padded row of a CUDA graph, nothing to write
@@ -143,12 +141,13 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     _, nb, bs, hkv, d = kv_cache.shape
     k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
     kc, vc = kv_cache[0], kv_cache[1]
+    pdl = pdl_ok(kv_cache)
     _write_kv_kernel[(T,)](
         k, v, kc, vc, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kc.stride(1), kc.stride(2),
         NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_H=_next_pow2(hkv), BLOCK_D=_next_pow2(d),
-        USE_PDL=pdl_ok(kv_cache), num_warps=4 if hkv * d >= 1024 else 1, launch_pdl=pdl_ok(kv_cache))
+        USE_PDL=pdl, num_warps=4 if hkv * d >= 1024 else 1, launch_pdl=pdl)
 
 
 if HAS_TRITON:
@@ -192,8 +191,7 @@ if HAS_TRITON:
             PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
             DIRECT_OUT: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr):
         if USE_PDL:  # launched early (ferrum/layers/gemv.py, PDL): wait for q and the cache
-            gdc_wait()
-            gdc_launch_dependents()
+            pdl_start()
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -247,8 +245,7 @@ if HAS_TRITON:
                              NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                              USE_PDL: tl.constexpr):
         if USE_PDL:  # see ferrum/layers/gemv.py, PDL
-            gdc_wait()
-            gdc_launch_dependents()
+            pdl_start()
         # out = sum_s w_s * o_s / sum_s w_s, w_s = 2^(lse_s - max lse). Empty splits have
         # lse = -inf (w = 0); if all are empty (seq_len 0) the output is 0, not NaN.
         b = tl.program_id(0)
@@ -273,8 +270,8 @@ def _decode_config(head_dim: int, dtype: torch.dtype, num_splits: int) -> tuple[
     21 KB shared for D=128); with one split (large batch: every program walks a whole sequence)
     64 tokens and 3 stages, which on H200 read K/V 7-8% faster (`benchmarks/tune_attention.py`,
     Llama-3-8B shapes: batch 256 x 1536 tokens 464 -> 428 us = 3.76 TB/s, 256 x 512 225 -> 209,
-    64 x 1536 191 -> 178; D = 256 stays at 32: 64 needs 254 registers). fp32 goes through FMA dots ("ieee"), which spill at 32 tokens with
-    D >= 128, so 16."""
+    64 x 1536 191 -> 178; D = 256 stays at 32: 64 needs 254 registers). fp32 goes through FMA
+    dots ("ieee"), which spill at 32 tokens with D >= 128, so 16."""
     if dtype == torch.float32:
         bn, stages = 16, 2
     else:

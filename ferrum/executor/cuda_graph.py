@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ferrum.attention.metadata import AttentionMetadata, forward_context
+from ferrum.executor.model_runner import take_prev_sampled
 from ferrum.interfaces import KvCacheHandle
 
 log = logging.getLogger("ferrum")
@@ -145,7 +146,6 @@ class DecodeCudaGraphs:
         if prev is None:
             self.input_ids[:bs].copy_(dev[:, 0])
         else:
-            from ferrum.executor.model_runner import take_prev_sampled
             self.input_ids[:bs].copy_(take_prev_sampled(dev[:, 0], prev, dev[:, 4]))
         self.positions[:bs].copy_(dev[:, 1])
         self.slot_mapping[:bs].copy_(dev[:, 2])

@@ -19,12 +19,11 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ferrum.layers.gemv import pdl_ok
+from ferrum.layers.gemv import pdl_ok, pdl_start
 
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
     HAS_TRITON = True
 except ImportError:
     HAS_TRITON = False
@@ -56,8 +55,7 @@ if HAS_TRITON:
                              HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
         # One program per row; the whole row (hidden <= BLOCK) stays in registers.
         if USE_PDL:  # launched early (gemv.py, PDL): wait for the inputs, let the next launch
-            gdc_wait()
-            gdc_launch_dependents()
+            pdl_start()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < N
@@ -145,8 +143,7 @@ if HAS_TRITON:
     def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, D, BLOCK: tl.constexpr,
                              USE_PDL: tl.constexpr):
         if USE_PDL:  # see gemv.py, PDL
-            gdc_wait()
-            gdc_launch_dependents()
+            pdl_start()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < D
@@ -202,8 +199,7 @@ if HAS_TRITON:
                      BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
                      USE_PDL: tl.constexpr):
         if USE_PDL:  # see gemv.py, PDL
-            gdc_wait()
-            gdc_launch_dependents()
+            pdl_start()
         # One program per token: all q and k heads. x = [x1 | x2] (halves of head_dim):
         # out = [x1*cos - x2*sin | x2*cos + x1*sin], in float32, rounded to x's dtype.
         t = tl.program_id(0).to(tl.int64)

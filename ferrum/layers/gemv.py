@@ -27,6 +27,7 @@ try:
     HAS_TRITON = True
 except ImportError:  # pragma: no cover
     HAS_TRITON = False
+    pdl_start = None  # a Triton helper (below); other kernel modules import the name
 
 ENABLED = os.environ.get("FERRUM_TRITON_GEMV", "1") != "0"
 # CPU: numpy's bundled OpenBLAS reads fp32 weights for one row at 16-31 GB/s on the 2-core
@@ -61,6 +62,13 @@ if HAS_TRITON:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
+    def pdl_start():
+        """Start of a kernel launched with PDL: wait until the kernel before it has finished
+        (its outputs are visible), then let the kernel after it launch."""
+        gdc_wait()
+        gdc_launch_dependents()
+
+    @triton.jit
     def _load_w_tile(rows, offs_k, n_mask, K, EVEN: tl.constexpr):
         if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: unmasked, fully vectorised loads
             w = tl.load(rows + offs_k[None, :], eviction_policy="evict_first")
@@ -81,8 +89,7 @@ if HAS_TRITON:
         offs_k = tl.arange(0, BLOCK_K)
         w = _load_w_tile(rows, offs_k, n_mask, K, EVEN)  # first tile: weights only
         if USE_PDL:
-            gdc_wait()              # x (written by the previous kernel) is ready after this
-            gdc_launch_dependents()
+            pdl_start()             # x (written by the previous kernel) is ready after this
         if EVEN:
             x = tl.load(x_ptr + offs_k)
         else:
