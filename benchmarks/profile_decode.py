@@ -69,7 +69,7 @@ def _graph_time_ms(fn, iters=20, reps=5):
 
 # ---------------------------------------------------------------------------------------------
 def sec_gemv(args):
-    from ferrum.layers import gemv
+    from ferrum.ops import gemv
     H, I, V, D, Hq, Hkv = 4096, 14336, 128256, 128, 32, 8
     shapes = {}
     for tp in (1, 2):

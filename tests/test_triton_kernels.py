@@ -1,4 +1,4 @@
-"""Triton kernels (ferrum/attention/triton_backend.py, ferrum/layers/fused_ops.py) against
+"""Triton kernels (ferrum/ops/, ferrum/attention/triton_backend.py) against
 float64 / torch references.
 
 On CPU the kernels run in Triton's interpreter. TRITON_INTERPRET must be set before triton is
@@ -301,56 +301,58 @@ def check_attention_layer(device: str) -> None:
 
 
 def check_fused_ops(device: str) -> None:
-    """References are the torch modules run on CPU copies (on CUDA the modules themselves may
-    dispatch to these kernels, which would make the comparison vacuous)."""
-    from ferrum.layers import fused_ops as fo
-    from ferrum.layers.layernorm import RMSNorm
+    """The norm / SiLU*mul / RoPE kernels against their torch code (`*_torch`, run on CPU
+    copies: the ops themselves dispatch to the kernels here, also on CPU in the interpreter)."""
+    from ferrum.ops.activation import silu_and_mul, silu_and_mul_torch
+    from ferrum.ops.rms_norm import fused_add_rms_norm, rms_norm, rms_norm_torch
+    from ferrum.ops.rotary import apply_rotary_emb, rotate_torch
     from ferrum.layers.rotary_embedding import RotaryEmbedding
     gen = torch.Generator().manual_seed(4)
     dev = lambda t: t.to(device)  # noqa: E731
+    eps = 1e-5
     for dtype in (torch.float32, torch.bfloat16):
         for hidden in (96, 256):  # 96: not a power of two -> masked tail
-            norm = RMSNorm(hidden, eps=1e-5)
-            norm.weight.data = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+            w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
             x = torch.randn(2, 3, hidden, generator=gen).to(dtype)
             r = torch.randn(2, 3, hidden, generator=gen).to(dtype)
-            ref_n, ref_r = norm(x, r)
-            got_n, got_r = fo.fused_add_rms_norm(dev(x), dev(r), dev(norm.weight.data), 1e-5)
+            ref_r = x + r
+            ref_n = rms_norm_torch(ref_r, w, eps)
+            got_n, got_r = fused_add_rms_norm(dev(x), dev(r), dev(w), eps)
             assert got_n.dtype == ref_n.dtype and got_r.dtype == ref_r.dtype
             assert torch.equal(got_r.cpu(), ref_r), "residual sum must equal x + residual exactly"
             _assert_close(got_n, ref_n, dtype, f"fused_add_rms_norm {dtype} {hidden}")
             xd = dev(x)
-            got_n, got_r = fo.fused_add_rms_norm(xd, None, dev(norm.weight.data), 1e-5)
+            got_n, got_r = fused_add_rms_norm(xd, None, dev(w), eps)
             assert got_r is xd
-            _assert_close(got_n, norm(x), dtype, f"rms_norm(residual=None) {dtype} {hidden}")
-            _assert_close(fo.rms_norm(xd, dev(norm.weight.data), 1e-5), norm(x), dtype, f"rms_norm {dtype}")
+            _assert_close(got_n, rms_norm_torch(x, w, eps), dtype, f"rms_norm(residual=None) {dtype} {hidden}")
+            _assert_close(rms_norm(xd, dev(w), eps), rms_norm_torch(x, w, eps), dtype, f"rms_norm {dtype}")
         if dtype == torch.bfloat16:  # float32 residual stream, 16-bit activations, float32 weight
             x16 = torch.randn(4, 96, generator=gen).to(torch.bfloat16)
             r32 = torch.randn(4, 96, generator=gen)
-            norm = RMSNorm(96, eps=1e-5)
-            norm.weight.data = 1 + 0.1 * torch.randn(96, generator=gen)
-            ref_n, ref_r = norm(x16, r32)
-            got_n, got_r = fo.fused_add_rms_norm(dev(x16), dev(r32), dev(norm.weight.data), 1e-5)
+            w32 = 1 + 0.1 * torch.randn(96, generator=gen)
+            ref_r = x16 + r32
+            ref_n = rms_norm_torch(ref_r, w32, eps)
+            got_n, got_r = fused_add_rms_norm(dev(x16), dev(r32), dev(w32), eps)
             assert got_n.dtype == ref_n.dtype == torch.float32 and torch.equal(got_r.cpu(), ref_r)
             _assert_close(got_n, ref_n, torch.float32, "fused_add_rms_norm mixed dtypes")
         for d in (100, 64):
             x = torch.randn(3, 2, 2 * d, generator=gen).to(dtype)
-            gate, up = x.chunk(2, -1)
-            got = fo.silu_and_mul(dev(x))
+            got = silu_and_mul(dev(x))
             assert got.shape == (3, 2, d) and got.dtype == dtype
-            _assert_close(got, torch.nn.functional.silu(gate) * up, dtype, f"silu_and_mul {dtype} d={d}")
+            _assert_close(got, silu_and_mul_torch(x), dtype, f"silu_and_mul {dtype} d={d}")
         for D, hq, hk in ((64, 4, 2), (128, 3, 1)):
-            rope = RotaryEmbedding(D, 64, 10000.0)
+            rope = RotaryEmbedding(D, 64, 10000.0)  # only its cos/sin tables
             T = 5
             qkv_cpu = torch.randn(T, (hq + 2 * hk) * D, generator=gen).to(dtype)
             pos = torch.tensor([0, 7, 3, 63, 20])
-            ref_q, ref_k = rope(pos, qkv_cpu[:, :hq * D].reshape(T, hq, D).clone(),
-                                qkv_cpu[:, hq * D:(hq + hk) * D].reshape(T, hk, D).clone())
+            c, s = rope.cos[pos].unsqueeze(1), rope.sin[pos].unsqueeze(1)
+            ref_q = rotate_torch(qkv_cpu[:, :hq * D].reshape(T, hq, D), c, s)
+            ref_k = rotate_torch(qkv_cpu[:, hq * D:(hq + hk) * D].reshape(T, hk, D), c, s)
             qkv = dev(qkv_cpu)
             q = qkv[:, :hq * D].view(T, hq, D)  # views into the fused projection, as in the model
             k = qkv[:, hq * D:(hq + hk) * D].view(T, hk, D)
-            oq, ok = fo.apply_rotary_emb_(dev(pos), q, k, dev(rope.cos), dev(rope.sin))
-            assert oq is q and ok is k
+            oq, ok = apply_rotary_emb(dev(pos), q, k, dev(rope.cos), dev(rope.sin))
+            assert oq is q and ok is k, "the kernel rotates in place"
             _assert_close(q, ref_q, dtype, f"rope q {dtype} D={D}")
             _assert_close(k, ref_k, dtype, f"rope k {dtype} D={D}")
             assert torch.equal(qkv[:, (hq + hk) * D:].cpu(), qkv_cpu[:, (hq + hk) * D:]), "rope wrote outside q/k"
@@ -359,7 +361,7 @@ def check_fused_ops(device: str) -> None:
 def check_gemv(device: str) -> None:
     """Batch-1 GEMV against F.linear in float64, on unmasked (even) and masked tiles, with and
     without bias."""
-    from ferrum.layers import gemv
+    from ferrum.ops import gemv
     gen = torch.Generator().manual_seed(5)
     for dtype in (torch.bfloat16, torch.float16):
         for N, K, bias, cfg in ((64, 256, False, (8, 128, 4, 1)), (70, 200, True, (8, 64, 4, 1)),
@@ -384,7 +386,7 @@ def check_sm90_compile(device: str) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from ferrum.attention import triton_backend as tb
-    from ferrum.layers import fused_ops as fo
+    from ferrum.ops import activation, rms_norm, rotary
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     bf16, f32 = torch.bfloat16, torch.float32
     tname = {bf16: "bf16", f32: "fp32"}
@@ -425,14 +427,14 @@ def check_sm90_compile(device: str) -> None:
           dict(o_part_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16"), 4, 2, "decode merge")
     build(tb._write_kv_kernel, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, USE_PDL=True),
           dict(k_ptr="*bf16", v_ptr="*bf16", kc_ptr="*bf16", vc_ptr="*bf16", slot_ptr="*i64"), 4, 2, "write_kv")
-    build(fo._add_rms_norm_kernel, dict(HAS_RES=True, BLOCK=8192, USE_PDL=True),
+    build(rms_norm._add_rms_norm_kernel, dict(HAS_RES=True, BLOCK=8192, USE_PDL=True),
           dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", res_out_ptr="*bf16"), 8, 2, "rmsnorm")
-    build(fo._silu_and_mul_kernel, dict(BLOCK=1024, USE_PDL=True), dict(x_ptr="*bf16", out_ptr="*bf16"), 4, 2, "silu_and_mul")
-    from ferrum.layers import gemv
+    build(activation._silu_and_mul_kernel, dict(BLOCK=1024, USE_PDL=True), dict(x_ptr="*bf16", out_ptr="*bf16"), 4, 2, "silu_and_mul")
+    from ferrum.ops import gemv
     bn, bk, w, st = gemv.gemv_config(4096, 4096)
     build(gemv._gemv_kernel, dict(HAS_BIAS=False, EVEN=True, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=True),
           dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", y_ptr="*bf16"), w, st, "gemv")
-    build(fo._rope_kernel, dict(HQ=32, HK=8, HALF=64, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_D=64, USE_PDL=True),
+    build(rotary._rope_kernel, dict(HQ=32, HK=8, HALF=64, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_D=64, USE_PDL=True),
           dict(q_ptr="*bf16", k_ptr="*bf16", pos_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32"), 4, 2, "rope")
 
 
@@ -463,17 +465,25 @@ def test_kernels_compile_for_sm90_without_spills():
     print(_run_interpreted("check_sm90_compile", interpret=False))
 
 
-def test_cpu_fallbacks_match_torch_modules():
-    """Without CUDA (and without FORCE_TRITON) the wrappers run the torch code."""
+def test_ops_run_torch_code_on_cpu():
+    """Without CUDA (and without FORCE_TRITON) each op takes its torch code: the same values
+    as the `*_torch` functions, and RoPE returns new tensors instead of rotating in place."""
     if HAS_TRITON and os.environ.get("FERRUM_FORCE_TRITON") == "1":
         pytest.skip("FORCE_TRITON set")
+    from ferrum.ops.activation import silu_and_mul, silu_and_mul_torch
+    from ferrum.ops.rms_norm import fused_add_rms_norm, rms_norm_torch
+    from ferrum.ops.rotary import apply_rotary_emb, rotate_torch
+    x, r, w = torch.randn(3, 32), torch.randn(3, 32), torch.rand(32)
+    n, s = fused_add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(s, x + r) and torch.equal(n, rms_norm_torch(x + r, w, 1e-6))
+    assert torch.equal(silu_and_mul(x), silu_and_mul_torch(x))
+    q, k = torch.randn(3, 2, 8), torch.randn(3, 1, 8)
+    cos, sin = torch.rand(10, 4), torch.rand(10, 4)
+    pos = torch.tensor([0, 9, 4])
+    rq, rk = apply_rotary_emb(pos, q, k, cos, sin)
+    c, s = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
+    assert rq is not q and torch.equal(rq, rotate_torch(q, c, s)) and torch.equal(rk, rotate_torch(k, c, s))
     from ferrum.attention import torch_backend, triton_backend as tb
-    from ferrum.layers import fused_ops as fo
-    from ferrum.layers.layernorm import RMSNorm
-    x, r = torch.randn(3, 32), torch.randn(3, 32)
-    n, s = fo.fused_add_rms_norm(x, r, torch.ones(32), 1e-6)
-    rn, rs = RMSNorm(32)(x, r)
-    assert torch.equal(n, rn) and torch.equal(s, rs)
     cache = torch.zeros(2, 2, 4, 1, 8)
     k = torch.randn(3, 1, 8)
     tb.write_kv(cache, k, k, torch.tensor([1, -1, 6]))  # slot -1 skipped on the fallback too

@@ -29,8 +29,7 @@ import torch
 
 from ferrum.attention import torch_backend
 from ferrum.attention.metadata import AttentionMetadata
-
-from ferrum.layers.gemv import pdl_ok, pdl_start
+from ferrum.ops.triton_utils import pdl_ok, pdl_start
 
 try:
     import triton
@@ -100,7 +99,7 @@ if HAS_TRITON:
                          NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
         # One program per token: all KV heads of K and V, cast to the cache dtype.
-        if USE_PDL:  # see ferrum/layers/gemv.py, PDL
+        if USE_PDL:  # see ferrum/ops/triton_utils.py, PDL
             pdl_start()
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -190,7 +189,7 @@ if HAS_TRITON:
             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
             PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
             DIRECT_OUT: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr):
-        if USE_PDL:  # launched early (ferrum/layers/gemv.py, PDL): wait for q and the cache
+        if USE_PDL:  # launched early (ferrum/ops/triton_utils.py, PDL): wait for q and the cache
             pdl_start()
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -244,7 +243,7 @@ if HAS_TRITON:
                              stride_ob, stride_oh,
                              NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                              USE_PDL: tl.constexpr):
-        if USE_PDL:  # see ferrum/layers/gemv.py, PDL
+        if USE_PDL:  # see ferrum/ops/triton_utils.py, PDL
             pdl_start()
         # out = sum_s w_s * o_s / sum_s w_s, w_s = 2^(lse_s - max lse). Empty splits have
         # lse = -inf (w = 0); if all are empty (seq_len 0) the output is 0, not NaN.

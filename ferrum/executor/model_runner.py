@@ -11,7 +11,7 @@ import torch
 from ferrum.attention.metadata import AttentionMetadata, forward_context
 from ferrum.config import ModelConfig
 from ferrum.interfaces import KvCacheHandle
-from ferrum.layers.gemv import cpu_blas_forward
+from ferrum.ops.cpu_blas import cpu_blas_forward
 from ferrum.loader.base import ModelSource
 from ferrum.loader.model_loader import init_dummy_weights, load_weights
 from ferrum.models.registry import get_model_class
@@ -63,7 +63,7 @@ class ModelRunner:
         if self.device.type == "cpu" and os.environ.get("FERRUM_CPU_COLUMN_MAJOR_WEIGHTS", "1") != "0":
             _column_major_weights(self.model)
         self.attn_layers = [m for m in self.model.modules() if m.__class__.__name__ == "Attention"]
-        # CPU fp32, one process: linears run on numpy's BLAS (ferrum/layers/gemv.py)
+        # CPU fp32, one process: linears run on numpy's BLAS (ferrum/ops/cpu_blas.py)
         from ferrum.distributed.parallel_state import get_tp
         self.tp = get_tp()
         self.cpu_blas = self.device.type == "cpu" and dtype == torch.float32 and self.tp.size == 1

@@ -1,14 +1,13 @@
 """SwiGLU activation (Shazeer 2020): input [..., 2*d] = [gate | up] -> silu(gate) * up."""
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ferrum.layers import fused_ops
+from ferrum.ops.activation import silu_and_mul
 
 
 class SiluAndMul(nn.Module):
+    """The MLP activation of Llama/Qwen: see `ferrum.ops.activation.silu_and_mul`."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            return fused_ops.silu_and_mul(x)
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        """x: [..., 2*d] = [gate | up] -> new [..., d] silu(gate) * up, same dtype."""
+        return silu_and_mul(x)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ferrum.layers import fused_ops
+from ferrum.ops.rms_norm import fused_add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -21,18 +21,11 @@ class RMSNorm(nn.Module):
         _check_shape(lazy, tuple(param.shape))
         param.data.copy_(lazy.load().to(param.dtype))
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if x.is_cuda:  # one Triton kernel for add + norm
-            if residual is None:
-                return fused_ops.rms_norm(x, self.weight, self.eps)
-            return fused_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        """x: [..., hidden]. Without residual: returns RMSNorm(x), a new tensor in
+        promote(x, weight) dtype. With residual (same shape as x): returns the tuple
+        (RMSNorm(x + residual), x + residual), the sum rounded to the activation dtype
+        (`ferrum.ops.rms_norm.fused_add_rms_norm`)."""
         if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)

@@ -15,7 +15,7 @@ from torch import nn
 
 from ferrum.distributed.communication import tensor_model_parallel_all_reduce
 from ferrum.distributed.parallel_state import divide, get_tp
-from ferrum.layers import gemv
+from ferrum.ops.linear import linear
 
 
 def _copy(param: nn.Parameter, w: torch.Tensor, name: str = "") -> None:
@@ -38,7 +38,7 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gemv.linear(x, self.weight, self.bias, self.tp.size == 1)
+        return linear(x, self.weight, self.bias, self.tp.size == 1)
 
 
 class ReplicatedLinear(LinearBase):
@@ -119,7 +119,7 @@ class RowParallelLinear(LinearBase):
         _copy(param, lazy.narrow(1, self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = gemv.linear(x, self.weight, None, self.tp.size == 1)
+        y = linear(x, self.weight, None, self.tp.size == 1)
         y = tensor_model_parallel_all_reduce(y, self.tp)
         if self.bias is not None:
             y = y + self.bias

@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-from ferrum.layers import fused_ops
+from ferrum.ops.rotary import apply_rotary_emb
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, rs: dict) -> torch.Tensor:
@@ -38,22 +38,8 @@ class RotaryEmbedding(nn.Module):
         # [max_position, head_dim/2] each; kept in float32 so bf16 models rotate accurately.
         self.register_buffer("cos", freqs.cos().float(), persistent=False)
         self.register_buffer("sin", freqs.sin().float(), persistent=False)
-        self._positions = None  # CPU path: cos/sin rows gathered once per forward, not per layer
-        self._rows = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions: [T] int64; q: [T, Hq, D]; k: [T, Hk, D] -> rotated (q, k), same dtypes.
-        On CUDA q and k are rotated in place by one Triton kernel."""
-        if q.is_cuda:
-            return fused_ops.apply_rotary_emb_(positions, q, k, self.cos, self.sin)
-        if positions is not self._positions:
-            self._positions = positions
-            self._rows = (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
-        cos, sin = self._rows
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        """positions: [T] int64; q: [T, Hq, D]; k: [T, Hk, D] -> rotated (q, k), same dtypes
+        (on CUDA rotated in place: `ferrum.ops.rotary.apply_rotary_emb`)."""
+        return apply_rotary_emb(positions, q, k, self.cos, self.sin)

@@ -13,7 +13,7 @@ from torch import nn
 from ferrum.distributed.communication import (tensor_model_parallel_all_reduce,
                                               tensor_model_parallel_gather)
 from ferrum.distributed.parallel_state import get_tp
-from ferrum.layers import gemv
+from ferrum.ops.linear import linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -46,7 +46,7 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: [N, hidden] -> logits [N, vocab_size] on TP rank 0 (None elsewhere)."""
-        logits = gemv.linear(hidden, self.weight, None, self.tp.size == 1)
+        logits = linear(hidden, self.weight, None, self.tp.size == 1)
         logits = tensor_model_parallel_gather(logits, dim=-1, tp=self.tp)
         if logits is None:
             return None

@@ -1,0 +1,13 @@
+"""Kernels: each op is one function that picks its implementation in one place and keeps its
+torch code beside its Triton kernel.
+
+- `linear.linear`: y = x W^T + b (batch-1 Triton GEMV in `gemv`, numpy BLAS in `cpu_blas`,
+  else F.linear).
+- `rms_norm.rms_norm` / `fused_add_rms_norm`, `rotary.apply_rotary_emb`,
+  `activation.silu_and_mul`: Triton on CUDA (`triton_utils.use_triton`), torch elsewhere.
+- `attention_torch` / `attention_triton`: paged attention backends with the same three
+  functions (`write_kv`, `prefill_attention`, `decode_attention`); the model runner picks one.
+- `triton_utils`: Triton availability and the programmatic-dependent-launch helpers.
+
+Layers (`ferrum.layers`) are thin modules that own parameters and call these.
+"""

@@ -1,0 +1,108 @@
+"""RMSNorm (Zhang & Sennrich 2019), optionally fused with the residual add before it (the vLLM
+`fused_add_rms_norm` pattern): one Triton kernel on CUDA, the torch code beside it elsewhere.
+
+Rounding follows the HF Llama module: float32 math, the normalised value rounded to the
+input's dtype, then multiplied by the weight; with a residual, the sum x + residual is rounded
+to the activation dtype first and the norm reads that rounded sum. So bf16 results of the
+kernel match the torch code to within one bf16 ulp.
+"""
+from __future__ import annotations
+
+import torch
+
+from ferrum.ops.triton_utils import HAS_TRITON, as_rows, next_pow2, pdl_ok, pdl_start, use_triton
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr,
+                             stride_x, stride_r, stride_o, stride_ro, N, eps,
+                             HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+        # One program per row; the whole row (hidden <= BLOCK) stays in registers.
+        if USE_PDL:  # launched early (PDL, triton_utils.py): wait for the inputs, let the next launch
+            pdl_start()
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        x_raw = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        x = x_raw.to(tl.float32)
+        if HAS_RES:
+            r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+            # The residual stream is stored in the activation dtype; the norm reads the
+            # rounded sum, as `x = x + residual` does in RMSNorm.forward.
+            s = (x + r).to(res_out_ptr.dtype.element_ty)
+            tl.store(res_out_ptr + row * stride_ro + cols, s, mask=mask)
+            x = s.to(tl.float32)
+        var = tl.sum(x * x, 0) / N
+        y = x * tl.rsqrt(var + eps)
+        # RMSNorm._norm: round to the dtype of its input (the sum when there is a residual) ...
+        if HAS_RES:
+            y = y.to(res_out_ptr.dtype.element_ty)
+        else:
+            y = y.to(x_raw.dtype)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + cols, (y.to(tl.float32) * w).to(out_ptr.dtype.element_ty),
+                 mask=mask)  # ... then weight * x
+
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The torch RMSNorm: weight * (x * rsqrt(mean(x^2) + eps)) with float32 math and the
+    normalised value rounded to x's dtype. x: [..., hidden]; weight: [hidden]; returns a new
+    tensor in promote(x, weight) dtype."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def _launch_rms(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """Launch the Triton kernel: (normed, new residual or None), new tensors shaped like x."""
+    shape, n = x.shape, x.shape[-1]
+    x2 = as_rows(x)
+    if residual is not None:
+        r2 = as_rows(residual)
+        res_dtype = torch.promote_types(x.dtype, residual.dtype)
+        res_out = torch.empty(x2.shape, dtype=res_dtype, device=x.device)
+    else:
+        r2 = res_out = x2  # unused (HAS_RES=False)
+        res_dtype = x.dtype
+    out = torch.empty(x2.shape, dtype=torch.promote_types(res_dtype, weight.dtype), device=x.device)
+    if x2.shape[0] > 0:
+        block = next_pow2(n)
+        _add_rms_norm_kernel[(x2.shape[0],)](
+            x2, r2, weight, out, res_out,
+            x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0), n, eps,
+            HAS_RES=residual is not None, BLOCK=block, USE_PDL=pdl_ok(x),
+            num_warps=min(max(block // 256, 1), 8), launch_pdl=pdl_ok(x))
+    return out.view(shape), (res_out.view(shape) if residual is not None else None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x: [..., hidden] (any float dtype) with weight [hidden] -> new [..., hidden]
+    in promote(x, weight) dtype; float32 math. Triton on CUDA, else `rms_norm_torch`."""
+    if not use_triton(x):
+        return rms_norm_torch(x, weight, eps)
+    return _launch_rms(x, None, weight, eps)[0]
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, new_residual) with new_residual = x + residual (rounded to the activation
+    dtype) and normed = RMSNorm(new_residual); one kernel, one read of x and residual.
+
+    x, residual: [..., hidden] (same shape, bf16/fp16/fp32); weight: [hidden]. With
+    residual=None the residual stream starts here: returns (RMSNorm(x), x) (x itself, not a
+    copy), matching the first decoder layer's `residual, x = x, input_layernorm(x)`. Outputs
+    are new tensors (inputs are not modified). Raises AssertionError when the shapes differ
+    (Triton path).
+    """
+    if residual is None:
+        return rms_norm(x, weight, eps), x
+    if not use_triton(x):
+        s = x + residual
+        return rms_norm_torch(s, weight, eps), s
+    assert residual.shape == x.shape, (x.shape, residual.shape)
+    return _launch_rms(x, residual, weight, eps)

@@ -1,0 +1,75 @@
+"""Triton availability and the helpers every ferrum Triton kernel shares.
+
+- `HAS_TRITON`: triton imports (CPU-only installs run every op's torch code instead).
+- `use_triton(t)`: the dispatch rule of the elementwise ops: Triton for CUDA tensors, and for
+  CPU tensors too when `FERRUM_FORCE_TRITON=1` (tests, with `TRITON_INTERPRET=1`, which runs
+  the kernels in Triton's numpy interpreter).
+- Programmatic dependent launch (PDL, sm_90+, CUDA programming guide "Programmatic Dependent
+  Launch and Synchronization"): a kernel launched with `launch_pdl=True` may start while the
+  kernel before it still runs. The batch-1 GEMV uses that to read its first weight tile early
+  (weights never change) and only then waits for its input; every other decode-path kernel
+  calls `pdl_start` first, which waits for its inputs and then lets the next kernel launch, so
+  the next GEMV's weight stream starts during this kernel's tail. `pdl_ok(t)` says whether
+  kernels on t's device use it; `FERRUM_PDL=0` turns it off. It survives CUDA-graph capture.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover
+    HAS_TRITON = False
+
+FORCE_TRITON: bool = os.environ.get("FERRUM_FORCE_TRITON", "0") == "1"
+PDL: bool = os.environ.get("FERRUM_PDL", "1") != "0"
+_SM90: dict[int, bool] = {}
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """True when an op on tensor t runs its Triton kernel: triton is installed and t is on
+    CUDA (or FERRUM_FORCE_TRITON=1, for the interpreter tests on CPU)."""
+    return HAS_TRITON and (t.is_cuda or FORCE_TRITON)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): Triton block sizes must be powers of two."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x itself when its last dim has unit stride (the kernels' requirement), else a copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., n] -> [rows, n] with unit stride on the last dim (a view when possible)."""
+    return last_dim_contiguous(x).reshape(-1, x.shape[-1])
+
+
+def pdl_ok(t: torch.Tensor) -> bool:
+    """True when kernels on t's device may use programmatic dependent launch: FERRUM_PDL is
+    not 0, triton is installed, t is on CUDA and the device is sm_90 or newer (cached per
+    device index)."""
+    if not (PDL and HAS_TRITON and t.is_cuda):
+        return False
+    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if idx not in _SM90:
+        _SM90[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    return _SM90[idx]
+
+
+if HAS_TRITON:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @triton.jit
+    def pdl_start():
+        """Start of a kernel launched with PDL: wait until the kernel before it has finished
+        (its outputs are visible), then let the kernel after it launch."""
+        gdc_wait()
+        gdc_launch_dependents()
+else:  # pragma: no cover
+    pdl_start = None
