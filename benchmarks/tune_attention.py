@@ -22,8 +22,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from ferrum.attention import triton_backend as tb  # noqa: E402
-from ferrum.attention.metadata import AttentionMetadata  # noqa: E402
+from ferrum.forward_context import AttentionMetadata  # noqa: E402
+from ferrum.ops import attention_triton as tb  # noqa: E402
 
 H, HKV, D, PAGE = 32, 8, 128, 16
 

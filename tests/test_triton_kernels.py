@@ -1,4 +1,4 @@
-"""Triton kernels (ferrum/ops/, ferrum/attention/triton_backend.py) against
+"""Triton kernels (ferrum/ops/) against
 float64 / torch references.
 
 On CPU the kernels run in Triton's interpreter. TRITON_INTERPRET must be set before triton is
@@ -106,7 +106,7 @@ def _assert_close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what
 
 
 def _md(is_prefill, slot_mapping, block_tables, seq_lens, query_lens=None, context_lens=None, cu=None):
-    from ferrum.attention.metadata import AttentionMetadata
+    from ferrum.forward_context import AttentionMetadata
     return AttentionMetadata(is_prefill=is_prefill, slot_mapping=slot_mapping, block_tables=block_tables,
                              seq_lens=seq_lens, max_seq_len=int(seq_lens.max()) if seq_lens.numel() else 0,
                              query_lens=query_lens, context_lens=context_lens, cu_seqlens_q=cu)
@@ -161,7 +161,7 @@ def _ref_attention(q, clean, bt, seq_lens, q_pos, scale):
 # checks (run on "cpu" in the interpreter subprocess, or on "cuda" in-process)
 # ---------------------------------------------------------------------------------------------
 def check_write_kv(device: str) -> None:
-    from ferrum.attention import triton_backend as tb
+    from ferrum.ops import attention_triton as tb
     gen = torch.Generator().manual_seed(1)
     for dtype, Hkv, D, page in [(torch.float32, 2, 64, 16), (torch.bfloat16, 3, 128, 8)]:
         T, NB = 7, 5
@@ -182,7 +182,7 @@ def check_write_kv(device: str) -> None:
 
 def _decode_case(device, dtype, H, Hkv, D, page, seq_lens, splits, gen, bt_dtype=torch.int64,
                  sl_dtype=torch.int32, M=None):
-    from ferrum.attention import triton_backend as tb
+    from ferrum.ops import attention_triton as tb
     cache, bt, clean = _paged_cache(seq_lens, Hkv, D, page, dtype, device, gen, M=M)
     B = len(seq_lens)
     q = torch.randn(B, H, D, generator=gen).to(dtype).to(device)
@@ -213,7 +213,9 @@ def check_decode(device: str) -> None:
 
 
 def _prefill_case(device, dtype, H, Hkv, D, page, ctx_lens, q_lens, gen, impl="triton", blocks=(None, None)):
-    from ferrum.attention import triton_backend as tb
+    """impl "triton": `attention_triton.prefill_attention` with the given tile sizes; "torch":
+    the torch backend (SDPA) on the same inputs."""
+    from ferrum.ops import attention_torch, attention_triton as tb
     seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
     cache, bt, clean = _paged_cache(seq_lens, Hkv, D, page, dtype, device, gen)
     # this chunk's fresh K/V (what write_kv put in the cache), needed by the SDPA path
@@ -228,12 +230,13 @@ def _prefill_case(device, dtype, H, Hkv, D, page, ctx_lens, q_lens, gen, impl="t
     md = _md(True, slots.to(device), bt, torch.tensor(seq_lens, dtype=torch.int32, device=device),
              query_lens=list(q_lens), context_lens=list(ctx_lens), cu=cu.to(device))
     ref = torch.cat(_ref_attention(list(q.split(q_lens)), clean, bt, seq_lens, [p.tolist() for p in pos], D ** -0.5))
-    saved = tb.PREFILL_IMPL, tb.PREFILL_BLOCK_M, tb.PREFILL_BLOCK_N
-    tb.PREFILL_IMPL, (tb.PREFILL_BLOCK_M, tb.PREFILL_BLOCK_N) = impl, blocks
+    saved = tb.PREFILL_BLOCK_M, tb.PREFILL_BLOCK_N
+    tb.PREFILL_BLOCK_M, tb.PREFILL_BLOCK_N = blocks
     try:
-        out = tb.prefill_attention(q, cache, md, D ** -0.5, k, v)
+        backend = tb if impl == "triton" else attention_torch
+        out = backend.prefill_attention(q, cache, md, D ** -0.5, k, v)
     finally:
-        tb.PREFILL_IMPL, tb.PREFILL_BLOCK_M, tb.PREFILL_BLOCK_N = saved
+        tb.PREFILL_BLOCK_M, tb.PREFILL_BLOCK_N = saved
     assert out.shape == q.shape and out.dtype == q.dtype
     _assert_close(out, ref, dtype, f"prefill[{impl}] {dtype} H={H} Hkv={Hkv} D={D} page={page} "
                                    f"ctx={ctx_lens} q={q_lens} blocks={blocks}")
@@ -247,25 +250,25 @@ def check_prefill(device: str) -> None:
     _prefill_case(device, f32, 3, 3, 64, 16, ctx[:2], ql[:2], gen)            # group 1, default tiles
     _prefill_case(device, bf16, 6, 2, 128, 8, [0, 21], [19, 12], gen, blocks=(16, 32))  # group 3, page 8
     _prefill_case(device, bf16, 8, 1, 64, 16, [30], [9], gen)                 # group 8
-    # the SDPA fallback with the same inputs (flash path for ctx == 0, gather + mask otherwise)
-    _prefill_case(device, f32, 4, 1, 64, 16, ctx, ql, gen, impl="sdpa")
-    _prefill_case(device, bf16, 6, 2, 128, 8, [0, 21], [19, 12], gen, impl="sdpa")
+    # the torch backend with the same inputs (SDPA: flash path for ctx == 0, gather + mask otherwise)
+    _prefill_case(device, f32, 4, 1, 64, 16, ctx, ql, gen, impl="torch")
+    _prefill_case(device, bf16, 6, 2, 128, 8, [0, 21], [19, 12], gen, impl="torch")
 
 
 def check_attention_layer(device: str) -> None:
-    """`Attention` with `backend = triton_backend` against the torch backend through a
+    """`Attention` with the Triton backend against the torch backend through a
     prefill chunk without context, a chunk with context (two sequences) and two decode steps,
     with metadata built as ModelRunner builds it (int64 tables, int32/int64 lengths)."""
-    from ferrum.attention import torch_backend, triton_backend
-    from ferrum.attention.metadata import AttentionMetadata, forward_context
+    from ferrum.ops import attention_torch, attention_triton
+    from ferrum.forward_context import AttentionMetadata, forward_context
     from ferrum.layers.attention import Attention
     gen = torch.Generator().manual_seed(7)
     H, Hkv, D, page, NB = 4, 2, 64, 16, 12
     tables = [[3, 7, 1], [10, 2, 5]]
     layers = {}
-    for name, be in (("torch", torch_backend), ("triton", triton_backend)):
+    backends = {"torch": attention_torch, "triton": attention_triton}
+    for name in backends:
         a = Attention(H, Hkv, D, D ** -0.5)
-        a.backend = be
         a.kv_cache = torch.zeros(2, NB, page, Hkv, D, device=device)
         layers[name] = a
     lens = [0, 0]
@@ -288,7 +291,7 @@ def check_attention_layer(device: str) -> None:
             context_lens=list(lens) if is_prefill else None, cu_seqlens_q=cu.to(device) if is_prefill else None)
         outs = {}
         for name, a in layers.items():
-            with forward_context(md):
+            with forward_context(md, backends[name]):
                 outs[name] = a(q, k, v)
         lens[:] = new_lens
         _assert_close(outs["triton"], outs["torch"], torch.float32, f"Attention layer qlens={qlens}")
@@ -385,7 +388,7 @@ def check_sm90_compile(device: str) -> None:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from ferrum.attention import triton_backend as tb
+    from ferrum.ops import attention_triton as tb
     from ferrum.ops import activation, rms_norm, rotary
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     bf16, f32 = torch.bfloat16, torch.float32
@@ -483,17 +486,6 @@ def test_ops_run_torch_code_on_cpu():
     rq, rk = apply_rotary_emb(pos, q, k, cos, sin)
     c, s = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
     assert rq is not q and torch.equal(rq, rotate_torch(q, c, s)) and torch.equal(rk, rotate_torch(k, c, s))
-    from ferrum.attention import torch_backend, triton_backend as tb
-    cache = torch.zeros(2, 2, 4, 1, 8)
-    k = torch.randn(3, 1, 8)
-    tb.write_kv(cache, k, k, torch.tensor([1, -1, 6]))  # slot -1 skipped on the fallback too
-    assert torch.equal(cache[0, 0, 1], k[0]) and torch.equal(cache[1, 1, 2], k[2])
-    assert cache.count_nonzero() == 2 * 2 * 8
-    from ferrum.attention.metadata import AttentionMetadata
-    md = AttentionMetadata(False, torch.zeros(1, dtype=torch.int64), torch.tensor([[0, 1]]),
-                           torch.tensor([7], dtype=torch.int32), 7)
-    q = torch.randn(1, 2, 8)
-    assert torch.equal(tb.decode_attention(q, cache, md, 0.3), torch_backend.decode_attention(q, cache, md, 0.3))
 
 
 @pytest.mark.parametrize("check", ["check_write_kv", "check_decode", "check_prefill", "check_attention_layer",
@@ -518,7 +510,7 @@ def test_decode_large_on_gpu():
 def test_decode_in_cuda_graph():
     """Capture write_kv + decode once with static B and M, replay with other lengths / tables:
     the split count and all bounds must come from static shapes or device tensors."""
-    from ferrum.attention import triton_backend as tb
+    from ferrum.ops import attention_triton as tb
     gen = torch.Generator().manual_seed(6)
     B, H, Hkv, D, page, M = 4, 8, 2, 128, 16, 16
     dtype, dev = torch.bfloat16, "cuda"
@@ -564,8 +556,8 @@ def test_decode_in_cuda_graph():
 def test_torch_decode_reads_consecutive_blocks_in_place():
     """The CPU decode path reads K/V in place when every sequence's blocks are consecutive and
     gathers otherwise; both must equal the padded, masked form (no Python context lengths)."""
-    from ferrum.attention import torch_backend as tb
-    from ferrum.attention.metadata import AttentionMetadata
+    from ferrum.ops import attention_torch as tb
+    from ferrum.forward_context import AttentionMetadata
     gen = torch.Generator().manual_seed(6)
     bs, Hkv, H, D = 4, 2, 6, 16
     cache = torch.randn(2, 40, bs, Hkv, D, generator=gen)
@@ -577,6 +569,6 @@ def test_torch_decode_reads_consecutive_blocks_in_place():
         md = AttentionMetadata(False, torch.zeros(2, dtype=torch.int64), bt,
                                torch.tensor([n + 1 for n in lens]), max(lens) + 1, [1, 1], lens)
         got = tb.decode_attention(q, cache, md, 0.25)
-        assert (md._decode_plan[3] is not None) == runs
+        assert (md.decode_plan[3] is not None) == runs
         padded = AttentionMetadata(False, md.slot_mapping, bt, md.seq_lens, md.max_seq_len)
         torch.testing.assert_close(got, tb.decode_attention(q, cache, padded, 0.25), atol=1e-6, rtol=1e-5)

@@ -15,8 +15,8 @@ import logging
 import numpy as np
 import torch
 
-from ferrum.attention.metadata import AttentionMetadata, forward_context
-from ferrum.executor.model_runner import take_prev_sampled
+from ferrum.executor.model_inputs import take_prev_sampled
+from ferrum.forward_context import AttentionMetadata, forward_context
 from ferrum.interfaces import KvCacheHandle
 
 log = logging.getLogger("ferrum")
@@ -60,13 +60,14 @@ class DecodeCudaGraphs:
         log.info("captured %d decode CUDA graphs (batch %d..%d), %.0f MiB",
                  len(self.sizes), self.sizes[0], max_bs, used / 2**20)
 
-    def _md(self, bs: int) -> AttentionMetadata:
+    def _attn_metadata(self, bs: int) -> AttentionMetadata:
+        """Metadata over the first bs rows of the static buffers (no host lengths)."""
         return AttentionMetadata(is_prefill=False, slot_mapping=self.slot_mapping[:bs],
                                  block_tables=self.block_tables[:bs], seq_lens=self.seq_lens[:bs],
                                  max_seq_len=self.max_blocks * self.runner.block_size)
 
     def _forward(self, bs: int):
-        with forward_context(self._md(bs)):
+        with forward_context(self._attn_metadata(bs), self.runner.attn_backend):
             hidden = self.runner.model(self.input_ids[:bs], self.positions[:bs])
         logits = self.runner.model.compute_logits(hidden)
         return None if logits is None else logits.float()

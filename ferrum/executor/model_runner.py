@@ -1,6 +1,7 @@
-"""Builds the model on one device (one TP rank), owns its paged KV cache, and runs one
-forward pass for a prefill batch or a decode batch. Used by the single-device executor and by
-every rank of the tensor-parallel executor."""
+"""Builds the model on one device (one TP rank), owns its paged KV cache and its attention
+backend, and runs one forward pass for a prefill batch or a decode batch (inputs from
+`model_inputs`, decode through CUDA graphs from `cuda_graph` when captured). Used by the
+single-device executor and by every rank of the tensor-parallel executor."""
 from __future__ import annotations
 
 import logging
@@ -8,13 +9,21 @@ import os
 
 import torch
 
-from ferrum.attention.metadata import AttentionMetadata, forward_context
 from ferrum.config import ModelConfig
+from ferrum.distributed.parallel_state import get_tp
+from ferrum.executor.cuda_graph import DecodeCudaGraphs, graph_batch_sizes
+from ferrum.executor.model_inputs import prepare_decode, prepare_prefill, take_prev_sampled
+from ferrum.forward_context import forward_context
 from ferrum.interfaces import KvCacheHandle
-from ferrum.ops.cpu_blas import cpu_blas_forward
+from ferrum.layers.attention import Attention
+from ferrum.layers.linear import LinearBase
+from ferrum.layers.vocab_embedding import ParallelLMHead
 from ferrum.loader.base import ModelSource
 from ferrum.loader.model_loader import init_dummy_weights, load_weights
 from ferrum.models.registry import get_model_class
+from ferrum.ops import attention_torch, attention_triton
+from ferrum.ops.cpu_blas import cpu_blas_forward
+from ferrum.ops.triton_utils import HAS_TRITON
 
 log = logging.getLogger("ferrum")
 
@@ -23,13 +32,10 @@ def _column_major_weights(model: torch.nn.Module) -> None:
     """CPU only: store every F.linear weight [out, in] with out >= in column-major (an [in, out]
     buffer; same shape, values and dtype, only strides change), so y = x W^T is a plain
     x @ (W^T) GEMM. MKL runs the usual transposed-B form through a slow path when x has 1-2
-    rows: on the 2-core AMD EPYC dev box (1 thread) a SmolLM2 batch-1 decode step took 57 ms
-    row-major vs 40 ms this way; at batch >= 4 it is 5-10% slower, and for out < in (down_proj)
-    row-major is faster at every batch, so those stay. A tied embedding shares the LM head's
-    buffer: its row lookups become strided (~25 ms per 2048 prompt tokens for SmolLM2).
+    rows; at batch >= 4 column-major is a little slower, and for out < in (down_proj) row-major
+    is faster at every batch, so those stay (figures: benchmarks/results/README.md). A tied
+    embedding shares the LM head's buffer: its row lookups become strided.
     Disable with FERRUM_CPU_COLUMN_MAJOR_WEIGHTS=0."""
-    from ferrum.layers.linear import LinearBase
-    from ferrum.layers.vocab_embedding import ParallelLMHead
     for mod in model.modules():
         if isinstance(mod, (LinearBase, ParallelLMHead)):
             w = mod.weight
@@ -37,12 +43,14 @@ def _column_major_weights(model: torch.nn.Module) -> None:
                 w.data = w.data.t().contiguous().t()
 
 
-def take_prev_sampled(ids: torch.Tensor, prev: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """ids [B] with row i replaced by prev[rows[i]] where rows[i] >= 0 (all on one device)."""
-    return torch.where(rows >= 0, prev[rows.clamp(min=0)], ids)
-
-
 class ModelRunner:
+    """One rank's model: built from `source` on `device` in `dtype` (real weights, or random
+    ones with load_format "dummy"), its paged KV cache (`allocate_kv_cache`), its attention
+    backend (`attn_backend`: Triton on CUDA, torch elsewhere) and its decode CUDA graphs
+    (`capture_cuda_graphs`). `prefill` / `decode` run one forward pass each and return float32
+    logits on TP rank 0. Raises what the loader raises (WeightLoadError,
+    UnsupportedModelError)."""
+
     def __init__(self, source: ModelSource, device: str, dtype: torch.dtype,
                  load_format: str = "auto", seed: int = 0, progress: bool = True):
         self.cfg: ModelConfig = source.config
@@ -62,18 +70,15 @@ class ModelRunner:
             load_weights(self.model, source.weights(), progress=progress)
         if self.device.type == "cpu" and os.environ.get("FERRUM_CPU_COLUMN_MAJOR_WEIGHTS", "1") != "0":
             _column_major_weights(self.model)
-        self.attn_layers = [m for m in self.model.modules() if m.__class__.__name__ == "Attention"]
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        # the paged attention every layer calls (through the forward context): Triton on CUDA
+        self.attn_backend = attention_triton if HAS_TRITON and self.device.type == "cuda" else attention_torch
         # CPU fp32, one process: linears run on numpy's BLAS (ferrum/ops/cpu_blas.py)
-        from ferrum.distributed.parallel_state import get_tp
         self.tp = get_tp()
         self.cpu_blas = self.device.type == "cpu" and dtype == torch.float32 and self.tp.size == 1
         self.block_size = 16
         self.num_blocks = 0
         self.graphs = None
-        if self.device.type == "cuda":
-            from ferrum.attention import triton_backend
-            for layer in self.attn_layers:
-                layer.backend = triton_backend
 
     def release(self) -> None:
         """Drop graphs, KV cache and weights so the device memory is free at once."""
@@ -89,7 +94,6 @@ class ModelRunner:
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture decode graphs for batch sizes up to max_num_seqs (all TP ranks together)."""
-        from ferrum.executor.cuda_graph import DecodeCudaGraphs, graph_batch_sizes
         self.graphs = DecodeCudaGraphs(self, graph_batch_sizes(max_num_seqs),
                                        -(-max_model_len // self.block_size))
 
@@ -101,7 +105,6 @@ class ModelRunner:
 
     def enable_symm_mem_all_reduce(self, allowed: bool = True) -> bool:
         """Every rank gets the same `allowed` (rank 0 decides, see symm_mem.py)."""
-        from ferrum.distributed.parallel_state import get_tp
         from ferrum.distributed.symm_mem import try_enable_symm_mem
         if not allowed or os.environ.get("FERRUM_DISABLE_SYMM_MEM") == "1":
             return False
@@ -117,39 +120,14 @@ class ModelRunner:
             layer.kv_cache = torch.zeros(2, num_blocks, block_size, a.num_kv_heads, a.head_dim,
                                          dtype=self.dtype, device=self.device)
 
-    # ---- inputs -------------------------------------------------------------------------
-    def _block_tables(self, kv: list[KvCacheHandle]) -> torch.Tensor:
-        M = max(len(h.block_table) for h in kv)
-        return torch.tensor([h.block_table + [0] * (M - len(h.block_table)) for h in kv],
-                            dtype=torch.int64)
-
-    def _slots(self, bt: torch.Tensor, seq_idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        bs = self.block_size
-        return bt[seq_idx, pos // bs] * bs + pos % bs
-
     # ---- forward ------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, token_ids: list[list[int]], kv: list[KvCacheHandle]) -> torch.Tensor | None:
         """Returns logits [num_seqs, vocab] float32 of each chunk's last token (TP rank 0;
         None on other ranks)."""
-        qlens = [len(t) for t in token_ids]
-        ctx = [h.num_tokens for h in kv]
-        bt = self._block_tables(kv)
-        seq_idx = torch.repeat_interleave(torch.arange(len(kv)), torch.tensor(qlens))
-        starts = torch.tensor(ctx)
-        cu = torch.zeros(len(kv) + 1, dtype=torch.int64)
-        cu[1:] = torch.cumsum(torch.tensor(qlens), 0)
-        pos = starts[seq_idx] + torch.arange(cu[-1].item()) - cu[:-1][seq_idx]
         dev = self.device
-        md = AttentionMetadata(
-            is_prefill=True,
-            slot_mapping=self._slots(bt, seq_idx, pos).to(dev, non_blocking=True),
-            block_tables=bt.to(dev, non_blocking=True),
-            seq_lens=torch.tensor([c + q for c, q in zip(ctx, qlens)], dtype=torch.int32).to(dev),
-            max_seq_len=max(c + q for c, q in zip(ctx, qlens)),
-            query_lens=qlens, context_lens=ctx, cu_seqlens_q=cu.to(dev))
-        ids = torch.tensor([t for seq in token_ids for t in seq], dtype=torch.int64).to(dev, non_blocking=True)
-        with forward_context(md), cpu_blas_forward(self.cpu_blas):
+        ids, pos, attn_metadata, cu = prepare_prefill(token_ids, kv, self.block_size, dev)
+        with forward_context(attn_metadata, self.attn_backend), cpu_blas_forward(self.cpu_blas):
             hidden = self.model(ids, pos.to(dev, non_blocking=True))
             last = (cu[1:] - 1).to(dev)
             logits = self.model.compute_logits(hidden[last])
@@ -180,21 +158,11 @@ class ModelRunner:
             prev = self.prev_sampled_ids(prev_sampled, num_prev or len(prev_sampled))
         if self.graphs is not None and self.graphs.can_run(len(kv)):
             return self.graphs.run(token_ids, kv, prev, prev_rows)
-        B = len(kv)
-        bt = self._block_tables(kv)
-        pos = torch.tensor([h.num_tokens for h in kv], dtype=torch.int64)
         dev = self.device
-        md = AttentionMetadata(
-            is_prefill=False,
-            slot_mapping=self._slots(bt, torch.arange(B), pos).to(dev, non_blocking=True),
-            block_tables=bt.to(dev, non_blocking=True),
-            seq_lens=(pos + 1).to(dev, non_blocking=True),
-            max_seq_len=int(pos.max()) + 1,
-            query_lens=[1] * B, context_lens=[h.num_tokens for h in kv])
-        ids = torch.tensor(token_ids, dtype=torch.int64).to(dev, non_blocking=True)
+        ids, pos, attn_metadata = prepare_decode(token_ids, kv, self.block_size, dev)
         if prev is not None:
             ids = take_prev_sampled(ids, prev, torch.tensor(prev_rows).to(dev, non_blocking=True))
-        with forward_context(md), cpu_blas_forward(self.cpu_blas):
+        with forward_context(attn_metadata, self.attn_backend), cpu_blas_forward(self.cpu_blas):
             hidden = self.model(ids, pos.to(dev, non_blocking=True))
             logits = self.model.compute_logits(hidden)
         return None if logits is None else logits.float()

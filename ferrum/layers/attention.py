@@ -1,32 +1,35 @@
-"""Attention layer over the paged KV cache. Writes this step's K/V into the slots of the
-slot mapping, then attends through the block table (ferrum/attention/ backends)."""
+"""Attention layer over the paged KV cache: writes this step's K/V into the slots of the slot
+mapping, then attends through the block table, with the backend the model runner chose
+(`ferrum.forward_context`)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ferrum.attention import torch_backend
-from ferrum.attention.metadata import get_attention_metadata
+from ferrum.forward_context import get_forward_context
 
 
 class Attention(nn.Module):
+    """Paged multi-head / grouped-query attention of one decoder layer (this rank's heads).
+    `kv_cache` [2, num_blocks, block_size, num_kv_heads, head_dim] is bound by the model
+    runner (`ModelRunner.allocate_kv_cache`)."""
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
-        # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the model runner.
         self.kv_cache = torch.empty(0)
-        self.backend = torch_backend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D]."""
-        md = get_attention_metadata()
+        """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D] in q's dtype."""
+        ctx = get_forward_context()
+        attn_metadata, backend = ctx.attn_metadata, ctx.attn_backend
         T = q.shape[0]
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        self.backend.write_kv(self.kv_cache, k, v, md.slot_mapping)
-        if md.is_prefill:
-            o = self.backend.prefill_attention(q, self.kv_cache, md, self.scale, k, v)
+        backend.write_kv(self.kv_cache, k, v, attn_metadata.slot_mapping)
+        if attn_metadata.is_prefill:
+            o = backend.prefill_attention(q, self.kv_cache, attn_metadata, self.scale, k, v)
         else:
-            o = self.backend.decode_attention(q, self.kv_cache, md, self.scale)
+            o = backend.decode_attention(q, self.kv_cache, attn_metadata, self.scale)
         return o.reshape(T, self.num_heads * self.head_dim)

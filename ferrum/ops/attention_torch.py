@@ -1,4 +1,5 @@
-"""Reference paged attention in plain PyTorch (runs on CPU and CUDA).
+"""Paged attention in plain PyTorch: the reference backend, the one the model runner picks off
+CUDA. Same three functions, shapes and KV layout as `ferrum.ops.attention_triton`.
 
 KV cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V).
 K/V are always read through the block table; nothing is kept per sequence elsewhere.
@@ -9,11 +10,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ferrum.attention.metadata import AttentionMetadata
+from ferrum.forward_context import AttentionMetadata
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """k, v: [T, Hkv, D] -> written at flat slots `slot_mapping` [T] of the paged cache."""
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write this step's K/V into the paged cache, in place. k, v: [T, Hkv, D] (cast to the
+    cache dtype) -> flat slots `slot_mapping` [T] int64 (block_id * block_size + offset, all
+    >= 0: padded CUDA-graph rows with slot -1 only meet the Triton backend)."""
     _, nb, bs, h, d = kv_cache.shape
     kv_cache[0].view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
     kv_cache[1].view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
@@ -21,29 +25,30 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """One sequence's first `length` positions: [length, Hkv, D]. (`index_select` copies whole
-    blocks; advanced indexing `cache[table]` is ~3x slower on CPU.)"""
+    blocks; advanced indexing `cache[table]` is several times slower on CPU.)"""
     bs = cache.shape[1]
     nblk = -(-length // bs)
     return cache.index_select(0, block_table[:nblk]).flatten(0, 1)[:length]
 
 
-def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
+def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
                       scale: float, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q: [T, H, D] (new tokens of all sequences, concatenated) -> [T, H, D].
-
+    """Causal paged attention for prefill chunks: q [T, H, D] (new tokens of all sequences,
+    concatenated in metadata order) -> new [T, H, D]. k, v: [T, Hkv, D] this step's K/V
+    (already written to the cache; a chunk with no cached context attends to them directly).
     Query j of a sequence sits at position context_len + j and sees keys 0..context_len + j
-    (causal with an offset). A chunk with no cached context uses the fresh k/v directly."""
+    (causal with an offset); query_lens / context_lens / block_tables come from attn_metadata."""
     out = torch.empty_like(q)
     start = 0
-    for i, (qlen, ctx) in enumerate(zip(md.query_lens, md.context_lens)):
+    for i, (qlen, ctx) in enumerate(zip(attn_metadata.query_lens, attn_metadata.context_lens)):
         qi = q[start:start + qlen].transpose(0, 1)  # [H, qlen, D]
         if ctx == 0:
             ki, vi = k[start:start + qlen], v[start:start + qlen]
             mask, causal = None, True
         else:
             total = ctx + qlen
-            ki = _gather(kv_cache[0], md.block_tables[i], total)
-            vi = _gather(kv_cache[1], md.block_tables[i], total)
+            ki = _gather(kv_cache[0], attn_metadata.block_tables[i], total)
+            vi = _gather(kv_cache[1], attn_metadata.block_tables[i], total)
             # row j may see columns <= ctx + j
             mask = (torch.arange(total, device=q.device)[None, :]
                     <= (ctx + torch.arange(qlen, device=q.device))[:, None])
@@ -57,17 +62,17 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMeta
     return out
 
 
-def _decode_plan(md: AttentionMetadata, block_size: int):
-    """Per step, shared by all layers (memoised on `md`): each sequence's length, the flat
-    list of the blocks to gather (no padding), where each sequence starts (in tokens) in the
-    gathered K/V, and `runs`: the first block of each sequence when every sequence's blocks
-    are consecutive ids (then nothing is gathered, `blocks` is None and `starts` are cache
-    slots), else None."""
-    plan = getattr(md, "_decode_plan", None)
+def _decode_plan(attn_metadata: AttentionMetadata, block_size: int):
+    """Per step, shared by all layers (memoised in `attn_metadata.decode_plan`): each
+    sequence's length, the flat list of the blocks to gather (no padding), where each sequence
+    starts (in tokens) in the gathered K/V, and `runs`: the first block of each sequence when
+    every sequence's blocks are consecutive ids (then nothing is gathered, `blocks` is None and
+    `starts` are cache slots), else None."""
+    plan = attn_metadata.decode_plan
     if plan is None:
-        lens = [c + 1 for c in md.context_lens]
+        lens = [c + 1 for c in attn_metadata.context_lens]
         nblk = [-(-n // block_size) for n in lens]
-        bt = md.block_tables
+        bt = attn_metadata.block_tables
         runs = None
         width = max(nblk)
         if width == 1:
@@ -87,26 +92,26 @@ def _decode_plan(md: AttentionMetadata, block_size: int):
                 acc += k
         else:  # read in place: sequence i starts at its first block's first slot
             blocks, starts = None, [b * block_size for b in runs]
-        plan = md._decode_plan = (lens, blocks, starts, runs)
+        plan = attn_metadata.decode_plan = (lens, blocks, starts, runs)
     return plan
 
 
-def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
                      scale: float) -> torch.Tensor:
-    """q: [B, H, D], one token per sequence -> [B, H, D].
+    """Paged decode attention: q [B, H, D], one token per sequence -> new [B, H, D] in q's
+    dtype (K/V cast to it).
 
-    With Python context lengths in `md` (the model runner's eager decode): K/V read in place
-    when every sequence's blocks are consecutive, else one `index_select` of exactly the blocks
-    in use; then one unmasked SDPA per sequence over its own length.
-    Otherwise (e.g. CUDA graph capture): one batched SDPA over the block tables padded to the
-    longest, positions >= seq_len masked out. On CPU the padded form costs far more: at batch
-    32 with contexts of 64-500 tokens (SmolLM2) a layer took 17 ms padded vs 3.3 ms per
-    sequence, mostly the gather of padding and advanced indexing."""
-    if md.context_lens is not None:
-        lens, blocks, starts, runs = _decode_plan(md, kv_cache.shape[2])
+    With Python context lengths in `attn_metadata` (the model runner's eager decode): K/V read
+    in place when every sequence's blocks are consecutive, else one `index_select` of exactly
+    the blocks in use; then one unmasked SDPA per sequence over its own length. Otherwise (no
+    host lengths, as under CUDA-graph capture): one batched SDPA over the block tables padded
+    to the longest, positions >= seq_len masked out; on CPU that padded form costs several
+    times more (gathering the padding, advanced indexing)."""
+    if attn_metadata.context_lens is not None:
+        lens, blocks, starts, runs = _decode_plan(attn_metadata, kv_cache.shape[2])
         if runs is not None:
-            # Consecutive blocks (the usual case for a lone sequence): read them in place;
-            # the gather cost as much as the attention itself (SmolLM2, batch 1: 80 us/layer).
+            # Consecutive blocks (the usual case for a lone sequence): read them in place; a
+            # gather cost as much as the attention itself.
             kv = kv_cache.flatten(1, 2)                        # [2, slots, Hkv, D], a view
         else:
             kv = kv_cache.index_select(1, blocks).flatten(1, 2)   # [2, tokens, Hkv, D]
@@ -119,12 +124,13 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetad
             out[i] = F.scaled_dot_product_attention(q[i, :, None][None], k, v, scale=scale,
                                                     enable_gqa=True)[0, :, 0]
         return out
-    B, M = md.block_tables.shape
+    bt = attn_metadata.block_tables
+    B, M = bt.shape
     bs = kv_cache.shape[2]
     L = M * bs
-    k = kv_cache[0][md.block_tables].view(B, L, *kv_cache.shape[3:]).transpose(1, 2)
-    v = kv_cache[1][md.block_tables].view(B, L, *kv_cache.shape[3:]).transpose(1, 2)
-    mask = (torch.arange(L, device=q.device)[None, :] < md.seq_lens[:, None]).view(B, 1, 1, L)
+    k = kv_cache[0][bt].view(B, L, *kv_cache.shape[3:]).transpose(1, 2)
+    v = kv_cache[1][bt].view(B, L, *kv_cache.shape[3:]).transpose(1, 2)
+    mask = (torch.arange(L, device=q.device)[None, :] < attn_metadata.seq_lens[:, None]).view(B, 1, 1, L)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype),
                                        attn_mask=mask, scale=scale, enable_gqa=True)
     return o.squeeze(2)

@@ -1,10 +1,7 @@
-"""Paged attention in Triton (CUDA), a drop-in for `ferrum.attention.torch_backend`.
-
-Same three functions, same shapes, same KV layout: one tensor per layer
-`kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]` (K then V), read only through
-the block table. On CPU tensors every function falls back to the torch reference unless
-`FORCE_TRITON` is set (tests set it together with `TRITON_INTERPRET=1`, which runs these
-kernels in Triton's numpy interpreter).
+"""Paged attention in Triton (CUDA): the backend the model runner picks on CUDA. Same three
+functions, shapes and KV layout as the torch backend (`ferrum.ops.attention_torch`): one tensor
+per layer `kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]` (K then V), read only
+through the block table. Under `TRITON_INTERPRET=1` the kernels also run on CPU tensors (tests).
 
 - `write_kv`: one kernel for K and V of all tokens; slot < 0 is skipped (padded CUDA-graph rows).
 - `decode_attention`: split-K "flash-decoding" (Dao, Haziza, Massa, Sizov 2023): grid
@@ -18,28 +15,18 @@ kernels in Triton's numpy interpreter).
   LightLLM / SGLang / vLLM (`triton_decode_attention.py`), written anew here.
 - `prefill_attention`: a varlen FlashAttention-2 style kernel, one launch for all sequences,
   grid (query blocks, sequences, heads), K/V read through the block table with the causal offset
-  of cached context (query j of a chunk sits at position context_len + j). `PREFILL_IMPL =
-  "sdpa"` selects the torch reference (SDPA, flash when a chunk has no context) instead.
+  of cached context (query j of a chunk sits at position context_len + j).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from ferrum.attention import torch_backend
-from ferrum.attention.metadata import AttentionMetadata
-from ferrum.ops.triton_utils import pdl_ok, pdl_start
+from ferrum.forward_context import AttentionMetadata
+from ferrum.ops.triton_utils import HAS_TRITON, last_dim_contiguous, next_pow2, pdl_ok, pdl_start
 
-try:
+if HAS_TRITON:
     import triton
     import triton.language as tl
-    HAS_TRITON = True
-except ImportError:  # CPU-only installs: everything falls back to torch_backend
-    HAS_TRITON = False
-
-# Run the Triton kernels on CPU tensors too (only meaningful with TRITON_INTERPRET=1).
-FORCE_TRITON: bool = os.environ.get("FERRUM_FORCE_TRITON", "0") == "1"
 
 # ---- tuning knobs (module-level so a benchmark can sweep them; all static => graph safe) ----
 # None = the defaults of _decode_config / _prefill_config, picked from offline sm_90 compiles
@@ -48,27 +35,18 @@ FORCE_TRITON: bool = os.environ.get("FERRUM_FORCE_TRITON", "0") == "1"
 DECODE_NUM_SPLITS: int | None = None   # None: heuristic `num_decode_splits`
 DECODE_MAX_SPLITS = 32
 # Don't split the capacity M*block_size finer than this. A split walks its tokens serially, so
-# at small batch the kernel is latency-bound: on H200 (Llama-3-8B, batch 1, 384-token context)
-# 256 gave 2 splits and 12.7 us per layer; one 32-token tile per split is a few us.
+# at small batch the kernel is latency-bound: one 32-token tile per split is a few us
+# (benchmarks/results/README.attn_metadata).
 DECODE_MIN_TOKENS_PER_SPLIT = 32
 DECODE_BLOCK_N: int | None = None      # KV tokens per inner iteration
 DECODE_NUM_WARPS: int | None = None
 DECODE_NUM_STAGES: int | None = None
-PREFILL_IMPL = "triton"                # "triton" | "sdpa"
 PREFILL_BLOCK_M: int | None = None
 PREFILL_BLOCK_N: int | None = None
 PREFILL_NUM_WARPS: int | None = None
 PREFILL_NUM_STAGES: int | None = None
 
 _LOG2E = 1.4426950408889634
-
-
-def _use_triton(t: torch.Tensor) -> bool:
-    return HAS_TRITON and (t.is_cuda or FORCE_TRITON)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -99,7 +77,7 @@ if HAS_TRITON:
                          NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
         # One program per token: all KV heads of K and V, cast to the cache dtype.
-        if USE_PDL:  # see ferrum/ops/triton_utils.py, PDL
+        if USE_PDL:  # see triton_utils.py, PDL
             pdl_start()
         t = tl.program_id(0)
         slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -116,10 +94,6 @@ if HAS_TRITON:
             tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write this step's K/V into the paged cache, in place.
 
@@ -128,24 +102,19 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     slot_mapping: [T] int64 (or int32), flat slot = block_id * block_size + offset; a slot < 0
     is skipped (padded rows of a CUDA graph). One kernel launch writes both K and V.
     """
-    if not _use_triton(kv_cache):
-        if bool((slot_mapping < 0).any()):
-            keep = slot_mapping >= 0
-            k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-        return torch_backend.write_kv(kv_cache, k, v, slot_mapping)
     T = slot_mapping.shape[0]
     if T == 0:
         return
     assert kv_cache.is_contiguous(), "kv_cache must be contiguous"
     _, nb, bs, hkv, d = kv_cache.shape
-    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    k, v = last_dim_contiguous(k), last_dim_contiguous(v)
     kc, vc = kv_cache[0], kv_cache[1]
     pdl = pdl_ok(kv_cache)
     _write_kv_kernel[(T,)](
         k, v, kc, vc, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kc.stride(1), kc.stride(2),
-        NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_H=_next_pow2(hkv), BLOCK_D=_next_pow2(d),
+        NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_H=next_pow2(hkv), BLOCK_D=next_pow2(d),
         USE_PDL=pdl, num_warps=4 if hkv * d >= 1024 else 1, launch_pdl=pdl)
 
 
@@ -189,7 +158,7 @@ if HAS_TRITON:
             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
             PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
             DIRECT_OUT: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr):
-        if USE_PDL:  # launched early (ferrum/ops/triton_utils.py, PDL): wait for q and the cache
+        if USE_PDL:  # launched early (PDL, triton_utils.py): wait for q and the cache
             pdl_start()
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -243,7 +212,7 @@ if HAS_TRITON:
                              stride_ob, stride_oh,
                              NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                              USE_PDL: tl.constexpr):
-        if USE_PDL:  # see ferrum/ops/triton_utils.py, PDL
+        if USE_PDL:  # see triton_utils.py, PDL
             pdl_start()
         # out = sum_s w_s * o_s / sum_s w_s, w_s = 2^(lse_s - max lse). Empty splits have
         # lse = -inf (w = 0); if all are empty (seq_len 0) the output is 0, not NaN.
@@ -267,10 +236,9 @@ if HAS_TRITON:
 def _decode_config(head_dim: int, dtype: torch.dtype, num_splits: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages). 16-bit: 32 tokens per iteration (sm_90: 64 registers,
     21 KB shared for D=128); with one split (large batch: every program walks a whole sequence)
-    64 tokens and 3 stages, which on H200 read K/V 7-8% faster (`benchmarks/tune_attention.py`,
-    Llama-3-8B shapes: batch 256 x 1536 tokens 464 -> 428 us = 3.76 TB/s, 256 x 512 225 -> 209,
-    64 x 1536 191 -> 178; D = 256 stays at 32: 64 needs 254 registers). fp32 goes through FMA
-    dots ("ieee"), which spill at 32 tokens with D >= 128, so 16."""
+    64 tokens and 3 stages, which read K/V faster on H200 (`benchmarks/tune_attention.py`;
+    figures in benchmarks/results/README.md); D = 256 stays at 32 (64 needs 254 registers).
+    fp32 goes through FMA dots ("ieee"), which spill at 32 tokens with D >= 128, so 16."""
     if dtype == torch.float32:
         bn, stages = 16, 2
     else:
@@ -292,19 +260,18 @@ def num_decode_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size
     return max(1, min(want, by_len, DECODE_MAX_SPLITS))
 
 
-def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
                      scale: float, num_splits: int | None = None) -> torch.Tensor:
     """Paged decode attention, one query token per sequence.
 
     q: [B, H, D] (bf16/fp16/fp32; last dim contiguous); kv_cache: [2, num_blocks, block_size,
-    Hkv, D] (any of those dtypes, contiguous), H % Hkv == 0, D a power of two (32..256);
-    md.block_tables: [B, M] int32/int64 (entries past a sequence's pages are never read);
-    md.seq_lens: [B] int32/int64 on the device, length including this step's token (0 = padded
-    row -> output 0). Returns [B, H, D] in q's dtype. No host synchronisation: safe to capture
-    in a CUDA graph with static B and M. `num_splits` overrides the heuristic.
+    Hkv, D] (any of those dtypes, contiguous), H % Hkv == 0, D a power of two (32..256).
+    From attn_metadata: block_tables [B, M] int32/int64 (entries past a sequence's pages are
+    never read); seq_lens [B] int32/int64 on the device, length including this step's token
+    (0 = padded row -> output 0). Returns [B, H, D] in q's dtype. No host synchronisation: safe
+    to capture in a CUDA graph with static B and M. `num_splits` overrides the heuristic.
+    Raises AssertionError on shapes outside these limits.
     """
-    if not _use_triton(q):
-        return torch_backend.decode_attention(q, kv_cache, md, scale)
     B, H, D = q.shape
     _, _, page, hkv, d_cache = kv_cache.shape
     assert d_cache == D and H % hkv == 0, (q.shape, kv_cache.shape)
@@ -313,35 +280,35 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetad
     out = torch.empty_like(q)
     if B == 0:
         return out
-    q = _last_dim_contiguous(q)
-    bt = md.block_tables
+    q = last_dim_contiguous(q)
+    bt = attn_metadata.block_tables
     M = bt.shape[1]
     group = H // hkv
     S = num_splits or num_decode_splits(B, hkv, M, page, q.device)
     kc, vc = kv_cache[0], kv_cache[1]
     bn, warps, stages = _decode_config(D, q.dtype, S)
     pdl = pdl_ok(q)
-    common = dict(GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=D, PAGE=page,
+    common = dict(GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=D, PAGE=page,
                   BLOCK_N=bn, NUM_SPLITS=S, DOT_PREC=_dot_precision(q.dtype),
                   num_warps=warps, num_stages=stages)
     args = (q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), bt.stride(0))
     if S == 1:
         # One split: normalise in place and write the final output directly (no merge launch).
         _decode_split_kernel[(B, hkv, 1)](
-            q, kc, vc, bt, md.seq_lens, out, out, *args,
+            q, kc, vc, bt, attn_metadata.seq_lens, out, out, *args,
             out.stride(0), out.stride(1), 0, 0, 0, scale * _LOG2E, DIRECT_OUT=True,
             USE_PDL=pdl, launch_pdl=pdl, **common)
         return out
     o_part = torch.empty(B, H, S, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(B, hkv, S)](
-        q, kc, vc, bt, md.seq_lens, o_part, lse, *args,
+        q, kc, vc, bt, attn_metadata.seq_lens, o_part, lse, *args,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         scale * _LOG2E, DIRECT_OUT=False, USE_PDL=pdl, launch_pdl=pdl, **common)
     _decode_merge_kernel[(B, H)](
         o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-        NUM_SPLITS=S, SPLITS_PAD=_next_pow2(S), HEAD_DIM=D, USE_PDL=pdl,
+        NUM_SPLITS=S, SPLITS_PAD=next_pow2(S), HEAD_DIM=D, USE_PDL=pdl,
         num_warps=4 if D >= 128 else 2, launch_pdl=pdl)
     return out
 
@@ -408,39 +375,38 @@ def _prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, i
             PREFILL_NUM_STAGES or 2)
 
 
-def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
+def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
                       scale: float, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention for prefill chunks of several sequences, possibly with cached context.
 
-    q: [T, H, D] (new tokens of all sequences, concatenated in md order); kv_cache as in
-    `decode_attention`, already holding this step's K/V (write_kv runs first); md.query_lens /
-    md.context_lens (lists), md.seq_lens [B] (= context + query lens, device), md.block_tables
-    [B, M], md.cu_seqlens_q [B+1] (device; built from query_lens when None). k, v: [T, Hkv, D]
-    fresh K/V, used only by the SDPA path. Returns [T, H, D] in q's dtype.
+    q: [T, H, D] (new tokens of all sequences, concatenated in metadata order); kv_cache as
+    in `decode_attention`, already holding this step's K/V (write_kv runs first). From
+    attn_metadata: query_lens / context_lens (lists), seq_lens [B] (= context + query lens,
+    device), block_tables [B, M], cu_seqlens_q [B+1] (device; built from query_lens when
+    None). k, v: [T, Hkv, D] fresh K/V, unused here (the torch backend reads them; both
+    backends take the same arguments). Returns [T, H, D] in q's dtype.
     Query j of a sequence sits at position context_len + j and sees keys 0..context_len + j.
     """
-    if PREFILL_IMPL == "sdpa" or not _use_triton(q):
-        return torch_backend.prefill_attention(q, kv_cache, md, scale, k, v)
     T, H, D = q.shape
     _, _, page, hkv, _ = kv_cache.shape
     assert H % hkv == 0 and D & (D - 1) == 0 and D >= 16, (q.shape, kv_cache.shape)
     assert kv_cache.is_contiguous(), "kv_cache must be contiguous"
     out = torch.empty_like(q)
-    B = len(md.query_lens)
+    B = len(attn_metadata.query_lens)
     if T == 0 or B == 0:
         return out
-    q = _last_dim_contiguous(q)
-    cu = md.cu_seqlens_q
+    q = last_dim_contiguous(q)
+    cu = attn_metadata.cu_seqlens_q
     if cu is None:
         cu = torch.zeros(B + 1, dtype=torch.int64)
-        cu[1:] = torch.cumsum(torch.tensor(md.query_lens, dtype=torch.int64), 0)
+        cu[1:] = torch.cumsum(torch.tensor(attn_metadata.query_lens, dtype=torch.int64), 0)
         cu = cu.to(q.device)
     bm, bn, warps, stages = _prefill_config(D, q.dtype)
     kc, vc = kv_cache[0], kv_cache[1]
-    bt = md.block_tables
-    grid = (triton.cdiv(max(md.query_lens), bm), B, H)
+    bt = attn_metadata.block_tables
+    grid = (triton.cdiv(max(attn_metadata.query_lens), bm), B, H)
     _prefill_kernel[grid](
-        q, kc, vc, out, bt, md.seq_lens, cu,
+        q, kc, vc, out, bt, attn_metadata.seq_lens, cu,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), bt.stride(0),
         scale * _LOG2E,
