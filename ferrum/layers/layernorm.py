@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ferrum.layers.weight_utils import copy_weight
 from ferrum.ops.rms_norm import fused_add_rms_norm, rms_norm
 
 
@@ -17,9 +18,7 @@ class RMSNorm(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param, lazy, shard_id=None):
-        from ferrum.loader.base import _check_shape
-        _check_shape(lazy, tuple(param.shape))
-        param.data.copy_(lazy.load().to(param.dtype))
+        copy_weight(param, lazy.load())
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """x: [..., hidden]. Without residual: returns RMSNorm(x), a new tensor in

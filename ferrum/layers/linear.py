@@ -15,14 +15,8 @@ from torch import nn
 
 from ferrum.distributed.communication import tensor_model_parallel_all_reduce
 from ferrum.distributed.parallel_state import divide, get_tp
+from ferrum.layers.weight_utils import copy_weight
 from ferrum.ops.linear import linear
-
-
-def _copy(param: nn.Parameter, w: torch.Tensor, name: str = "") -> None:
-    from ferrum.errors import WeightLoadError
-    if tuple(w.shape) != tuple(param.shape):
-        raise WeightLoadError(f"tensor {name} has shape {tuple(w.shape)}, expected {tuple(param.shape)}")
-    param.data.copy_(w.to(param.dtype))
 
 
 class LinearBase(nn.Module):
@@ -41,11 +35,6 @@ class LinearBase(nn.Module):
         return linear(x, self.weight, self.bias, self.tp.size == 1)
 
 
-class ReplicatedLinear(LinearBase):
-    def weight_loader(self, param, lazy, shard_id=None):
-        _copy(param, lazy.load())
-
-
 class ColumnParallelLinear(LinearBase):
     """y = x W^T with W split by output rows: rank r holds rows [r*out/tp, (r+1)*out/tp)."""
 
@@ -55,7 +44,7 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param, lazy, shard_id=None):
         n = self.out_per_rank
-        _copy(param, lazy.narrow(0, self.tp.rank * n, n))
+        copy_weight(param, lazy.narrow(0, self.tp.rank * n, n))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -70,7 +59,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         tp = self.tp.size
         n = self.out_sizes[shard_id] // tp
         off = sum(self.out_sizes[:shard_id]) // tp
-        _copy(param.narrow(0, off, n), lazy.narrow(0, self.tp.rank * n, n))
+        copy_weight(param.narrow(0, off, n), lazy.narrow(0, self.tp.rank * n, n))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -101,7 +90,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             off = self.q_size + (0 if shard_id == "k" else self.kv_size)
             dst = param.narrow(0, off, self.kv_size)
             src = lazy.narrow(0, kv_rank * self.kv_size, self.kv_size)
-        _copy(dst, src, shard_id)
+        copy_weight(dst, src, shard_id)
 
 
 class RowParallelLinear(LinearBase):
@@ -113,10 +102,10 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param, lazy, shard_id=None):
         if param.dim() == 1:  # bias: replicated
-            _copy(param, lazy.load())
+            copy_weight(param, lazy.load())
             return
         n = self.in_per_rank
-        _copy(param, lazy.narrow(1, self.tp.rank * n, n))
+        copy_weight(param, lazy.narrow(1, self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, None, self.tp.size == 1)

@@ -13,6 +13,7 @@ from torch import nn
 from ferrum.distributed.communication import (tensor_model_parallel_all_reduce,
                                               tensor_model_parallel_gather)
 from ferrum.distributed.parallel_state import get_tp
+from ferrum.layers.weight_utils import check_shape
 from ferrum.ops.linear import linear
 
 
@@ -27,8 +28,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param, lazy, shard_id=None):
-        from ferrum.loader.base import _check_shape
-        _check_shape(lazy, (self.vocab_size, param.shape[1]))
+        check_shape(lazy.shape, (self.vocab_size, param.shape[1]))
         n = max(0, min(self.per_rank, self.vocab_size - self.start))
         if n:
             param.data[:n].copy_(lazy.narrow(0, self.start, n).to(param.dtype))

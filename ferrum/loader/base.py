@@ -65,8 +65,3 @@ class ModelSource:
     path: str | None = None
     fmt: str = "safetensors"   # safetensors | gguf | dummy
 
-
-def _check_shape(lazy: LazyWeight, expected: tuple[int, ...]) -> None:
-    from ferrum.errors import WeightLoadError
-    if tuple(lazy.shape) != tuple(expected):
-        raise WeightLoadError(f"tensor has shape {tuple(lazy.shape)}, expected {tuple(expected)}")
