@@ -12,7 +12,7 @@ p % block_size` (the vLLM "slot mapping").
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -147,7 +147,6 @@ class ExecutorStatus:
     decode_steps: int
     prefill_tokens: int
     decode_tokens: int
-    extra: dict = field(default_factory=dict)
 
 
 @runtime_checkable

@@ -9,7 +9,7 @@ et al. 2019); presence/frequency penalties in [-2, 2] subtract from logits of ge
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ferrum.errors import InvalidRequestError
 
@@ -39,7 +39,6 @@ class SamplingParams:
     logprobs: int | None = None          # top-N logprobs per generated token (0 = chosen only)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

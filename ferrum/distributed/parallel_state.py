@@ -28,18 +28,6 @@ def get_tp() -> _TPState:
     return _TP
 
 
-def get_tp_rank() -> int:
-    return _TP.rank
-
-
-def get_tp_size() -> int:
-    return _TP.size
-
-
-def get_tp_group():
-    return _TP.group
-
-
 def divide(numerator: int, denominator: int, what: str) -> int:
     """numerator / denominator, or TensorParallelError naming the sizes."""
     from ferrum.errors import TensorParallelError

@@ -401,7 +401,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "kv_blocks_total": bm.num_blocks,
             "kv_blocks_free": bm.num_free_blocks,
-            "kv_cache_usage": 1.0 - bm.num_free_blocks / bm.num_blocks,
+            "kv_cache_usage": bm.usage,
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,

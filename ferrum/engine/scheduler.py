@@ -65,9 +65,6 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self.bm.free(seq.seq_id)

@@ -31,23 +31,6 @@ class WeightSource(Protocol):
 
 
 @dataclass
-class TensorWeight:
-    """A LazyWeight over an in-memory tensor (dummy weights, tests)."""
-
-    tensor: torch.Tensor
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.tensor.shape)
-
-    def load(self) -> torch.Tensor:
-        return self.tensor
-
-    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
-        return self.tensor.narrow(dim, start, length)
-
-
-@dataclass
 class ModelSource:
     """A resolved model: config, weights and what the tokenizer needs.
 

@@ -1,4 +1,6 @@
-"""Model classes by HF `architectures` name."""
+"""Model classes by HF `architectures` name. Mistral (without sliding window), Qwen2 and Qwen3
+are the Llama graph: Qwen2's q/k/v bias and Qwen3's per-head q/k RMSNorm are switches in
+ModelConfig (`attention_bias`, `qk_norm`), set from the architecture by `ferrum.config`."""
 from __future__ import annotations
 
 from torch import nn
@@ -6,14 +8,12 @@ from torch import nn
 from ferrum.config import ModelConfig
 from ferrum.errors import UnsupportedModelError
 from ferrum.models.llama import LlamaForCausalLM
-from ferrum.models.qwen2 import Qwen2ForCausalLM
-from ferrum.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
 }
 
 
