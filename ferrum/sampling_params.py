@@ -17,6 +17,9 @@ from ferrum.errors import InvalidRequestError
 # temperature overflows float32 to inf and the softmax becomes nan.
 _GREEDY_EPS = 1e-5
 
+# Most top logprobs per generated token a request may ask for (also the OpenAI API's limit).
+MAX_LOGPROBS = 20
+
 
 @dataclass
 class SamplingParams:
@@ -77,8 +80,8 @@ class SamplingParams:
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}")
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.prompt_logprobs is not None:
             bad("prompt_logprobs", "is not supported by ferrum")
         # sample i of a request draws from torch.Generator().manual_seed(seed + i), which takes

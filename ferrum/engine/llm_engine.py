@@ -20,8 +20,8 @@ from ferrum.engine.block_manager import BlockManager
 from ferrum.engine.scheduler import Scheduler
 from ferrum.engine.sequence import Request, Sequence, SequenceStatus
 from ferrum.engine.stop_checker import SequenceOutputState
-from ferrum.errors import (CacheConfigError, InvalidRequestError, OutOfKvCacheError,
-                           PromptTooLongError, QueueFullError)
+from ferrum.errors import (CacheConfigError, InvalidRequestError, OutOfKvCacheError, QueueFullError,
+                           check_prompt_len)
 from ferrum.interfaces import DecodeInput, KvCacheHandle, ModelExecutor, PrefillInput
 from ferrum.layers.sampler import Sampler, SamplingMetadata, validate_token_ids
 from ferrum.outputs import CompletionOutput, RequestOutput
@@ -150,10 +150,7 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary "
                                       f"[0, {self.vocab_size})", param="prompt")
         n = len(prompt_token_ids)
-        if n >= self.max_model_len:
-            raise PromptTooLongError(f"prompt has {n} tokens but max_model_len is {self.max_model_len}: "
-                                     f"at most {self.max_model_len - 1} prompt tokens are allowed",
-                                     param="prompt")
+        check_prompt_len(n, self.max_model_len)
         validate_token_ids(params, self.vocab_size)
         if params.n > self.config.scheduler.max_num_seqs:
             raise InvalidRequestError(f"n={params.n} samples exceed max_num_seqs "

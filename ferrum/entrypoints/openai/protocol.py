@@ -16,10 +16,7 @@ from typing import Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from ferrum.errors import InvalidRequestError
-from ferrum.sampling_params import SamplingParams
-
-# Most top logprobs per token a request may ask for (the sampler's limit).
-MAX_LOGPROBS = 20
+from ferrum.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 class _Strict(BaseModel):

@@ -23,7 +23,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 from ferrum.engine.async_engine import AsyncLLMEngine
 from ferrum.entrypoints.openai.logprobs import TokenFormatter, chat_logprobs, completion_logprobs
 from ferrum.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from ferrum.errors import FerrumError, InvalidRequestError, ModelNotFoundError, PromptTooLongError
+from ferrum.errors import (FerrumError, InvalidRequestError, ModelNotFoundError, PromptTooLongError,
+                           check_prompt_len)
 from ferrum.metrics import Metrics
 from ferrum.outputs import RequestOutput
 from ferrum.sampling_params import SamplingParams
@@ -136,9 +137,7 @@ class OpenAIServing:
         """max_tokens for a prompt of `num_prompt` tokens: `requested`, or what is left of the
         context when None. Raises PromptTooLongError when they do not fit in max_model_len."""
         limit = self.engine.max_model_len
-        if num_prompt >= limit:
-            raise PromptTooLongError(f"prompt has {num_prompt} tokens but max_model_len is {limit}: "
-                                     f"at most {limit - 1} prompt tokens are allowed", param="prompt")
+        check_prompt_len(num_prompt, limit)
         if requested is None:
             return limit - num_prompt
         if isinstance(requested, int) and requested > 0 and num_prompt + requested > limit:
