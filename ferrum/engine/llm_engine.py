@@ -83,8 +83,8 @@ class LLMEngine:
                 log.warning("%s: no usable tokenizer (%s); only token-id prompts are accepted",
                             source.name, str(e).splitlines()[0])
         if self.tokenizer is not None and config.chat_template:
-            with open(config.chat_template) as f:
-                self.tokenizer.chat_template = self.tokenizer.hf.chat_template = f.read()
+            with open(config.chat_template) as template_file:
+                self.tokenizer.chat_template = self.tokenizer.hf.chat_template = template_file.read()
         self.eos_token_ids = list(source.eos_token_ids or (self.tokenizer.eos_token_ids if self.tokenizer else []))
         self.executor = create_executor(source, config, progress)
         try:
@@ -239,12 +239,13 @@ class LLMEngine:
         preempt (enough free blocks). A sequence that the in-flight token finishes gets one
         wasted row (as in vLLM); its position is still < max_model_len, since a running
         sequence holds at most max_model_len tokens."""
-        f, sch = self._in_flight, self.scheduler
-        if not f.overlappable or (sch.waiting and len(sch.running) < self.config.scheduler.max_num_seqs):
+        in_flight, scheduler = self._in_flight, self.scheduler
+        if not in_flight.overlappable or (scheduler.waiting and len(scheduler.running)
+                                          < self.config.scheduler.max_num_seqs):
             return False
         bs = self.block_size
         new_blocks = 0
-        for s in sch.running:
+        for s in scheduler.running:
             if s.token_ids[-1] != PLACEHOLDER:
                 return False
             new_blocks += s.num_computed_tokens % bs == 0
@@ -294,11 +295,11 @@ class LLMEngine:
         # Output ids (a copy per sequence) only when penalties or min_tokens read them.
         need_out = any(p.min_tokens or p.repetition_penalty != 1.0 or p.presence_penalty
                        or p.frequency_penalty for p in params)
-        md = SamplingMetadata.build(
+        sampling_metadata = SamplingMetadata.build(
             params, [s.request.prompt_token_ids for s in sample_seqs],
             [s.output_token_ids for s in sample_seqs] if need_out else [()] * len(sample_seqs),
             [s.generator for s in sample_seqs], self.eos_token_ids, self.vocab_size, logits.device)
-        out = self.sampler(logits, md)
+        out = self.sampler(logits, sampling_metadata)
         ids, ready = out.token_ids, None
         host = ids
         if ids.is_cuda:  # copy into pinned memory; `ready` fires when it has landed
@@ -320,22 +321,22 @@ class LLMEngine:
     def _finish(self, touched: dict) -> None:
         """Wait for the in-flight step's samples, put them in place of the placeholders, hash
         the blocks it filled, and run stop checks / detokenization."""
-        f, self._in_flight = self._in_flight, None
-        if f is None:
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
             return
-        for seq, n in f.commits:
+        for seq, n in in_flight.commits:
             if seq.status is SequenceStatus.RUNNING:
                 self.block_manager.commit_full_blocks(seq.seq_id, seq.token_ids, n)
-        if not f.seqs:
+        if not in_flight.seqs:
             return
-        if f.ready is not None:
-            f.ready.synchronize()
-        token_ids = f.host_ids.tolist()
+        if in_flight.ready is not None:
+            in_flight.ready.synchronize()
+        token_ids = in_flight.host_ids.tolist()
         now = time.perf_counter()
-        requests, logprobs = self.requests, f.logprobs
+        requests, logprobs = self.requests, in_flight.logprobs
         FINISHED = SequenceStatus.FINISHED
         generated = 0
-        for i, (seq, pos, tok) in enumerate(zip(f.seqs, f.positions, token_ids)):
+        for i, (seq, pos, tok) in enumerate(zip(in_flight.seqs, in_flight.positions, token_ids)):
             req = seq.request
             if seq.status is FINISHED or req.request_id not in requests:
                 continue  # aborted, or finished by the step before (this row was extra work)
@@ -370,12 +371,12 @@ class LLMEngine:
     def _output(self, req: Request) -> RequestOutput:
         outs = []
         for s in req.seqs:
-            st = s.output_state
+            state = s.output_state
             outs.append(CompletionOutput(
-                index=s.index, text=st.text, token_ids=list(st.token_ids),
-                finish_reason=st.finish_reason, stop_reason=st.stop_reason,
+                index=s.index, text=state.text, token_ids=list(state.token_ids),
+                finish_reason=state.finish_reason, stop_reason=state.stop_reason,
                 logprobs=list(s.logprobs) if req.params.logprobs is not None else None,
-                cumulative_logprob=s.cumulative_logprob, delta_text=st.stream_delta(),
+                cumulative_logprob=s.cumulative_logprob, delta_text=state.stream_delta(),
                 num_delta_tokens=s.new_tokens))
             s.new_tokens = 0
         finished = req.finished()
