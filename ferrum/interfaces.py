@@ -32,6 +32,8 @@ class KvCacheHandle:
     block_size: int
 
     def slot(self, pos: int) -> int:
+        """The cache slot of token position `pos` (slot mapping above). IndexError when the
+        table does not cover pos."""
         return self.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
 
@@ -86,6 +88,10 @@ class DecodeOutput:
 
 @dataclass
 class ModelInfo:
+    """What is loaded: HF architecture name, vocabulary / hidden sizes, layers, attention heads
+    (full model, not per rank), head_dim, max_model_len (tokens), dtype and device names, TP
+    size, parameter count."""
+
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -117,11 +123,16 @@ class MemoryRequirements:
     tensor_parallel_size: int
 
     def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes of one KV block of `block_size` tokens on one rank."""
         return self.kv_bytes_per_token * block_size
 
 
 @dataclass
 class ExecutorCapabilities:
+    """Static limits: max sequences per step, max sequence length (tokens), KV block size
+    (tokens) and count (per rank, the pool the engine's block manager hands out), supported
+    dtypes and devices, TP / PP sizes, whether decode runs in CUDA graphs, memory needs."""
+
     max_batch_size: int
     max_seq_len: int
     block_size: int
@@ -151,11 +162,31 @@ class ExecutorStatus:
 
 @runtime_checkable
 class ModelExecutor(Protocol):
-    def info(self) -> ModelInfo: ...
-    def prefill(self, inp: PrefillInput) -> PrefillOutput: ...
-    def decode(self, inp: DecodeInput) -> DecodeOutput: ...
-    def release_cache(self, cache_id: str) -> None: ...
-    def capabilities(self) -> ExecutorCapabilities: ...
-    def status(self) -> ExecutorStatus: ...
-    def warmup(self) -> None: ...
-    def shutdown(self) -> None: ...
+    """The engine's only view of a model (GUIDE section 1); every call runs on all TP ranks."""
+
+    def info(self) -> ModelInfo:
+        """The loaded model's shape, dtype and placement."""
+
+    def prefill(self, inp: PrefillInput) -> PrefillOutput:
+        """Compute the chunks' K/V into the slots their handles name and return the logits of
+        each chunk's last token, [num_seqs, vocab_size] float32; advances each handle's
+        num_tokens by its chunk length."""
+
+    def decode(self, inp: DecodeInput) -> DecodeOutput:
+        """One token per sequence: write its K/V, return logits [num_seqs, vocab_size]
+        float32; advances each handle's num_tokens by 1."""
+
+    def release_cache(self, cache_id: str) -> None:
+        """The sequence is finished or preempted: forget its handle on every rank."""
+
+    def capabilities(self) -> ExecutorCapabilities:
+        """Static limits and memory requirements (valid after construction)."""
+
+    def status(self) -> ExecutorStatus:
+        """Live numbers (KV blocks, live sequences, step and token counters)."""
+
+    def warmup(self) -> None:
+        """Prepare for serving (CUDA graph capture, collectives); called once by the engine."""
+
+    def shutdown(self) -> None:
+        """Release devices, memory and worker ranks; idempotent."""

@@ -54,24 +54,30 @@ class Metrics:
         return metric.labels(model_name=self.model_name, **labels)
 
     def count_request(self, endpoint: str, status: int) -> None:
+        """One HTTP request to `endpoint` answered with `status`."""
         self._l(self.requests, endpoint=endpoint, status=str(status)).inc()
 
     def observe_finish(self, finish_reason: str | None) -> None:
+        """One finished sample; None counts as "abort"."""
         self._l(self.finished, finish_reason=finish_reason or "abort").inc()
 
     def add_tokens(self, prompt: int = 0, generated: int = 0) -> None:
+        """Add prompt / generated token counts."""
         if prompt:
             self._l(self.prompt_tokens).inc(prompt)
         if generated:
             self._l(self.generation_tokens).inc(generated)
 
     def observe_ttft(self, seconds: float) -> None:
+        """Time to first token of one request, seconds."""
         self._l(self.ttft).observe(seconds)
 
     def observe_tpot(self, seconds: float) -> None:
+        """Mean time per output token after the first of one request, seconds."""
         self._l(self.tpot).observe(seconds)
 
     def observe_e2e(self, seconds: float) -> None:
+        """End-to-end latency of one request, seconds."""
         self._l(self.e2e).observe(seconds)
 
     def render(self, status: dict) -> bytes:

@@ -23,6 +23,7 @@ class CompletionOutput:
 
     @property
     def finished(self) -> bool:
+        """True once the sample has a finish_reason."""
         return self.finish_reason is not None
 
 
@@ -38,6 +39,10 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
+    """A request's state after a step: its prompt, one CompletionOutput per sample, whether
+    all samples finished, timing metrics, and how many prompt tokens came from the prefix
+    cache."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]

@@ -23,6 +23,9 @@ MAX_LOGPROBS = 20
 
 @dataclass
 class SamplingParams:
+    """Per-request generation options (module docstring for the semantics). Raises
+    InvalidRequestError naming the parameter when a value is out of range."""
+
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -103,4 +106,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """True when temperature is below 1e-5: argmax sampling."""
         return self.temperature < _GREEDY_EPS

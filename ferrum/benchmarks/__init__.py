@@ -7,6 +7,8 @@ _BENCHES = ("latency", "throughput", "serve")
 
 
 def add_bench_parsers(sub, add_engine_args) -> None:
+    """Add `latency`, `throughput`, `serve` subcommands to the argparse subparsers `sub`
+    (a benchmark whose imports fail is left out)."""
     for name in _BENCHES:
         try:
             mod = importlib.import_module(f"ferrum.benchmarks.{name}")

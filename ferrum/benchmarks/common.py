@@ -16,6 +16,7 @@ import torch
 
 
 def add_common_args(p) -> None:
+    """Add --out, --threads and --seed to the benchmark parser p."""
     p.add_argument("--out", default=None, help="write the results as JSON to this file")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads on CPU (default: torch's choice). On shared cores use 1: "
@@ -36,6 +37,7 @@ def setup_threads(threads: int | None) -> int:
 
 
 def cpu_model() -> str:
+    """The CPU model name (/proc/cpuinfo), else what platform knows."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -47,6 +49,7 @@ def cpu_model() -> str:
 
 
 def load_average() -> list[float] | None:
+    """The 1/5/15-minute load averages, rounded; None where unavailable."""
     try:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
@@ -54,6 +57,7 @@ def load_average() -> list[float] | None:
 
 
 def git_commit() -> str | None:
+    """The short commit of ferrum's checkout, None outside git."""
     try:
         here = os.path.dirname(os.path.abspath(__file__))
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
@@ -91,6 +95,7 @@ def record(kind: str, args, device: str, results: dict) -> dict:
 
 
 def write_json(path: str | None, rec: dict) -> None:
+    """Write rec as indented JSON to path (creating folders); nothing when path is None."""
     if not path:
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -201,4 +206,5 @@ def llm_from_config(config):
 
 
 def fmt_ratio(a: float | None, b: float | None) -> str:
+    """a / b as "1.23x", "n/a" when either is missing or zero."""
     return f"{a / b:.2f}x" if a and b else "n/a"

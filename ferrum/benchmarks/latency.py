@@ -30,6 +30,7 @@ H200_BANDWIDTH_GBS = 4800.0
 
 
 def add_parser(subparsers, add_engine_args) -> None:
+    """Add `ferrum bench latency` and its flags."""
     p = subparsers.add_parser("latency", help="batch-1 prefill/decode speed (TTFT, TPOT, MBU) vs HF transformers")
     add_engine_args(p)
     p.add_argument("--input-len", type=int, default=128)
@@ -105,6 +106,8 @@ def _profile(llm, args, vocab: int) -> None:
 
 
 def main(args) -> int:
+    """Run ferrum and HF transformers iterations interleaved (HF unless --no-hf); print and
+    optionally write the record; returns the exit status (2: lengths exceed max_model_len)."""
     from ferrum.entrypoints.cli import config_from_args
     from ferrum.model_store import resolve_model
 

@@ -46,6 +46,7 @@ _PCTS = (50, 90, 99)
 
 
 def add_parser(subparsers, add_engine_args) -> None:
+    """Add `ferrum bench serve` and its flags."""
     p = subparsers.add_parser("serve", help="HTTP serving benchmark (TTFT, TPOT, ITL, throughput)")
     add_engine_args(p)
     g = p.add_argument_group("load")
@@ -86,6 +87,8 @@ def arrival_times(num: int, rate: float, seed: int) -> list[float]:
 
 @dataclass
 class RequestResult:
+    """One streamed request as the client saw it (times in seconds)."""
+
     ok: bool = False
     error: str = ""
     send_time: float = 0.0          # seconds since the run started
@@ -96,6 +99,7 @@ class RequestResult:
 
     @property
     def tpot(self) -> float | None:
+        """Time per output token after the first, seconds; None with < 2 tokens."""
         return (self.latency - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
 
 
@@ -176,6 +180,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def summarize(results: list[RequestResult], duration: float) -> dict:
+    """Counts, throughput (per second over `duration` seconds) and mean / percentile
+    TTFT, TPOT, ITL and end-to-end latency in ms of the successful requests."""
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     s = {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
@@ -195,6 +201,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
 
 
 def print_summary(s: dict, args) -> None:
+    """Print a `summarize` dict as a table."""
     print(f"\n==== ferrum bench serve: {args.num_prompts} prompts x {args.input_len} in / "
           f"{args.output_len} out, rate {args.request_rate}, concurrency {args.max_concurrency} ====")
     print(f"completed {s['completed']}  failed {s['failed']}  duration {s['duration_s']:.2f} s")
@@ -295,6 +302,8 @@ class OfflineRunner:
         self.llm.generate([[1, 2, 3, 4, 5, 6, 7, 8]], self.params, use_tqdm=False)  # warm-up
 
     def run(self, prompts: list[list[int]]) -> dict:
+        """Generate for all prompts in one offline batch: duration (s), output tokens and
+        throughputs per second."""
         t0 = time.perf_counter()
         outs = self.llm.generate(prompts, self.params, use_tqdm=False)
         dt = time.perf_counter() - t0
@@ -303,6 +312,7 @@ class OfflineRunner:
                 "request_throughput": len(prompts) / dt}
 
     def shutdown(self) -> None:
+        """Shut the offline engine down."""
         self.llm.shutdown()
 
 
@@ -340,6 +350,8 @@ def _jsonable(x):
 
 
 def main(args) -> int:
+    """Run the load test (against --base-url, or a server started here) and with --offline
+    the offline comparison; print and optionally write the record; returns the exit status."""
     threads = setup_threads(args.threads)   # this process: the offline run (and the client)
     proc, offline, runs = None, None, []
     try:

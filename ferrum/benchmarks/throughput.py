@@ -22,6 +22,7 @@ from ferrum.benchmarks.common import (add_common_args, llm_from_config, random_p
 
 
 def add_parser(subparsers, add_engine_args) -> None:
+    """Add `ferrum bench throughput` and its flags."""
     p = subparsers.add_parser("throughput", help="offline batch output tok/s vs the same prompts one at a time")
     add_engine_args(p)
     p.add_argument("--num-prompts", type=int, default=32)
@@ -35,6 +36,8 @@ def add_parser(subparsers, add_engine_args) -> None:
 
 
 def workload(args, vocab: int):
+    """Random prompts and greedy SamplingParams (ignore_eos, max_tokens drawn from
+    args.output_len) from args.seed: (prompts, params, input lengths, output lengths)."""
     from ferrum import SamplingParams
     rng = random.Random(args.seed)
     in_lens = [rng.randint(*args.input_len) for _ in range(args.num_prompts)]
@@ -121,6 +124,9 @@ def _plot(path: str, res: dict, title: str) -> None:
 
 
 def main(args) -> int:
+    """Run the batched phase and the one-at-a-time baseline (unless --no-sequential); print
+    and optionally write the record; returns the exit status (2: lengths exceed
+    max_model_len)."""
     from ferrum.entrypoints.cli import config_from_args
     threads = setup_threads(args.threads)
     llm = llm_from_config(config_from_args(args))

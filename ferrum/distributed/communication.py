@@ -16,6 +16,8 @@ _all_reduce_impl: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def set_all_reduce_impl(fn: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+    """Route TP all-reduces on fn's process group (`fn.group`) through fn (x -> sum of x over
+    the ranks); None restores torch.distributed."""
     global _all_reduce_impl
     _all_reduce_impl = fn
 

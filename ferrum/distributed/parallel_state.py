@@ -18,6 +18,7 @@ _TP = _TPState()
 
 
 def init_tensor_parallel(rank: int, size: int, group=None) -> None:
+    """Make (rank, size, group) the TP state layers built from now on take (`get_tp`)."""
     global _TP
     _TP = _TPState(rank, size, group)
 

@@ -21,6 +21,9 @@ _HEADER = struct.Struct("<qq")  # payload length in bytes, message sequence numb
 
 
 class ShmBroadcast:
+    """The writer (rank 0): one shared-memory segment of `size` bytes, a `ready` semaphore per
+    reader and one shared `done` semaphore, from the multiprocessing context `ctx`."""
+
     def __init__(self, ctx, num_readers: int, size: int = 16 << 20):
         self.shm = shared_memory.SharedMemory(create=True, size=size)
         self.name, self.size = self.shm.name, size
@@ -31,6 +34,7 @@ class ShmBroadcast:
         self._seq = 0
 
     def reader(self, index: int) -> "ShmReader":
+        """The picklable reader end for worker `index` (0-based among the readers)."""
         return ShmReader(self.name, self.ready[index], self.done)
 
     def send(self, msg, timeout: float | None = None) -> None:
@@ -52,6 +56,7 @@ class ShmBroadcast:
         self._outstanding = self.num_readers
 
     def close(self) -> None:
+        """Unlink the segment and drop the semaphores (readers must be gone)."""
         try:
             self.shm.close()
             self.shm.unlink()
@@ -78,6 +83,8 @@ class ShmReader:
         self.__init__(state["name"], state["ready"], state["done"], state["spin_s"])
 
     def recv(self):
+        """Block until the next message, return it (unpickled) and tell the writer it was
+        taken."""
         if self.shm is None:
             # Spawned workers share rank 0's resource tracker, so attaching here registers the
             # same name again (a no-op); rank 0's unlink() at shutdown removes it once.

@@ -22,10 +22,15 @@ _allocated_in_process = False
 
 
 def allocated_in_process() -> bool:
+    """True once this process has allocated a symmetric buffer (see above)."""
     return _allocated_in_process
 
 
 class SymmMemAllReduce:
+    """Callable all-reduce (sum) on `group` through one symmetric buffer of `max_bytes`;
+    inputs of another dtype, larger or non-contiguous go to NCCL. Checks itself against the
+    expected sum at construction and raises RuntimeError when wrong."""
+
     def __init__(self, group, device: torch.device, dtype: torch.dtype, max_bytes: int = 512 * 1024):
         import torch.distributed._symmetric_memory as symm_mem
         self.group = group

@@ -16,6 +16,8 @@ from ferrum.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledChunk:
+    """`num_tokens` of `seq` computed in this step, starting at seq.num_computed_tokens."""
+
     seq: Sequence
     num_tokens: int          # tokens computed for this sequence in this step
 
@@ -27,19 +29,27 @@ class ScheduledChunk:
 
 @dataclass
 class SchedulerOutput:
+    """One step: decodes (one token each), prefill chunks, and the sequences preempted to
+    make room (their blocks are freed; they wait again at the front of the queue)."""
+
     decodes: list[ScheduledChunk] = field(default_factory=list)
     prefills: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
+        """Tokens computed in the step (decodes + prefill chunk lengths)."""
         return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
 
     def is_empty(self) -> bool:
+        """True when nothing runs this step."""
         return not self.decodes and not self.prefills
 
 
 class Scheduler:
+    """Owns the waiting queue and the running list; `schedule` picks each step's work and
+    allocates its KV blocks through the block manager `bm`."""
+
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
         self.config = config
         self.bm = block_manager
@@ -49,6 +59,7 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence, front: bool = False) -> None:
+        """Queue `seq` as waiting, at the back (new requests) or the front (preempted)."""
         seq.status = SequenceStatus.WAITING
         (self.waiting.appendleft if front else self.waiting.append)(seq)
 
@@ -88,6 +99,10 @@ class Scheduler:
         return True
 
     def schedule(self) -> SchedulerOutput:
+        """This step's work within `max_num_batched_tokens` and `max_num_seqs`: running
+        decodes (oldest first), then running chunked prefills, then waiting sequences (FCFS,
+        stopping at the first that does not fit), allocating or appending their KV blocks;
+        out of blocks, it preempts the latest-arrived running sequences (recompute)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()

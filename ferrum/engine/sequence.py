@@ -14,12 +14,16 @@ from ferrum.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
+    """Where a sequence is in the scheduler."""
+
     WAITING = "waiting"      # not scheduled yet, or preempted (its cache was freed)
     RUNNING = "running"
     FINISHED = "finished"
 
 
 class Sequence:
+    """Sample `index` of `request`, id `seq_id`; token_ids holds prompt + output ids."""
+
     def __init__(self, seq_id: str, request: "Request", index: int, device: str = "cpu"):
         """device: where the sampler runs (a seeded sample's torch.Generator must live there)."""
         self.seq_id = seq_id
@@ -40,26 +44,33 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt + output tokens so far."""
         return len(self.token_ids)
 
     @property
     def output_token_ids(self) -> list[int]:
+        """The generated ids (a new list)."""
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def num_uncomputed(self) -> int:
+        """Tokens whose K/V is not in the cache yet (1 for a decode)."""
         return self.num_tokens - self.num_computed_tokens
 
     @property
     def arrival(self) -> float:
+        """The request's arrival time (seconds, time.perf_counter): the FCFS order."""
         return self.request.metrics.arrival_time
 
     def is_finished(self) -> bool:
+        """True once stopped or aborted."""
         return self.status == SequenceStatus.FINISHED
 
 
 @dataclass
 class Request:
+    """One API request: its prompt, sampling parameters, metrics and its n sequences."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -69,4 +80,5 @@ class Request:
     forked: bool = False                    # n > 1: children created after the first prefill
 
     def finished(self) -> bool:
+        """True when all n samples exist and are finished."""
         return len(self.seqs) == self.params.n and all(s.is_finished() for s in self.seqs)

@@ -63,6 +63,7 @@ class SequenceOutputState:
 
     @property
     def finished(self) -> bool:
+        """True once a finish_reason is set."""
         return self.finish_reason is not None
 
     def append(self, token_id: int) -> None:

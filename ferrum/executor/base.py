@@ -16,6 +16,10 @@ log = logging.getLogger("ferrum")
 
 
 class ExecutorBase:
+    """The bookkeeping half of a `ModelExecutor`: model info, capabilities, memory
+    requirements and live status from the config; subclasses implement `_prefill` /
+    `_decode` and set `num_blocks`."""
+
     def __init__(self, source: ModelSource, config: EngineConfig):
         self.source, self.config = source, config
         self.cfg = source.config
@@ -37,6 +41,8 @@ class ExecutorBase:
         raise TypeError(f"{type(self).__name__} must implement _decode")
 
     def prefill(self, inp: PrefillInput) -> PrefillOutput:
+        """Run `_prefill`, then advance each handle's num_tokens by its chunk length and
+        record the sequence as live. Logits: [num_seqs, vocab_size] float32."""
         logits = self._prefill(inp)
         for ids, h in zip(inp.token_ids, inp.kv):
             h.num_tokens += len(ids)
@@ -46,6 +52,8 @@ class ExecutorBase:
         return PrefillOutput(logits, inp.kv)
 
     def decode(self, inp: DecodeInput) -> DecodeOutput:
+        """Run `_decode`, then advance each handle's num_tokens by 1 and record the sequence
+        as live. Logits: [num_seqs, vocab_size] float32."""
         logits = self._decode(inp)
         for h in inp.kv:
             h.num_tokens += 1
@@ -55,15 +63,20 @@ class ExecutorBase:
         return DecodeOutput(logits, inp.kv)
 
     def release_cache(self, cache_id: str) -> None:
+        """Forget the sequence (its blocks belong to the block manager; nothing to free on
+        the device). Unknown ids are ignored."""
         self._live.pop(cache_id, None)
 
     def info(self) -> ModelInfo:
+        """Architecture, sizes, dtype, device and TP size of the loaded model."""
         c = self.cfg
         return ModelInfo(c.architecture, c.vocab_size, c.hidden_size, c.num_hidden_layers,
                          c.num_attention_heads, c.num_key_value_heads, c.head_dim, self.max_model_len,
                          str(self.dtype).replace("torch.", ""), self.device, self.tp, c.num_params())
 
     def capabilities(self) -> ExecutorCapabilities:
+        """Static limits: max batch (max_num_seqs), max sequence length (tokens), KV block
+        size and count, dtypes, devices, TP/PP sizes, CUDA graphs, memory requirements."""
         return ExecutorCapabilities(
             max_batch_size=self.config.scheduler.max_num_seqs, max_seq_len=self.max_model_len,
             block_size=self.config.cache.block_size, num_kv_blocks=self.num_blocks,
@@ -72,6 +85,8 @@ class ExecutorBase:
             cuda_graphs=getattr(self, "cuda_graphs", False), memory=self.memory)
 
     def status(self) -> ExecutorStatus:
+        """Live numbers: KV blocks referenced by live sequences' tables (the executor's own
+        view; the block manager's counts are the engine's), live sequences, step counters."""
         used = len({b for h in self._live.values() for b in h.block_table})
         return ExecutorStatus(self.num_blocks, used, self.num_blocks - used, len(self._live), **self._steps)
 

@@ -32,6 +32,11 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeCudaGraphs:
+    """One captured decode step per batch size in `batch_sizes` (each with its forward, its
+    TP collectives and the logits), over static input buffers sized for the largest batch and
+    `max_blocks_per_seq` blocks per sequence. Captured at construction, largest first, sharing
+    one memory pool; `run` replays the smallest graph that fits the batch."""
+
     def __init__(self, runner, batch_sizes: list[int], max_blocks_per_seq: int):
         self.runner = runner
         self.sizes = sorted(batch_sizes)
@@ -117,13 +122,17 @@ class DecodeCudaGraphs:
         return res
 
     def can_run(self, batch: int) -> bool:
+        """True when a graph of at least `batch` rows was captured."""
         return batch <= self.sizes[-1]
 
     @torch.inference_mode()
     def run(self, token_ids: list[int], kv: list[KvCacheHandle], prev: torch.Tensor | None = None,
             prev_rows: list[int] | None = None) -> torch.Tensor | None:
-        """prev / prev_rows: see ModelRunner.decode (input ids from the previous step's
-        sampled ids, on the device)."""
+        """Replay the decode step for these sequences (token_ids[i] at position
+        kv[i].num_tokens): fill one pinned host row per sequence, copy it to the static
+        buffers, replay. Returns logits [B, vocab] float32 (a copy; None on TP ranks > 0).
+        prev / prev_rows: see ModelRunner.decode (input ids from the previous step's sampled
+        ids, on the device)."""
         B = len(token_ids)
         bs = self.sizes[bisect.bisect_left(self.sizes, B)]
         M = max(len(h.block_table) for h in kv)

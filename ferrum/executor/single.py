@@ -17,6 +17,9 @@ log = logging.getLogger("ferrum")
 
 
 class SingleDeviceExecutor(ExecutorBase):
+    """The `ModelExecutor` for one device: one ModelRunner, TP size 1, KV pool sized by
+    `num_kv_blocks` from the memory left after the weights."""
+
     def __init__(self, source: ModelSource, config: EngineConfig, progress: bool = True):
         super().__init__(source, config)
         torch.manual_seed(config.seed)
@@ -40,6 +43,7 @@ class SingleDeviceExecutor(ExecutorBase):
             self.cuda_graphs = True
 
     def shutdown(self) -> None:
+        """Free graphs, KV cache and weights; later calls do nothing."""
         if self.runner is not None:
             self.runner.release()
             self.runner = None

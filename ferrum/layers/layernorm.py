@@ -11,6 +11,9 @@ from ferrum.ops.rms_norm import fused_add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm over the last dim with a learned weight [hidden] (replicated on every TP rank);
+    `ferrum.ops.rms_norm` computes it."""
+
     def __init__(self, hidden: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
@@ -18,6 +21,8 @@ class RMSNorm(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param, lazy, shard_id=None):
+        """Copy the checkpoint's [hidden] weight into param. Raises WeightLoadError on a shape
+        mismatch."""
         copy_weight(param, lazy.load())
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):

@@ -20,6 +20,10 @@ from ferrum.ops.linear import linear
 
 
 class LinearBase(nn.Module):
+    """y = x W^T + b on this rank's weight [out_features, in_features] (as given: the
+    subclasses pass per-rank sizes) and optional bias [out_features], in the default dtype at
+    construction. Built under the TP state in force then (`get_tp()`)."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
         self.tp = get_tp()
@@ -32,6 +36,7 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, in_features] -> new [T, out_features] (`ferrum.ops.linear.linear`)."""
         return linear(x, self.weight, self.bias, self.tp.size == 1)
 
 
@@ -43,6 +48,8 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(in_features, self.out_per_rank, bias)
 
     def weight_loader(self, param, lazy, shard_id=None):
+        """Copy this rank's rows of the checkpoint tensor `lazy` ([out, in] weight or [out]
+        bias) into param. Raises WeightLoadError on a shape mismatch."""
         n = self.out_per_rank
         copy_weight(param, lazy.narrow(0, self.tp.rank * n, n))
 
@@ -56,6 +63,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, sum(out_sizes), bias)
 
     def weight_loader(self, param, lazy, shard_id=None):
+        """Copy this rank's rows of sub-matrix `shard_id` (0 = gate_proj, 1 = up_proj) into
+        its place in the stacked param. Raises WeightLoadError on a shape mismatch."""
         tp = self.tp.size
         n = self.out_sizes[shard_id] // tp
         off = sum(self.out_sizes[:shard_id]) // tp
@@ -82,6 +91,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         LinearBase.__init__(self, hidden, self.q_size + 2 * self.kv_size, bias)
 
     def weight_loader(self, param, lazy, shard_id=None):
+        """Copy this rank's heads of q_proj / k_proj / v_proj (`shard_id` "q", "k", "v"; weight
+        or bias) into their place in the fused param: [q | k | v] rows. Raises WeightLoadError
+        on a shape mismatch."""
         r = self.tp.rank
         if shard_id == "q":
             dst, src = param.narrow(0, 0, self.q_size), lazy.narrow(0, r * self.q_size, self.q_size)
@@ -101,6 +113,8 @@ class RowParallelLinear(LinearBase):
         super().__init__(self.in_per_rank, out_features, bias)
 
     def weight_loader(self, param, lazy, shard_id=None):
+        """Copy this rank's input columns of the checkpoint weight [out, in] into param; a
+        bias [out] is replicated. Raises WeightLoadError on a shape mismatch."""
         if param.dim() == 1:  # bias: replicated
             copy_weight(param, lazy.load())
             return
@@ -108,6 +122,8 @@ class RowParallelLinear(LinearBase):
         copy_weight(param, lazy.narrow(1, self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, in_features / tp] (this rank's slice) -> [T, out_features], summed over the
+        TP ranks (one all-reduce), plus the bias."""
         y = linear(x, self.weight, None, self.tp.size == 1)
         y = tensor_model_parallel_all_reduce(y, self.tp)
         if self.bias is not None:

@@ -14,10 +14,11 @@ from torch import nn
 from ferrum.ops.rotary import apply_rotary_emb
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, rs: dict) -> torch.Tensor:
-    factor = rs["factor"]
-    low, high = rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
-    old_len = rs.get("original_max_position_embeddings", 8192)
+def _llama3_inv_freq(inv_freq: torch.Tensor, rope_scaling: dict) -> torch.Tensor:
+    factor = rope_scaling["factor"]
+    low = rope_scaling.get("low_freq_factor", 1.0)
+    high = rope_scaling.get("high_freq_factor", 4.0)
+    old_len = rope_scaling.get("original_max_position_embeddings", 8192)
     low_wavelen, high_wavelen = old_len / low, old_len / high
     wavelen = 2 * math.pi / inv_freq
     smooth = (old_len / wavelen - low) / (high - low)
@@ -28,6 +29,10 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, rs: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    """cos / sin tables [max_position, head_dim / 2] float32 for inverse frequencies
+    base^(-2i / head_dim) (llama3-rescaled when `rope_scaling` says so), computed in float64;
+    one instance is shared by all layers of a model."""
+
     def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))

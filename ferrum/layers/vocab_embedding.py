@@ -18,6 +18,9 @@ from ferrum.ops.linear import linear
 
 
 class VocabParallelEmbedding(nn.Module):
+    """Token embedding [vocab_size, hidden] split over the vocabulary: this rank's weight is
+    [ceil(vocab_size / tp), hidden], rows past vocab_size zero."""
+
     def __init__(self, vocab_size: int, hidden: int):
         super().__init__()
         self.tp = get_tp()
@@ -28,13 +31,16 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param, lazy, shard_id=None):
+        """Copy this rank's rows of the checkpoint's [vocab_size, hidden] tensor into param.
+        Raises WeightLoadError when the checkpoint tensor has another shape."""
         check_shape(lazy.shape, (self.vocab_size, param.shape[1]))
         n = max(0, min(self.per_rank, self.vocab_size - self.start))
         if n:
             param.data[:n].copy_(lazy.narrow(0, self.start, n).to(param.dtype))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids: [T] int64 -> [T, hidden]."""
+        """input_ids: [T] int64 -> [T, hidden] in the weight's dtype (all-reduced over TP ranks:
+        each rank looks up the ids it holds, 0 for the others)."""
         if self.tp.size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.start
@@ -44,8 +50,12 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
+    """The LM head: the same vocab-parallel weight layout (shared with the embedding when
+    tie_word_embeddings), used as a linear map hidden -> logits."""
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden: [N, hidden] -> logits [N, vocab_size] on TP rank 0 (None elsewhere)."""
+        """hidden: [N, hidden] -> logits [N, vocab_size] in the weight's dtype, gathered on TP
+        rank 0 (None on the other ranks)."""
         logits = linear(hidden, self.weight, None, self.tp.size == 1)
         logits = tensor_model_parallel_gather(logits, dim=-1, tp=self.tp)
         if logits is None:

@@ -26,8 +26,13 @@ class LazyWeight(Protocol):
 
 
 class WeightSource(Protocol):
-    def names(self) -> list[str]: ...
-    def get(self, name: str) -> LazyWeight: ...
+    """A checkpoint's tensors by Hugging Face parameter name."""
+
+    def names(self) -> list[str]:
+        """Every tensor name in the checkpoint."""
+
+    def get(self, name: str) -> LazyWeight:
+        """The lazily read tensor `name` (KeyError when absent)."""
 
 
 @dataclass

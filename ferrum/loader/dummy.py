@@ -11,6 +11,9 @@ from ferrum.loader.base import ModelSource
 
 
 def load_dummy(spec: str) -> ModelSource:
+    """A ModelSource with random weights of the shape in `spec` (an HF folder or its
+    config.json path); the folder's tokenizer when it has one. Raises ModelNotFoundError when
+    the config is missing."""
     path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
     if not os.path.exists(path):
         raise ModelNotFoundError(f"dummy model config {path} not found (give an HF folder or a config.json)")

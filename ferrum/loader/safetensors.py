@@ -20,6 +20,8 @@ from ferrum.loader.base import ModelSource
 
 @dataclass
 class SafetensorsWeight:
+    """A LazyWeight over tensor `name` of the file `path` (read through safetensors slices)."""
+
     path: str
     name: str
     shape: tuple[int, ...]
@@ -32,9 +34,11 @@ class SafetensorsWeight:
             raise WeightLoadError(f"cannot read tensor {self.name!r} from {self.path}: {e}") from e
 
     def load(self) -> torch.Tensor:
+        """The whole tensor, in its stored dtype. Raises WeightLoadError on an unreadable file."""
         return self._slice()[:]
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """Only [start, start + length) along dim, read from the file without the rest."""
         idx = [slice(None)] * len(self.shape)
         idx[dim] = slice(start, start + length)
         return self._slice()[tuple(idx)]
@@ -64,9 +68,11 @@ class SafetensorsSource:
                                       "the file is unreadable or truncated") from e
 
     def names(self) -> list[str]:
+        """Every tensor name of the folder's files."""
         return list(self._weights)
 
     def get(self, name: str) -> SafetensorsWeight:
+        """The tensor `name` (KeyError when absent)."""
         return self._weights[name]
 
 

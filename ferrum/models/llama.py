@@ -20,6 +20,9 @@ from ferrum.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 
 
 class LlamaAttention(nn.Module):
+    """Self-attention of one decoder layer: fused qkv projection (column-parallel), optional
+    per-head q/k RMSNorm (Qwen3), RoPE, paged attention, o_proj (row-parallel)."""
+
     def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding):
         super().__init__()
         D = cfg.head_dim
@@ -37,6 +40,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = D
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """positions: [T] int64; x: [T, hidden] -> [T, hidden] (all-reduced over TP ranks)."""
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(T, self.num_heads, self.head_dim)
@@ -49,6 +53,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    """SwiGLU MLP: down_proj(silu(gate_proj(x)) * up_proj(x)), gate and up fused."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
@@ -56,10 +62,14 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden] (all-reduced over TP ranks)."""
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm decoder layer; the residual stream is carried between layers un-added (the
+    next layer's input norm adds it, `RMSNorm.forward(x, residual)`)."""
+
     def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, rotary_emb)
@@ -67,7 +77,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, x, residual):
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None):
+        """positions: [T]; x: [T, hidden] (the previous layer's output); residual: [T, hidden]
+        or None for the first layer -> (this layer's MLP output, new residual)."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
@@ -78,6 +90,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """Embedding, the decoder layers (one RoPE table shared by all) and the final norm."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
@@ -86,6 +100,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] int64 -> final hidden states [T, hidden]."""
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
@@ -115,7 +130,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] int64 -> hidden [T, hidden] (needs a forward context)."""
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden: [N, hidden] -> logits [N, vocab_size] on TP rank 0, None elsewhere."""
         return self.lm_head.compute_logits(hidden)

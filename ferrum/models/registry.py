@@ -18,6 +18,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 
 
 def get_model_class(cfg: ModelConfig) -> type[nn.Module]:
+    """The class for cfg.architecture. Raises UnsupportedModelError naming the supported ones."""
     try:
         return MODEL_REGISTRY[cfg.architecture]
     except KeyError:
