@@ -21,8 +21,8 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D] in q's dtype."""
-        ctx = get_forward_context()
-        attn_metadata, backend = ctx.attn_metadata, ctx.attn_backend
+        context = get_forward_context()
+        attn_metadata, backend = context.attn_metadata, context.attn_backend
         T = q.shape[0]
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
