@@ -21,6 +21,33 @@ _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 
 
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_logit_bias(bias: dict) -> dict[int, float]:
+    """`{token id: bias}` with int keys and float values. Keys may be ints or decimal strings
+    (JSON object keys are strings); values must be finite numbers in [-100, 100] (OpenAI).
+    Raises one InvalidRequestError (param "logit_bias") that names every bad key and every bad
+    value, so a client fixes its request in one round trip."""
+    if not isinstance(bias, dict):
+        raise InvalidRequestError(f"logit_bias must be an object of token id -> bias, got "
+                                  f"{type(bias).__name__}", param="logit_bias")
+    bad_keys = [k for k in bias if not (isinstance(k, int) and not isinstance(k, bool) and k >= 0)
+                and not (isinstance(k, str) and k.isascii() and k.isdigit())]
+    bad_values = [(k, v) for k, v in bias.items()
+                  if not _is_number(v) or not math.isfinite(v) or not -100 <= v <= 100]
+    problems = []
+    if bad_keys:
+        problems.append(f"keys must be token ids >= 0, got {', '.join(repr(k) for k in bad_keys)}")
+    if bad_values:
+        problems.append("values must be numbers in [-100, 100], got "
+                        + ", ".join(f"{v!r} for token {k!r}" for k, v in bad_values))
+    if problems:
+        raise InvalidRequestError(f"logit_bias {'; '.join(problems)}", param="logit_bias")
+    return {int(k): float(v) for k, v in bias.items()}
+
+
 @dataclass
 class SamplingParams:
     """Per-request generation options (module docstring for the semantics). Raises
@@ -97,12 +124,7 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", f"must be token ids >= 0, got {self.stop_token_ids!r}")
         if self.logit_bias:
-            for k, v in self.logit_bias.items():
-                if not str(k).isdigit():
-                    bad("logit_bias", f"keys must be token ids >= 0, got {k!r}")
-                if not (-100 <= float(v) <= 100):
-                    bad("logit_bias", f"values must be in [-100, 100], got {v} for token {k}")
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            self.logit_bias = _check_logit_bias(self.logit_bias)
 
     @property
     def greedy(self) -> bool:

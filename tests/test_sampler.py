@@ -218,6 +218,20 @@ def test_shape_mismatch_and_bad_token_ids():
     validate_token_ids(SamplingParams(logit_bias={5: 1.0}, stop_token_ids=[0]), V)
 
 
+def test_logit_bias_errors_name_every_bad_key():
+    """Issue 13 item 7: the error named only the first bad key."""
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(logit_bias={"7": 1.0, "abc": 1.0, "-3": 2.0, "²": 1.0, "4": 300.0, 5: float("nan")})
+    msg = info.value.args[0]
+    assert info.value.param == "logit_bias"
+    for part in ("'abc'", "'-3'", "'²'", "300.0 for token '4'", "nan for token 5"):
+        assert part in msg, msg
+    assert "'7'" not in msg
+    with pytest.raises(InvalidRequestError) as info:
+        validate_token_ids(SamplingParams(logit_bias={"1": 1.0, "6": 1.0, "9": 1.0, "70000": 1.0}), V)
+    assert "[6, 9, 70000]" in info.value.args[0] and info.value.param == "logit_bias"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_matches_cpu_and_seeds_hold():
     gen = torch.Generator().manual_seed(1)

@@ -311,6 +311,11 @@ def test_bad_inputs(server):
     assert e["param"] == "seed"
     e = _err(_post(server, "/v1/completions", {**ok, "temperature": -1}), 400)
     assert e["param"] == "temperature"
+    # every bad logit_bias key is named, not only the first (issue 13 item 7)
+    e = _err(_post(server, "/v1/completions", {**ok, "logit_bias": {"abc": 1, "5": 1, "-1": 2}}), 400)
+    assert e["param"] == "logit_bias" and "'abc'" in e["message"] and "'-1'" in e["message"]
+    e = _err(_post(server, "/v1/completions", {**ok, "logit_bias": {"60000": 1, "5": 1, "70000": 1}}), 400)
+    assert e["param"] == "logit_bias" and "[60000, 70000]" in e["message"]
     e = _err(_post(server, "/v1/completions", {**ok, "prompt": [10**7]}), 400)
     assert "vocabulary" in e["message"]
     e = _err(_post(server, "/v1/completions", {**ok, "prompt": []}), 400)

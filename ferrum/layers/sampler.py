@@ -47,9 +47,9 @@ def validate_token_ids(params: SamplingParams, vocab_size: int) -> None:
     for name, ids in (("logit_bias", list(params.logit_bias or {})),
                       ("stop_token_ids", params.stop_token_ids)):
         bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
+        if bad:  # all of them: a client fixes its request in one round trip
             raise InvalidRequestError(
-                f"{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})",
+                f"{name} has token ids {bad} outside the vocabulary [0, {vocab_size})",
                 param=name)
 
 
