@@ -146,6 +146,30 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def resolve_max_model_len(model: ModelConfig, requested: int | None) -> int:
+    """The context length (prompt + output tokens) an engine serves: `requested`, or the
+    model's `max_position_embeddings` when None.
+
+    Positions at or beyond max_position_embeddings were never trained and have no row in the
+    RoPE tables, so a larger value is refused, as vLLM does (`_get_and_verify_max_len`). A
+    context-extending rope scaling (llama3) already states the extended length in
+    max_position_embeddings (the HF convention), so that limit holds for it too.
+    Raises ConfigError (param "max_model_len") for requested < 1 or above the limit."""
+    from ferrum.errors import ConfigError
+    limit = model.max_position_embeddings
+    if requested is None:
+        return limit
+    if not isinstance(requested, int) or requested < 1:
+        raise ConfigError(f"max_model_len must be a positive integer, got {requested!r}",
+                          param="max_model_len")
+    if requested > limit:
+        raise ConfigError(f"max_model_len {requested} exceeds the model's context of {limit} "
+                          "positions (max_position_embeddings in its config): positions beyond it "
+                          f"have no position embedding; use max_model_len <= {limit}",
+                          param="max_model_len")
+    return requested
+
+
 @dataclass
 class CacheConfig:
     """Paged KV cache. `num_blocks` None means: size it from memory (kv_cache_memory bytes on
@@ -189,7 +213,7 @@ class EngineConfig:
     load_format: str = "auto"            # auto | dummy
     seed: int = 0
     enforce_eager: bool = False
-    chat_template: str | None = None     # path to a Jinja file that overrides the model's
+    chat_template: str | None = None     # a Jinja file path or the template text; overrides the model's
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

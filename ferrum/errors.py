@@ -33,6 +33,12 @@ def check_prompt_len(num_prompt_tokens: int, max_model_len: int) -> None:
                                  "are allowed", param="prompt")
 
 
+class ConfigError(InvalidRequestError):
+    """An engine option does not fit the model or the machine (max_model_len above the model's
+    context, a chat template path that does not exist, ...); raised at start-up, `param`
+    names the option."""
+
+
 class ModelNotFoundError(FerrumError):
     """No model by that name, path or hub id."""
 
@@ -64,6 +70,13 @@ class CacheConfigError(FerrumError):
 
 class TensorParallelError(FerrumError):
     """Sizes do not divide over TP ranks, or a rank died / hung."""
+
+
+class RequestFailedError(FerrumError):
+    """A step running this request raised inside the engine; the request was dropped (its KV
+    blocks freed) and the engine goes on serving the others."""
+
+    error_type = "internal_error"
 
 
 class EngineDeadError(FerrumError):

@@ -185,6 +185,10 @@ class ModelExecutor(Protocol):
     def status(self) -> ExecutorStatus:
         """Live numbers (KV blocks, live sequences, step and token counters)."""
 
+    def health(self) -> str | None:
+        """None while steps can run; else why not (a dead or out-of-step TP rank, a device
+        fault). Cheap and thread-safe: the server's /health asks it between steps."""
+
     def warmup(self) -> None:
         """Prepare for serving (CUDA graph capture, collectives); called once by the engine."""
 

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 @dataclass
 class CompletionOutput:
     """One sample of a request. `text` and `token_ids` are cumulative; `finish_reason` is
-    None while running, then "stop" (EOS, stop token or stop string) or "length" (max_tokens
-    or max_model_len). `logprobs[i]` maps token id -> logprob for generated token i (the chosen
+    None while running, then "stop" (EOS, stop token or stop string), "length" (max_tokens
+    or max_model_len) or "error" (a step holding this request failed; see
+    `RequestOutput.error`). `logprobs[i]` maps token id -> logprob for generated token i (the chosen
     token plus the top-N), when requested."""
 
     index: int
@@ -40,8 +41,10 @@ class RequestMetrics:
 @dataclass
 class RequestOutput:
     """A request's state after a step: its prompt, one CompletionOutput per sample, whether
-    all samples finished, timing metrics, and how many prompt tokens came from the prefix
-    cache."""
+    all samples finished, timing metrics, how many prompt tokens came from the prefix cache,
+    and `error`: None unless a step that ran this request failed; then it says why, the request
+    is finished (its unfinished samples have finish_reason "error", their KV blocks are freed)
+    and the engine serves the others."""
 
     request_id: str
     prompt: str | None
@@ -50,3 +53,4 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     num_cached_tokens: int = 0
+    error: str | None = None

@@ -3,9 +3,9 @@ import json
 
 import pytest
 
-from ferrum.errors import InvalidRequestError
+from ferrum.errors import ConfigError, InvalidRequestError
 from ferrum.loader.gguf import load_gguf
-from ferrum.tokenizer import Tokenizer
+from ferrum.tokenizer import Tokenizer, load_chat_template
 
 TEXT = "Hello, world! Ünïcödé 🤖 tabs\tand\nnewlines  double   spaces ＡＢＣ 1234567"
 
@@ -98,3 +98,51 @@ def test_folder_tokenizer_matches_gguf_tokenizer(hf_folder, smollm2_tokenizer):
     assert tok.decode(tok.encode(TEXT)) == TEXT
     msgs = [{"role": "user", "content": "hi"}]
     assert tok.apply_chat_template(msgs) == smollm2_tokenizer.apply_chat_template(msgs)
+
+
+# ---- --chat-template: a file or the template itself (issue 13 item 3) --------------------------
+
+INLINE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+
+
+def test_load_chat_template_file_or_inline(tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text(INLINE, encoding="utf-8")
+    assert load_chat_template(str(path)) == INLINE
+    assert load_chat_template(INLINE) == INLINE                     # before: FileNotFoundError
+    assert load_chat_template("{{ messages[0]['content'] }}") == "{{ messages[0]['content'] }}"
+    with pytest.raises(ConfigError, match="looks like a file path, but there is no such file") as e:
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    assert e.value.param == "chat_template"
+    with pytest.raises(ConfigError, match="no such file"):
+        load_chat_template("chatml")
+    with pytest.raises(ConfigError, match=r"does not compile \(line 2\)"):
+        load_chat_template("{% for m in messages %}\n{{ m.content }\n{% endfor %}")
+
+
+def test_llm_chat_template_inline_and_cli(hf_folder, tmp_path):
+    """`LLM(chat_template=<inline Jinja>)` and `ferrum run --chat-template <inline Jinja>` both
+    use the string as the template (both crashed with FileNotFoundError before)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from ferrum import LLM, SamplingParams
+    from tiny_models import make_tiny_model
+    folder = make_tiny_model(str(tmp_path / "m"), "llama", vocab=49152)
+    for name in os.listdir(hf_folder):          # the SmolLM2 tokenizer files
+        if name != "generation_config.json":
+            shutil.copy(os.path.join(hf_folder, name), folder)
+    msgs = [{"role": "user", "content": "hi"}]
+    with LLM(folder, progress=False, device="cpu", max_model_len=64, chat_template=INLINE) as llm:
+        assert llm.tokenizer.render_chat(msgs) == "[user] hi\n"
+        out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))[0]
+        assert out.prompt_token_ids == llm.tokenizer.encode("[user] hi\n", add_special_tokens=False)
+    with pytest.raises(ConfigError, match="no such file"):
+        LLM(folder, progress=False, device="cpu", chat_template="no-such-template.jinja")
+    run = subprocess.run([sys.executable, "-m", "ferrum.entrypoints.cli", "run", folder, "--device", "cpu",
+                          "--max-model-len", "64", "--chat-template", INLINE, "--prompt", "hi",
+                          "--max-tokens", "3", "--temperature", "0"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]

@@ -6,8 +6,12 @@ thread-safe command queue it drains between steps; outputs go back to each reque
 `asyncio.Queue` via `loop.call_soon_threadsafe`. While no request is unfinished the thread
 blocks on the command queue (no polling, no CPU).
 
-If `step()` raises, the engine is dead: every open stream raises EngineDeadError, and so does
-every later `add_request`; `status()["healthy"]` turns False (the server answers /health 503).
+A step that fails for some requests ends only their streams (their last output has
+finish_reason "error" and `error` set; the server turns it into an error body). If `step()`
+itself raises (the executor is broken: a dead TP rank, a device fault), the engine is dead:
+every open stream raises EngineDeadError, and so does every later `add_request`;
+`status()["healthy"]` turns False with the reason in `status()["error"]` (the server answers
+/health 503 with it). A broken executor is also reported while the loop is idle.
 """
 from __future__ import annotations
 
@@ -179,10 +183,19 @@ class AsyncLLMEngine:
         run concurrently with a step), plus `healthy` (bool) and `error` (str, once dead).
         Thread-safe."""
         s = dict(self._status)
-        s["healthy"] = self._dead is None
-        if self._dead is not None:
-            s["error"] = str(self._dead_error())
+        broken = self._executor_broken()   # the root cause, when the loop died of it
+        if broken is None and self._dead is not None:
+            broken = self._dead_error()
+        s["healthy"] = broken is None
+        if broken is not None:
+            s["error"] = str(broken)
         return s
+
+    def _executor_broken(self) -> str | None:
+        """Why the executor can run no more steps, asked now (thread-safe), or None."""
+        health = getattr(self.engine, "health", None)
+        reason = health() if health is not None else None
+        return None if reason is None else f"the executor is broken: {reason}"
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the step thread (open streams get EngineDeadError) and shut the engine down."""
@@ -248,7 +261,10 @@ class AsyncLLMEngine:
             self._streams[stream.request_id] = stream
             _resolve(fut, None)
         elif kind == "abort":
-            self.engine.abort_request(cmd[1])
+            try:
+                self.engine.abort_request(cmd[1])
+            except Exception:  # noqa: BLE001 - one request's clean-up must not stop the loop
+                log.exception("aborting request %s failed", cmd[1])
             stream = self._streams.pop(cmd[1], None)
             if stream is not None:
                 stream.put(_END)

@@ -5,6 +5,11 @@ forward, one batched prefill forward) -> the sampler draws the next token of eve
 whose computation reached its end -> stop checks and incremental detokenization -> outputs.
 With async scheduling (default on CUDA) the sampled ids stay on the device and the host
 schedules and launches the next decode step before it reads them (see `step`).
+
+Faults: an exception while a step runs fails only the requests that step holds (their
+outputs end with finish_reason "error" and `RequestOutput.error`, their KV blocks are freed);
+the engine goes on serving the others. Only an executor that can run no more steps (a dead
+TP rank, a device fault: `ModelExecutor.health()`) makes `step` raise.
 """
 from __future__ import annotations
 
@@ -15,13 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ferrum.config import EngineConfig
+from ferrum.config import EngineConfig, resolve_max_model_len
 from ferrum.engine.block_manager import BlockManager
 from ferrum.engine.scheduler import Scheduler
 from ferrum.engine.sequence import Request, Sequence, SequenceStatus
 from ferrum.engine.stop_checker import SequenceOutputState
 from ferrum.errors import (CacheConfigError, InvalidRequestError, OutOfKvCacheError, QueueFullError,
                            check_prompt_len)
+from ferrum.executor.base import is_device_fault
 from ferrum.interfaces import DecodeInput, KvCacheHandle, ModelExecutor, PrefillInput
 from ferrum.layers.sampler import Sampler, SamplingMetadata, validate_token_ids
 from ferrum.outputs import CompletionOutput, RequestOutput
@@ -68,7 +74,9 @@ class LLMEngine:
         from ferrum.model_store import resolve_model
         self.config = config
         source = resolve_model(config.model)
-        if config.parallel.tensor_parallel_size > 1:  # fail before loading the tokenizer/weights
+        # fail before loading the tokenizer / weights
+        resolve_max_model_len(source.config, config.scheduler.max_model_len)
+        if config.parallel.tensor_parallel_size > 1:
             from ferrum.executor.tensor_parallel import validate_tp_sizes
             validate_tp_sizes(source.config, config.parallel.tensor_parallel_size)
         self.model_name = source.name
@@ -82,9 +90,11 @@ class LLMEngine:
                 # transformers 5, ValueError): the engine still serves token-id prompts.
                 log.warning("%s: no usable tokenizer (%s); only token-id prompts are accepted",
                             source.name, str(e).splitlines()[0])
-        if self.tokenizer is not None and config.chat_template:
-            with open(config.chat_template) as template_file:
-                self.tokenizer.chat_template = self.tokenizer.hf.chat_template = template_file.read()
+        if config.chat_template:
+            from ferrum.tokenizer import load_chat_template
+            template = load_chat_template(config.chat_template)
+            if self.tokenizer is not None:
+                self.tokenizer.chat_template = self.tokenizer.hf.chat_template = template
         self.eos_token_ids = list(source.eos_token_ids or (self.tokenizer.eos_token_ids if self.tokenizer else []))
         self.executor = create_executor(source, config, progress)
         try:
@@ -115,8 +125,8 @@ class LLMEngine:
         self.vocab_size = self.model_config.vocab_size
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self.stats = {"requests_finished": 0, "requests_aborted": 0, "prompt_tokens": 0,
-                      "generation_tokens": 0, "steps": 0, "overlapped_steps": 0}
+        self.stats = {"requests_finished": 0, "requests_aborted": 0, "requests_failed": 0,
+                      "prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "overlapped_steps": 0}
         self.sample_device = self.executor.info().device   # logits arrive on rank 0's device
         a = config.scheduler.async_scheduling
         self.async_scheduling = self.sample_device.startswith("cuda") if a is None else a
@@ -210,26 +220,66 @@ class LLMEngine:
         the previous step's tokens are read and processed while the device runs it; when
         they cannot overlap the previous step is processed first. Either way a call returns
         the tokens of the step launched by the call before (on CPU, where a launch runs the
-        whole forward, that only delays each token by a step: async is off there by default)."""
+        whole forward, that only delays each token by a step: async is off there by default).
+
+        An exception in scheduling, in a launch or in processing a step's samples fails the
+        requests it concerns (see `_fail`) and the call returns normally; it raises only when
+        the executor can run no more steps (`ModelExecutor.health()` says why)."""
         touched: dict[str, Request] = {}
         if self._in_flight is not None and not self._can_overlap():
             self._finish(touched)
         overlapped = self._in_flight is not None
-        sched = self.scheduler.schedule()
-        # overlap is only chosen when scheduling cannot admit or preempt (see _can_overlap)
-        assert not overlapped or not (sched.prefills or sched.preempted), "overlap broke its rule"
-        for seq in sched.preempted:   # its blocks went back to the pool: drop the stale handle
-            self.executor.release_cache(seq.seq_id)
+        try:
+            sched = self.scheduler.schedule()
+        except Exception as e:  # noqa: BLE001 - any request the scheduler holds may be half-placed
+            self._fail(list(self.scheduler.running) + list(self.scheduler.waiting), e, touched)
+            sched = None
         launched = None
-        if not sched.is_empty():
-            self.stats["steps"] += 1
-            self.stats["overlapped_steps"] += overlapped
-            launched = self._launch(sched)
+        if sched is not None:
+            # overlap is only chosen when scheduling cannot admit or preempt (see _can_overlap)
+            assert not overlapped or not (sched.prefills or sched.preempted), "overlap broke its rule"
+            for seq in sched.preempted:   # its blocks went back to the pool: drop the stale handle
+                self.executor.release_cache(seq.seq_id)
+            if not sched.is_empty():
+                self.stats["steps"] += 1
+                self.stats["overlapped_steps"] += overlapped
+                try:
+                    launched = self._launch(sched)
+                except Exception as e:  # noqa: BLE001 - fails this step's requests only
+                    self._fail([c.seq for c in sched.decodes + sched.prefills], e, touched)
         self._finish(touched)         # the previous step, while the device runs this one
         self._in_flight = launched
         if not self.async_scheduling:
             self._finish(touched)
         return [self._output(r) for r in touched.values() if not final_only or r.finished()]
+
+    def health(self) -> str | None:
+        """None while the executor can run steps, else why not (see ModelExecutor.health)."""
+        return self.executor.health()
+
+    def _fail(self, seqs: list[Sequence], error: Exception, touched: dict) -> None:
+        """A step (or the part of it that processes `seqs`) raised `error`: fail every request
+        owning one of `seqs` (all its samples end with finish_reason "error", their blocks go
+        back to the pool) and carry on. Re-raises `error` when the executor is broken or the
+        device faulted: then no request can run any more."""
+        reason = self.executor.health()
+        if reason is None and is_device_fault(error):
+            reason = f"the device failed: {type(error).__name__}: {error}"
+        if reason is not None:
+            log.error("the executor can run no more steps: %s", reason)
+            raise error
+        reqs = {s.request.request_id: s.request for s in seqs if not s.request.finished()}
+        log.error("a step failed; failing %d request(s) %s and serving the rest",
+                  len(reqs), sorted(reqs)[:8], exc_info=error)
+        message = f"{type(error).__name__}: {error}"
+        for req in reqs.values():
+            req.error = message
+            for seq in req.seqs:
+                if seq.status is not SequenceStatus.FINISHED:
+                    self._drop(seq)
+                    seq.output_state.fail()
+            self.stats["requests_failed"] += 1
+            touched[req.request_id] = req
 
     def _can_overlap(self) -> bool:
         """True when the next step needs nothing from the in-flight step's samples on the
@@ -326,12 +376,19 @@ class LLMEngine:
             return
         for seq, n in in_flight.commits:
             if seq.status is SequenceStatus.RUNNING:
-                self.block_manager.commit_full_blocks(seq.seq_id, seq.token_ids, n)
+                try:
+                    self.block_manager.commit_full_blocks(seq.seq_id, seq.token_ids, n)
+                except Exception as e:  # noqa: BLE001 - fails this sequence's request only
+                    self._fail([seq], e, touched)
         if not in_flight.seqs:
             return
-        if in_flight.ready is not None:
-            in_flight.ready.synchronize()
-        token_ids = in_flight.host_ids.tolist()
+        try:
+            if in_flight.ready is not None:
+                in_flight.ready.synchronize()
+            token_ids = in_flight.host_ids.tolist()
+        except Exception as e:  # noqa: BLE001 - the step's samples are lost: fail its requests
+            self._fail(in_flight.seqs, e, touched)
+            return
         now = time.perf_counter()
         requests, logprobs = self.requests, in_flight.logprobs
         FINISHED = SequenceStatus.FINISHED
@@ -339,22 +396,25 @@ class LLMEngine:
         for i, (seq, pos, tok) in enumerate(zip(in_flight.seqs, in_flight.positions, token_ids)):
             req = seq.request
             if seq.status is FINISHED or req.request_id not in requests:
-                continue  # aborted, or finished by the step before (this row was extra work)
-            if seq.index == 0 and req.params.n > 1 and not req.forked:
-                self._fork(req, seq)
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            seq.token_ids[pos] = tok
-            state = seq.output_state
-            state.append(tok)
-            seq.new_tokens += 1
-            if logprobs is not None and logprobs[i] is not None:
-                seq.logprobs.append(logprobs[i])
-                seq.cumulative_logprob += logprobs[i].get(tok, 0.0)
-            generated += 1
-            if state.finish_reason is not None:
-                del seq.token_ids[pos + 1:]  # a placeholder of a step launched after this one
-                self._drop(seq)
+                continue  # aborted, failed, or finished by the step before (extra work)
+            try:
+                if seq.index == 0 and req.params.n > 1 and not req.forked:
+                    self._fork(req, seq)
+                if req.metrics.first_token_time is None:
+                    req.metrics.first_token_time = now
+                seq.token_ids[pos] = tok
+                state = seq.output_state
+                state.append(tok)
+                seq.new_tokens += 1
+                if logprobs is not None and logprobs[i] is not None:
+                    seq.logprobs.append(logprobs[i])
+                    seq.cumulative_logprob += logprobs[i].get(tok, 0.0)
+                generated += 1
+                if state.finish_reason is not None:
+                    del seq.token_ids[pos + 1:]  # a placeholder of a step launched after this one
+                    self._drop(seq)
+            except Exception as e:  # noqa: BLE001 - stop checks / detokenizer: this request only
+                self._fail([seq], e, touched)
             touched[req.request_id] = req
         self.stats["generation_tokens"] += generated
 
@@ -369,6 +429,18 @@ class LLMEngine:
             self.scheduler.add_running(child)
 
     def _output(self, req: Request) -> RequestOutput:
+        try:
+            return self._build_output(req)
+        except Exception as e:  # noqa: BLE001 - fail this request, not the step
+            if not req.finished():
+                self._fail(req.seqs, e, {})
+            self.requests.pop(req.request_id, None)
+            return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
+                                 [CompletionOutput(s.index, finish_reason=s.output_state.finish_reason)
+                                  for s in req.seqs], True, req.metrics,
+                                 error=req.error or f"{type(e).__name__}: {e}")
+
+    def _build_output(self, req: Request) -> RequestOutput:
         outs = []
         for s in req.seqs:
             state = s.output_state
@@ -385,7 +457,8 @@ class LLMEngine:
             self.requests.pop(req.request_id, None)
             self.stats["requests_finished"] += 1
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
-                             req.metrics, num_cached_tokens=req.seqs[0].num_cached_tokens)
+                             req.metrics, num_cached_tokens=req.seqs[0].num_cached_tokens,
+                             error=req.error)
 
     # ---- status ---------------------------------------------------------------------------------
     def status(self) -> dict:

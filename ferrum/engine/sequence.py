@@ -78,7 +78,9 @@ class Request:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.perf_counter()))
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False                    # n > 1: children created after the first prefill
+    error: str | None = None                # why a step running it failed (it is then finished)
 
     def finished(self) -> bool:
-        """True when all n samples exist and are finished."""
-        return len(self.seqs) == self.params.n and all(s.is_finished() for s in self.seqs)
+        """True when all n samples exist and are finished, or when a step failed it."""
+        return self.error is not None or (len(self.seqs) == self.params.n
+                                          and all(s.is_finished() for s in self.seqs))

@@ -39,7 +39,7 @@ class SequenceOutputState:
     max_model_len: context length in tokens (prompt + output).
 
     Attributes: token_ids (all generated ids, including a final EOS / stop token), text,
-    finish_reason ("stop" | "length" | None), stop_reason (str | int | None), finished.
+    finish_reason ("stop" | "length" | "error" | None), stop_reason (str | int | None), finished.
     Calling `append` on a finished sequence raises RuntimeError.
     """
 
@@ -113,6 +113,12 @@ class SequenceOutputState:
         if self.detok is not None:
             self.text += self.detok.flush()
         self.finish_reason, self.stop_reason = reason, stop_reason
+
+    def fail(self) -> None:
+        """End the sequence with finish_reason "error" (a step running it failed). The text
+        stays what was generated so far."""
+        if not self.finished:
+            self.finish_reason, self.stop_reason = "error", None
 
     def _held_back(self) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of a stop string."""

@@ -36,7 +36,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = True) -
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch decode step n+1 before reading step n's tokens (default: on for CUDA, "
                         "off for CPU, where it only delays each token by one step)")
-    g.add_argument("--chat-template", default=None, help="Jinja chat template file (overrides the model's)")
+    g.add_argument("--chat-template", default=None, help="chat template that overrides the model's: a Jinja file path or the template text")
     g.add_argument("--engine-seed", type=int, default=0, help="seed for dummy weights / global RNG")
 
 

@@ -6,13 +6,26 @@ import logging
 
 import torch
 
-from ferrum.config import EngineConfig, resolve_device, resolve_dtype
+from ferrum.config import EngineConfig, resolve_device, resolve_dtype, resolve_max_model_len
+from ferrum.errors import EngineDeadError
 from ferrum.interfaces import (DecodeInput, DecodeOutput, ExecutorCapabilities, ExecutorStatus,
                                KvCacheHandle, ModelInfo, PrefillInput, PrefillOutput)
 from ferrum.loader.base import ModelSource
 from ferrum.executor.memory import compute_memory_requirements
 
 log = logging.getLogger("ferrum")
+
+
+def is_device_fault(error: BaseException) -> bool:
+    """True for an error that leaves the device unusable for every later step: a CUDA error
+    such as an illegal memory access is sticky (torch raises AcceleratorError, or a
+    RuntimeError saying "CUDA error" on older versions). An out-of-memory error is not: the
+    step's requests fail and the memory comes back."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return False
+    accel = getattr(torch, "AcceleratorError", None)
+    return (accel is not None and isinstance(error, accel)) or (
+        isinstance(error, RuntimeError) and "CUDA error" in str(error))
 
 
 class ExecutorBase:
@@ -26,11 +39,12 @@ class ExecutorBase:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.tp = config.parallel.tensor_parallel_size
-        self.max_model_len = config.scheduler.max_model_len or self.cfg.max_position_embeddings
+        self.max_model_len = resolve_max_model_len(self.cfg, config.scheduler.max_model_len)
         self.memory = compute_memory_requirements(self.cfg, self.dtype, self.tp)
         self.num_blocks = 0
         self._live: dict[str, KvCacheHandle] = {}
         self._steps = {"prefill_steps": 0, "decode_steps": 0, "prefill_tokens": 0, "decode_tokens": 0}
+        self._broken: str | None = None   # why no step can run any more (see health)
 
     # Subclasses implement these two (returning logits [num_seqs, vocab] float32) and set
     # self.num_blocks; the public prefill/decode below add the bookkeeping.
@@ -40,10 +54,27 @@ class ExecutorBase:
     def _decode(self, inp: DecodeInput) -> torch.Tensor:
         raise TypeError(f"{type(self).__name__} must implement _decode")
 
+    def _guarded(self, run, inp):
+        """Run one forward; a device fault marks the executor broken (every later step
+        raises EngineDeadError at once instead of failing on the device again)."""
+        if self._broken is not None:
+            raise EngineDeadError(f"the executor is broken: {self._broken}")
+        try:
+            return run(inp)
+        except Exception as e:
+            if self._broken is None and is_device_fault(e):
+                self._broken = f"the device failed: {type(e).__name__}: {e}"
+            raise
+
+    def health(self) -> str | None:
+        """None while steps can run; else why not (a device fault, a dead TP rank). Cheap and
+        safe to call from another thread than the one running steps (the server's /health)."""
+        return self._broken
+
     def prefill(self, inp: PrefillInput) -> PrefillOutput:
         """Run `_prefill`, then advance each handle's num_tokens by its chunk length and
         record the sequence as live. Logits: [num_seqs, vocab_size] float32."""
-        logits = self._prefill(inp)
+        logits = self._guarded(self._prefill, inp)
         for ids, h in zip(inp.token_ids, inp.kv):
             h.num_tokens += len(ids)
             self._live[h.cache_id] = h
@@ -54,7 +85,7 @@ class ExecutorBase:
     def decode(self, inp: DecodeInput) -> DecodeOutput:
         """Run `_decode`, then advance each handle's num_tokens by 1 and record the sequence
         as live. Logits: [num_seqs, vocab_size] float32."""
-        logits = self._decode(inp)
+        logits = self._guarded(self._decode, inp)
         for h in inp.kv:
             h.num_tokens += 1
             self._live[h.cache_id] = h

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ferrum.config import EngineConfig
+from ferrum.config import EngineConfig, resolve_max_model_len
 from ferrum.distributed.communication import set_all_reduce_impl
 from ferrum.distributed.parallel_state import init_tensor_parallel
 from ferrum.distributed.shm_broadcast import ShmBroadcast
@@ -59,7 +59,7 @@ def local_num_blocks(runner, config: EngineConfig, device: str) -> int:
     tp = config.parallel.tensor_parallel_size
     mem = compute_memory_requirements(runner.cfg, runner.dtype, tp)
     s = config.scheduler
-    max_len = s.max_model_len or runner.cfg.max_position_embeddings
+    max_len = resolve_max_model_len(runner.cfg, s.max_model_len)
     return num_kv_blocks(mem, config.cache, device, max_len, s.max_num_seqs, s.max_num_batched_tokens)
 
 
@@ -127,8 +127,10 @@ class TensorParallelExecutor(ExecutorBase):
         except FerrumError:
             raise
         except Exception as e:
+            # the ranks are out of step (one may wait in a collective for the others)
             self._closed = True
             err = self._diagnose(e)
+            self._broken = str(err)
             self._kill_workers()
             raise err from e
         except BaseException:
@@ -181,7 +183,18 @@ class TensorParallelExecutor(ExecutorBase):
         for r, p in enumerate(self.procs, start=1):
             if not p.is_alive():
                 self._closed = True
-                raise self._diagnose(None)
+                err = self._diagnose(None)
+                self._broken = str(err)
+                raise err
+
+    def health(self) -> str | None:
+        """None while every rank is alive and in step, else why not (thread-safe)."""
+        if self._broken is not None:
+            return self._broken
+        for r, p in enumerate(self.procs, start=1):
+            if p.exitcode is not None:
+                return f"tensor-parallel rank {r} died (exit code {p.exitcode})"
+        return None
 
     def _diagnose(self, exc: Exception | None) -> TensorParallelError:
         reported = {}

@@ -11,7 +11,45 @@ import json
 import os
 from typing import Any, Iterable
 
-from ferrum.errors import InvalidRequestError
+from ferrum.errors import ConfigError, InvalidRequestError
+
+# A value with any of these is Jinja text, never a file name (vLLM's rule for --chat-template).
+_JINJA_CHARS = "{}\n"
+
+
+def load_chat_template(value: str) -> str:
+    """The chat template given as `--chat-template` / `LLM(chat_template=...)`: a path to a
+    Jinja file, or the template text itself (as vLLM accepts).
+
+    An existing file is read (UTF-8); a value holding `{`, `}` or a newline is the template
+    itself, taken verbatim; anything else looks like a path, and a missing one is an error
+    rather than a one-line template. The template must compile in the Jinja environment that
+    transformers renders it with. Raises ConfigError (param "chat_template")."""
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as fh:
+                template = fh.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"chat_template file {value!r} cannot be read: {e}",
+                              param="chat_template") from e
+    elif any(c in value for c in _JINJA_CHARS):
+        template = value
+    else:
+        raise ConfigError(f"chat_template {value!r} looks like a file path, but there is no such "
+                          "file; give the path of a Jinja file or the template text itself",
+                          param="chat_template")
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # a private helper: without it the template is checked when first used
+        return template
+    try:
+        _compile_jinja_template(template)
+    except Exception as e:  # jinja2.TemplateSyntaxError (with the line) and kin
+        line = getattr(e, "lineno", None)
+        where = f" (line {line})" if line else ""
+        raise ConfigError(f"chat_template does not compile{where}: {type(e).__name__}: {e}",
+                          param="chat_template") from e
+    return template
 
 
 def _flatten_content(content: Any, index: int) -> str:

@@ -24,7 +24,7 @@ from ferrum.engine.async_engine import AsyncLLMEngine
 from ferrum.entrypoints.openai.logprobs import TokenFormatter, chat_logprobs, completion_logprobs
 from ferrum.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from ferrum.errors import (FerrumError, InvalidRequestError, ModelNotFoundError, PromptTooLongError,
-                           check_prompt_len)
+                           RequestFailedError, check_prompt_len)
 from ferrum.metrics import Metrics
 from ferrum.outputs import RequestOutput
 from ferrum.sampling_params import SamplingParams
@@ -163,10 +163,14 @@ class OpenAIServing:
         return streams
 
     async def _tracked(self, streams, t0: float) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """merge_streams plus metrics: TTFT, TPOT, e2e, token counts, finish reasons."""
+        """merge_streams plus metrics: TTFT, TPOT, e2e, token counts, finish reasons. Raises
+        RequestFailedError (HTTP 500, or an SSE error event) for an output the engine failed;
+        the other prompts' requests are then aborted."""
         first: dict[int, float] = {}               # stream -> time of its first token
         done: set[tuple[int, int]] = set()         # (stream, sample) already finished
         async for i, out in merge_streams(streams):
+            if out.error is not None:  # the engine failed this request: an error body / event
+                raise RequestFailedError(f"the request failed in the engine: {out.error}")
             now = time.perf_counter()
             new = sum(c.num_delta_tokens for c in out.outputs)
             if new:
