@@ -18,14 +18,7 @@ VOCAB = 128
 MAX_LEN = 128
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on shared cores every OpenMP
-    barrier can wait a scheduler slice (measured: 1 ms vs 35 ms per tiny decode step)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
