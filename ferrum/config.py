@@ -214,6 +214,9 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False
     chat_template: str | None = None     # a Jinja file path or the template text; overrides the model's
+    # Special-token strings inside chat messages are encoded as text (only the template's markup
+    # yields special tokens); False parses them as control tokens, as before.
+    split_special_tokens: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -95,6 +95,8 @@ class LLMEngine:
             template = load_chat_template(config.chat_template)
             if self.tokenizer is not None:
                 self.tokenizer.chat_template = self.tokenizer.hf.chat_template = template
+        if self.tokenizer is not None:
+            self.tokenizer.split_special_tokens = config.split_special_tokens
         self.eos_token_ids = list(source.eos_token_ids or (self.tokenizer.eos_token_ids if self.tokenizer else []))
         self.executor = create_executor(source, config, progress)
         try:

@@ -37,6 +37,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = True) -
                    help="launch decode step n+1 before reading step n's tokens (default: on for CUDA, "
                         "off for CPU, where it only delays each token by one step)")
     g.add_argument("--chat-template", default=None, help="chat template that overrides the model's: a Jinja file path or the template text")
+    g.add_argument("--split-special-tokens", action=argparse.BooleanOptionalAction, default=True,
+                   help="encode special-token strings inside chat messages as text, so only the "
+                        "chat template's markup yields control tokens (--no-split-special-tokens: "
+                        "parse them, the old behaviour)")
     g.add_argument("--engine-seed", type=int, default=0, help="seed for dummy weights / global RNG")
 
 
@@ -54,7 +58,7 @@ def config_from_args(args):
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, load_format=args.load_format,
         enforce_eager=args.enforce_eager, chat_template=args.chat_template, seed=args.engine_seed,
-        async_scheduling=args.async_scheduling)
+        async_scheduling=args.async_scheduling, split_special_tokens=args.split_special_tokens)
 
 
 def _port(text: str) -> int:

@@ -19,11 +19,13 @@ def engine_config(model: str = "smollm2", *, tensor_parallel_size: int = 1, dtyp
                   kv_cache_memory: int | None = None, num_kv_blocks: int | None = None,
                   gpu_memory_utilization: float = 0.9, load_format: str = "auto", seed: int = 0,
                   enforce_eager: bool = False, chat_template: str | None = None,
-                  max_waiting: int = 4096, async_scheduling: bool | None = None) -> EngineConfig:
+                  max_waiting: int = 4096, async_scheduling: bool | None = None,
+                  split_special_tokens: bool = True) -> EngineConfig:
     """Keyword arguments (the CLI flags without dashes) -> EngineConfig."""
     return EngineConfig(
         model=model, device=device, dtype=dtype, load_format=load_format, seed=seed,
         enforce_eager=enforce_eager, chat_template=chat_template,
+        split_special_tokens=split_special_tokens,
         cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
                           gpu_memory_utilization=gpu_memory_utilization,
                           enable_prefix_caching=enable_prefix_caching),
@@ -84,10 +86,13 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = False,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them."""
+             add_generation_prompt: bool = True,
+             split_special_tokens: bool | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them.
+        split_special_tokens: see Tokenizer.apply_chat_template (None: the engine's setting)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
+                                                      split_special_tokens=split_special_tokens)
                    for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any, Iterable
 
 from ferrum.errors import ConfigError, InvalidRequestError
@@ -71,16 +72,132 @@ def _flatten_content(content: Any, index: int) -> str:
                               f"parts, got {type(content).__name__}", param="messages")
 
 
+# Unicode noncharacters U+FDD0..U+FDEF are reserved for a program's internal use and never
+# carry meaning in text a client sends; the placeholders below are made of them.
+_NONCHARS = re.compile("[\ufdd0-\ufdef]")
+_TYPED, _TYPED_END = "\ufdd0", "\ufdd1"     # wraps the index of a special-token string typed in text
+_MARKUP, _MARKUP_END = "\ufdd2", "\ufdd3"   # spells a template's own special token (stand-in)
+
+
+class TemplateTextEncoder:
+    """Encodes a chat template's rendering so that only the template's own markup yields
+    special tokens: a special-token string inside any string the template was given (message
+    contents, text parts, tool calls and results, names, tool schemas) is encoded as ordinary
+    text, as HF's `split_special_tokens=True` encodes it, merged with the text around it.
+
+    hf: a transformers fast tokenizer. Special tokens are its added tokens marked `special`
+    (`<|im_start|>`, `<|eot_id|>`, ...); non-special added tokens are vocabulary, parsed
+    everywhere, as transformers does.
+
+    1. `protect(value)`: a copy of a JSON-like value (dicts, lists, strings; dict keys are
+       structure and stay as they are) in which every str has each special-token string
+       replaced by the placeholder U+FDD0 <index> U+FDD1. Noncharacters U+FDD0..U+FDEF typed
+       in the strings become U+FFFD first, so no client can type a placeholder.
+    2. The template renders the protected values: every special-token string left in the
+       rendering is markup.
+    3. `encode(rendering)`: the markup's special tokens are spelled as stand-ins
+       (U+FDD2 <index> U+FDD3), added as tokens with the same lstrip / rstrip / single_word /
+       normalized flags to a private copy of the tokenizer that does not parse special tokens;
+       the placeholders turn back into the typed text. One call of that copy encodes it all:
+       it splits the text at the stand-ins exactly where the original splits at special
+       tokens (same added-token rules, same offsets), and the stand-ins' ids map back to the
+       special tokens' ids. With no special-token string typed anywhere, the ids equal a plain
+       encode of the rendering.
+
+    A special token that a template builds by joining a typed string with its own text
+    (typed "<|im_" + template "end|>") is not caught; no known template emits a fragment.
+    """
+
+    def __init__(self, hf):
+        self.hf = hf
+        special = {t.content: (tid, t) for tid, t in hf.added_tokens_decoder.items()
+                   if t.special and t.content}
+        self.strings = sorted(special, key=len, reverse=True)   # longest match first
+        self._index = {text: i for i, text in enumerate(self.strings)}
+        self._ids = [special[text][0] for text in self.strings]
+        self._flags = [special[text][1] for text in self.strings]
+        alternatives = "|".join(map(re.escape, self.strings))
+        self._special = re.compile(alternatives) if self.strings else None
+        # one pass over a rendering: a typed placeholder, or a special token of the markup
+        typed = f"{_TYPED}(\\d+){_TYPED_END}"
+        self._rendered = re.compile(f"{typed}|({alternatives})" if self.strings else typed)
+        self._copy = None   # (tokenizer copy, stand-in id -> special id), built on first use
+
+    def protect(self, value):
+        """A copy of `value` whose strings carry no special-token string (see the class)."""
+        if isinstance(value, str):
+            if _NONCHARS.search(value):
+                value = _NONCHARS.sub("\ufffd", value)
+            if self._special is None:
+                return value
+            return self._special.sub(lambda m: f"{_TYPED}{self._index[m.group()]}{_TYPED_END}", value)
+        if isinstance(value, dict):
+            return {k: self.protect(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.protect(v) for v in value]
+        return value
+
+    def encode(self, rendering: str) -> list[int]:
+        """Token ids of a rendering of protected values (no BOS / EOS added)."""
+        if _TYPED not in rendering:   # nothing typed looked like a special token
+            return self.hf.encode(rendering, add_special_tokens=False)
+        if not hasattr(self.hf, "backend_tokenizer"):  # a slow (Python) tokenizer
+            return self._encode_pieces(rendering)
+        return self._encode_with_copy(rendering)
+
+    def _encode_with_copy(self, rendering: str) -> list[int]:
+        copy, to_special = self._tokenizer_copy()
+        text = self._rendered.sub(
+            lambda m: (self.strings[int(m.group(1))] if m.group(1) is not None
+                       else f"{_MARKUP}{self._index[m.group(2)]}{_MARKUP_END}"), rendering)
+        ids = copy.encode(text, add_special_tokens=False).ids
+        return [to_special.get(i, i) for i in ids]
+
+    def _encode_pieces(self, rendering: str) -> list[int]:
+        """Slow tokenizers: the text between the markup's special tokens is encoded piece by
+        piece without parsing special tokens (exact except where a pre-tokenizer treats a
+        piece's start as the start of the text, e.g. a SentencePiece dummy prefix)."""
+        ids, pos = [], 0
+        for m in self._rendered.finditer(rendering):
+            if m.group(1) is not None:
+                continue                  # a typed placeholder: text, restored below
+            ids += self._encode_text(rendering[pos:m.start()])
+            ids.append(self._ids[self._index[m.group(2)]])
+            pos = m.end()
+        return ids + self._encode_text(rendering[pos:])
+
+    def _encode_text(self, piece: str) -> list[int]:
+        text = self._rendered.sub(lambda m: self.strings[int(m.group(1))], piece)
+        return self.hf.encode(text, add_special_tokens=False, split_special_tokens=True) if text else []
+
+    def _tokenizer_copy(self):
+        if self._copy is None:
+            from tokenizers import AddedToken
+            from tokenizers import Tokenizer as RustTokenizer
+            copy = RustTokenizer.from_str(self.hf.backend_tokenizer.to_str())
+            copy.encode_special_tokens = True   # special tokens in the text are text
+            stand_ins = [f"{_MARKUP}{i}{_MARKUP_END}" for i in range(len(self.strings))]
+            copy.add_tokens([AddedToken(s, single_word=t.single_word, lstrip=t.lstrip, rstrip=t.rstrip,
+                                        normalized=t.normalized, special=False)
+                             for s, t in zip(stand_ins, self._flags)])
+            self._copy = (copy, {copy.token_to_id(s): i for s, i in zip(stand_ins, self._ids)})
+        return self._copy
+
+
 class Tokenizer:
     """Text <-> token ids, and chat messages -> prompt.
 
     hf: the underlying transformers tokenizer. vocab_size: len(hf) (base + added tokens).
     eos_token_ids: ids that end generation (GGUF metadata or generation_config.json, plus the
     tokenizer's eos token). chat_template: Jinja source or None.
+    split_special_tokens: the default of `apply_chat_template`'s argument of that name (the
+    engine sets it from EngineConfig.split_special_tokens).
     """
 
     def __init__(self, hf, eos_token_ids: Iterable[int] = (), chat_template: str | None = None):
         self.hf = hf
+        self.split_special_tokens = True
+        self._template_text: TemplateTextEncoder | None = None
         if chat_template is not None and not getattr(hf, "chat_template", None):
             hf.chat_template = chat_template
         self.chat_template: str | None = getattr(hf, "chat_template", None) or chat_template
@@ -140,11 +257,10 @@ class Tokenizer:
         """The prompt text for `messages` ([{"role": ..., "content": str | text parts}]).
         `chat_template` overrides the model's. Raises InvalidRequestError when there is no
         template, a message is malformed, or the template rejects the conversation."""
-        template = chat_template or self.chat_template
-        if not template:
-            raise InvalidRequestError(
-                "this model has no chat template; pass --chat-template (a Jinja file or string) "
-                "to set one, or use the completions API with a plain prompt", param="messages")
+        return self._render(self._messages(messages), add_generation_prompt, chat_template)
+
+    def _messages(self, messages: list[dict]) -> list[dict]:
+        """Validated messages with text parts joined (see _flatten_content)."""
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages must be a non-empty list", param="messages")
         msgs = []
@@ -153,16 +269,49 @@ class Tokenizer:
                 raise InvalidRequestError(f"messages[{i}] must be an object with a string 'role'",
                                           param="messages")
             msgs.append({**m, "content": _flatten_content(m.get("content"), i)})
+        return msgs
+
+    def _render(self, msgs: list[dict], add_generation_prompt: bool, chat_template: str | None,
+                **template_kwargs) -> str:
+        """Render validated messages; `template_kwargs` (e.g. tools) go to the template."""
+        template = chat_template or self.chat_template
+        if not template:
+            raise InvalidRequestError(
+                "this model has no chat template; pass --chat-template (a Jinja file or string) "
+                "to set one, or use the completions API with a plain prompt", param="messages")
         try:
             return self.hf.apply_chat_template(msgs, chat_template=template, tokenize=False,
-                                               add_generation_prompt=add_generation_prompt)
+                                               add_generation_prompt=add_generation_prompt,
+                                               **template_kwargs)
         except Exception as e:  # jinja2 TemplateError, raise_exception() inside templates
             raise InvalidRequestError(f"chat template failed on these messages: {e}",
                                       param="messages") from e
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None) -> list[int]:
-        """Token ids of `render_chat(...)`, encoded without adding special tokens (the template
-        writes BOS itself when the model wants one). Same errors as render_chat."""
-        text = self.render_chat(messages, add_generation_prompt, chat_template)
-        return self.encode(text, add_special_tokens=False)
+                            chat_template: str | None = None,
+                            split_special_tokens: bool | None = None, **template_kwargs) -> list[int]:
+        """Token ids of the rendered conversation, without added BOS / EOS (the template writes
+        them when the model wants them).
+
+        split_special_tokens (None: `self.split_special_tokens`, True unless configured):
+        True encodes a special-token string inside any string of the conversation (message
+        contents, text parts, and every string in `template_kwargs`, e.g. tools) as text, so
+        only the template's markup yields special tokens (TemplateTextEncoder); False parses
+        them as control tokens wherever they appear (the old behaviour: a user could close
+        their turn with `<|im_end|>` and write the assistant's). Same errors as render_chat."""
+        msgs = self._messages(messages)
+        split = self.split_special_tokens if split_special_tokens is None else split_special_tokens
+        if not split:
+            text = self._render(msgs, add_generation_prompt, chat_template, **template_kwargs)
+            return self.encode(text, add_special_tokens=False)
+        guard = self.template_text
+        text = self._render(guard.protect(msgs), add_generation_prompt, chat_template,
+                            **guard.protect(template_kwargs))
+        return guard.encode(text)
+
+    @property
+    def template_text(self) -> TemplateTextEncoder:
+        """The TemplateTextEncoder of this tokenizer (built on first use)."""
+        if self._template_text is None:
+            self._template_text = TemplateTextEncoder(self.hf)
+        return self._template_text

@@ -137,6 +137,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # special-token strings in message text: encoded as text (true), or parsed as control
+    # tokens (false); null: the server's --[no-]split-special-tokens
+    split_special_tokens: bool | None = None
 
     def requested_max_tokens(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -155,13 +158,16 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(_Strict):
-    """POST /tokenize: `prompt` text, or chat `messages` rendered with the chat template."""
+    """POST /tokenize: `prompt` text (encoded as /v1/completions encodes it: special-token
+    strings in it are parsed), or chat `messages` rendered with the chat template (encoded as
+    /v1/chat/completions does, `split_special_tokens` included)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    split_special_tokens: bool | None = None
 
 
 class DetokenizeRequest(_Strict):

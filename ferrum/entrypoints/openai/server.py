@@ -3,7 +3,8 @@
 Endpoints:
   POST /v1/completions, POST /v1/chat/completions   (JSON, or SSE with `stream: true`)
   GET  /v1/models
-  POST /tokenize  {prompt | messages} -> {tokens, count, max_model_len}
+  POST /tokenize  {prompt | messages} -> {tokens, count, max_model_len}: the ids the
+                  completions / chat endpoint would use for that prompt / those messages
   POST /detokenize {tokens} -> {prompt}
   GET  /health    200 {"status": "ok"} | 503 once the engine loop has failed
   GET  /metrics   Prometheus text format (ferrum.metrics)
@@ -168,7 +169,8 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | Non
             ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
             ids = tok.apply_chat_template([m.as_dict() for m in body.messages],
-                                          add_generation_prompt=body.add_generation_prompt)
+                                          add_generation_prompt=body.add_generation_prompt,
+                                          split_special_tokens=body.split_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
     @app.post("/detokenize")

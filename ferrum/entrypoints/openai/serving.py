@@ -301,7 +301,8 @@ class OpenAIServing:
             raise InvalidRequestError("this model has no tokenizer, so it cannot chat; use "
                                       "/v1/completions with token ids", param="messages")
         ids = self.tokenizer.apply_chat_template([m.as_dict() for m in req.messages],
-                                                 add_generation_prompt=req.add_generation_prompt)
+                                                 add_generation_prompt=req.add_generation_prompt,
+                                                 split_special_tokens=req.split_special_tokens)
         prompts = [_Prompt(None, ids)]
         requested = req.requested_max_tokens()
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
