@@ -21,6 +21,8 @@ class CompletionOutput:
     cumulative_logprob: float = 0.0
     delta_text: str = ""          # text safe to stream that was not in earlier outputs
     num_delta_tokens: int = 0     # tokens generated since the previous output of this request
+    # with logprobs: token i's text is text[ends[i-1]:ends[i]] (ends[-1] = 0); they join to `text`
+    token_text_ends: list[int] | None = None
 
     @property
     def finished(self) -> bool:

@@ -121,23 +121,62 @@ def test_special_tokens_skipped_or_kept():
     assert "".join(stream(tok, [], ids, skip_special_tokens=False)[0]) == "Hello<|eos|> 😀"
 
 
-def test_incomplete_character_at_end_is_flushed_as_replacement():
-    tok = byte_level()
-    ids = tok.encode("ok 😀")[:-1]          # "o" "k" "Ġ\xf0\x9f" "\x98": last byte missing
-    deltas, tail = stream(tok, [], ids)
-    assert "".join(deltas) == "ok"
-    assert tail == " \ufffd" == tok.hf.decode(ids)[len("ok"):]
+def test_incomplete_character_at_end_is_dropped():
+    """A sequence cut inside a character (max_tokens) ends with the last whole character, not
+    with U+FFFD (issue 19 item 7); the space before it stays."""
+    for tok in (byte_level(), byte_fallback()):
+        prompt, full = tok.encode("A"), tok.encode("ok 😀")
+        ids = full[:-1]                       # the emoji's last byte is missing
+        assert tok.hf.decode(ids).endswith("\ufffd")
+        deltas, tail = stream(tok, prompt, ids)
+        whole = tok.hf.decode(prompt + full)[len(tok.hf.decode(prompt)):]
+        assert "".join(deltas) + tail == whole.removesuffix("😀") and whole.endswith(" 😀")
 
 
 def test_decode_window_stays_small():
-    tok = byte_level()
-    ids = tok.encode(TEXT * 20)
-    tok.window_sizes.clear()
-    detok = IncrementalDetokenizer(tok, tok.encode("prompt " * 50))
-    for t in ids:
-        detok.add(t)
-    assert detok.text == TEXT * 20
-    assert len(ids) > 300 and max(tok.window_sizes) <= 12
+    """Byte-level BPE streams through a UTF-8 decoder (no decode call at all); other
+    tokenizers decode windows of at most 2 * 4 tokens."""
+    for tok, most in ((byte_level(), None), (byte_fallback(), 8)):
+        prompt, ids = tok.encode("prompt " * 50), tok.encode(TEXT * 20)
+        tok.window_sizes.clear()
+        detok = IncrementalDetokenizer(tok, prompt)
+        for t in ids:
+            detok.add(t)
+        sizes = list(tok.window_sizes)
+        assert detok.text == tok.hf.decode(prompt + ids)[len(tok.hf.decode(prompt)):]
+        assert detok.text.strip() == TEXT * 20 and len(ids) > 300
+        tok.window_sizes[:] = sizes
+        assert (tok.window_sizes == [] if most is None else max(tok.window_sizes) <= most)
+
+
+class DecodeOnly:
+    """A tokenizer that offers nothing but decode: no byte information."""
+
+    def __init__(self, wrapper: HfWrapper):
+        self.decode = wrapper.decode
+
+
+def test_genuine_replacement_characters_stream_at_once_in_constant_time(smollm2_tokenizer):
+    """Issue 13 item 6: the model generating U+FFFD itself (SmolLM2's token 24211, forced with
+    logit_bias) held back all text until the end, and decoded an ever longer window: 6,000
+    such tokens took 8 s. Now each one streams at once and no decode grows."""
+    smol = HfWrapper(smollm2_tokenizer.hf)
+    (fffd,) = smol.encode("\ufffd")
+    cases = [(smol, [fffd], 1), (byte_level(), byte_level().encode("\ufffd"), 1),
+             (byte_fallback(), byte_fallback().encode("\ufffd")[-3:], 1),
+             (DecodeOnly(byte_level()), byte_level().encode("\ufffd"), 4)]
+    for tok, char_ids, lag in cases:
+        wrapper = tok if isinstance(tok, HfWrapper) else byte_level()
+        wrapper.window_sizes.clear()
+        n = 2000 if tok is not smol else 6000
+        deltas, tail = stream(tok, wrapper.encode("x"), char_ids * n)
+        assert "".join(deltas) + tail == "\ufffd" * n
+        per_char = len(char_ids)
+        # a character's text comes out with its last token (bounded lag without byte info)
+        assert all(d == "" for d in deltas[:per_char - 1])
+        assert "".join(deltas[:per_char * lag]) != ""
+        assert max(wrapper.window_sizes, default=0) <= 9
+        assert sum(wrapper.window_sizes) <= 10 * len(deltas)
 
 
 ALPHABET = st.sampled_from(list("abc xyz.,") + ["😀", "🎉", "日", "本", "é", "ï", "🤖", "\n"])

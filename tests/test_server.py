@@ -260,6 +260,49 @@ def test_chat_logprobs(client):
     assert text.decode("utf-8", errors="replace") == r.choices[0].message.content
 
 
+def test_logprobs_tokens_join_to_the_text(client):
+    """Issue 13 item 5: an answer ending on EOS (the tiny model's is id 1, <|im_start|>;
+    forced after 3 tokens) listed the EOS text among its tokens; streamed or not, chat and
+    completions, they now join to exactly the returned text."""
+    kw = dict(model=MODEL, max_tokens=8, temperature=0,
+              extra_body={"min_tokens": 3, "logit_bias": {"1": 100}})
+    r = client.completions.create(prompt=PROMPT, logprobs=2, **kw).choices[0]
+    assert r.finish_reason == "stop" and len(r.logprobs.tokens) == 4
+    assert "".join(r.logprobs.tokens) == r.text and r.logprobs.tokens[-1] == ""
+    assert r.logprobs.top_logprobs[-1][""] == r.logprobs.token_logprobs[-1]
+    chunks = list(client.completions.create(prompt=PROMPT, logprobs=2, stream=True, **kw))
+    text = "".join(c.choices[0].text for c in chunks)
+    assert text == r.text
+    assert "".join(t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens) == text
+    msgs = [{"role": "user", "content": "hi"}]
+    m = client.chat.completions.create(messages=msgs, logprobs=True, top_logprobs=1, **kw).choices[0]
+    content = m.logprobs.content
+    assert m.finish_reason == "stop" and len(content) == 4
+    assert "".join(e.token for e in content) == m.message.content
+    assert bytes(b for e in content for b in e.bytes).decode() == m.message.content
+    chunks = list(client.chat.completions.create(messages=msgs, logprobs=True, stream=True, **kw))
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert "".join(e.token for e in entries) == m.message.content and len(entries) == 4
+
+
+def test_top_logprobs_keep_colliding_tokens(client, tok):
+    """Issue 13 item 4: byte tokens of CJK text all decode to U+FFFD; biased to the top, they
+    collided under one key. The chosen token's key carries its own logprob, and
+    return_tokens_as_token_ids keys every token apart."""
+    byte_tokens = tok.encode("你好世界。")[:3]
+    kw = dict(model=MODEL, prompt="你好世界。" * 3, max_tokens=6, logprobs=5, temperature=1.0, seed=1,
+              extra_body={"logit_bias": {str(t): 30 for t in byte_tokens}})
+    lp = client.completions.create(**kw).choices[0].logprobs
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == pytest.approx(value)
+        assert "\ufffd" in top or token == "\ufffd"
+    kw["extra_body"]["return_tokens_as_token_ids"] = True
+    lp = client.completions.create(**kw).choices[0].logprobs
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) >= 5 and all(k.startswith("token_id:") for k in top)
+        assert int(token.removeprefix("token_id:")) in byte_tokens and top[token] == pytest.approx(value)
+
+
 def test_twenty_concurrent_streams_finish_complete(server):
     async def one(c: openai.AsyncOpenAI, i: int):
         stream = await c.completions.create(

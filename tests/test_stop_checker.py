@@ -138,9 +138,11 @@ def test_multibyte_character_across_tokens_with_stop_string():
     assert deltas == ["日", "", "", "😀x", "ld"] and state.finish_reason == "length"
 
 
-def test_incomplete_character_at_length_limit_is_flushed():
+def test_incomplete_character_at_length_limit_is_dropped():
+    """The text of a sequence cut by max_tokens inside a character ends with the last whole
+    character, not U+FFFD (issue 19 item 7)."""
     state, deltas = run(SamplingParams(max_tokens=2), [b"x", b"\xf0\x9f"])
-    assert state.text == "x\ufffd" and deltas == ["x", "\ufffd"]
+    assert state.text == "x" and deltas == ["x", ""]
 
 
 def test_no_tokenizer_means_token_ids_only():

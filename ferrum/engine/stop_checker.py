@@ -39,6 +39,7 @@ class SequenceOutputState:
     max_model_len: context length in tokens (prompt + output).
 
     Attributes: token_ids (all generated ids, including a final EOS / stop token), text,
+    text_ends (see token_text_ends),
     finish_reason ("stop" | "length" | "error" | None), stop_reason (str | int | None), finished.
     Calling `append` on a finished sequence raises RuntimeError.
     """
@@ -57,6 +58,7 @@ class SequenceOutputState:
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
         self.token_ids: list[int] = []
         self.text = ""
+        self.text_ends: list[int] = []   # len(text) after each token (see token_text_ends)
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self._streamed = 0  # chars of `text` already handed out by stream_delta()
@@ -72,8 +74,11 @@ class SequenceOutputState:
             raise RuntimeError(f"append() after the sequence finished ({self.finish_reason})")
         token_id = int(token_id)
         self.token_ids.append(token_id)
-        may_stop = len(self.token_ids) >= self.params.min_tokens
+        self._check(token_id)
+        self.text_ends.append(len(self.text))
 
+    def _check(self, token_id: int) -> None:
+        may_stop = len(self.token_ids) >= self.params.min_tokens
         if may_stop and token_id in self.eos_token_ids and not self.params.ignore_eos:
             self._finish("stop", None)
             return
@@ -90,6 +95,17 @@ class SequenceOutputState:
             self._finish("length", None)
         elif self.prompt_len + len(self.token_ids) >= self.max_model_len:
             self._finish("length", None)
+
+    def token_text_ends(self) -> list[int] | None:
+        """Per generated token, the end offset in `text` of the text it added: token i's text
+        is `text[ends[i-1]:ends[i]]` (ends[-1] = 0), so the tokens' texts join to exactly
+        `text`. A stop or EOS token adds "", and so does a token holding the first bytes of a
+        character (the token completing it adds the character); a stop string's cut clips the
+        tokens before it. None without a tokenizer (no text)."""
+        if self.detok is None:
+            return None
+        n = len(self.text)
+        return [min(e, n) for e in self.text_ends]
 
     def _match_stop_string(self, old_len: int) -> bool:
         """Find the earliest stop string that ends in the text added by the last token (it may

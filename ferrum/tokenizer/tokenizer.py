@@ -13,6 +13,7 @@ import re
 from typing import Any, Iterable
 
 from ferrum.errors import ConfigError, InvalidRequestError
+from ferrum.tokenizer.token_bytes import TokenBytes
 
 # A value with any of these is Jinja text, never a file name (vLLM's rule for --chat-template).
 _JINJA_CHARS = "{}\n"
@@ -198,6 +199,7 @@ class Tokenizer:
         self.hf = hf
         self.split_special_tokens = True
         self._template_text: TemplateTextEncoder | None = None
+        self._token_bytes: TokenBytes | None = None
         if chat_template is not None and not getattr(hf, "chat_template", None):
             hf.chat_template = chat_template
         self.chat_template: str | None = getattr(hf, "chat_template", None) or chat_template
@@ -308,6 +310,13 @@ class Tokenizer:
         text = self._render(guard.protect(msgs), add_generation_prompt, chat_template,
                             **guard.protect(template_kwargs))
         return guard.encode(text)
+
+    @property
+    def token_bytes(self) -> TokenBytes:
+        """The UTF-8 bytes of single tokens (see token_bytes.py), built on first use."""
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self.hf)
+        return self._token_bytes
 
     @property
     def template_text(self) -> TemplateTextEncoder:

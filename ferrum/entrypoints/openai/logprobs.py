@@ -1,29 +1,20 @@
 """Token text, token bytes and the two OpenAI logprobs formats.
 
 The engine gives, per generated token, a dict token id -> logprob holding the top-N tokens and
-the chosen one (ferrum.layers.sampler). Completions want
+the chosen one (ferrum.layers.sampler), and the text each token added to the answer
+(`CompletionOutput.token_text_ends`). Completions want
 `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}` (legacy API); chat wants
 `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}`.
+
+A chosen token is shown as the text it added, so the tokens join to exactly the returned text:
+a stop or EOS token (not in the text) is "", a token cut by a stop string keeps what is left,
+and of the tokens sharing one character the last carries it. Alternatives are shown as their
+own decoded text. With vLLM's `return_tokens_as_token_ids` every token is `token_id:<id>`
+instead, which also keeps apart tokens whose texts are equal.
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
-
-@lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
-    """Inverse of GPT-2's bytes_to_unicode (Radford et al. 2019, encoder.py): byte-level BPE
-    vocabularies spell every byte as one printable character."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+from ferrum.tokenizer.detokenizer import token_bytes_of
 
 
 def _finite(v: float | None) -> float | None:
@@ -31,20 +22,37 @@ def _finite(v: float | None) -> float | None:
     return None if v is None else max(v, -9999.0)
 
 
+def token_texts(text: str, ends: list[int] | None, start: int, stop: int) -> list[str] | None:
+    """Texts added by tokens start..stop-1 (CompletionOutput.token_text_ends); None without
+    ends (a model without tokenizer)."""
+    if ends is None:
+        return None
+    return [text[ends[i - 1] if i else 0:ends[i]] for i in range(start, stop)]
+
+
+def ready_tokens(ends: list[int] | None, start: int, num_tokens: int, streamed: int,
+                 finished: bool) -> int:
+    """Streaming: how many tokens' logprobs can go out, counting from 0: those whose text lies
+    in the `streamed` characters already sent (text after them may still be cut by a stop
+    string), or all once finished."""
+    if finished or ends is None:
+        return num_tokens
+    n = start
+    while n < num_tokens and ends[n] <= streamed:
+        n += 1
+    return n
+
+
 class TokenFormatter:
     """Text and UTF-8 bytes of single tokens, cached per id. Without a tokenizer a token is
-    shown as `token_id:<id>`. Token bytes come from the byte-level BPE alphabet when the
-    vocabulary uses it (so a token holding half of a multi-byte character has its true
-    bytes), else from decoding the token alone."""
+    shown as `token_id:<id>`. Bytes come from the vocabulary's spelling (byte-level BPE,
+    byte fallback: ferrum.tokenizer.token_bytes), so a token holding part of a character has
+    its true bytes."""
 
     def __init__(self, tokenizer):
         self.tok = tokenizer
         self._text: dict[int, str] = {}
-        self._bytes: dict[int, list[int]] = {}
-        self.byte_level = False
-        if tokenizer is not None:
-            pieces = tokenizer.convert_ids_to_tokens(tokenizer.encode(" the the", add_special_tokens=False))
-            self.byte_level = any(p and p.startswith("Ġ") for p in pieces)
+        self._bytes = token_bytes_of(tokenizer) if tokenizer is not None else None
 
     def text(self, tid: int) -> str:
         t = self._text.get(tid)
@@ -55,32 +63,44 @@ class TokenFormatter:
         return t
 
     def bytes(self, tid: int) -> list[int]:
-        b = self._bytes.get(tid)
-        if b is None:
-            b = None
-            if self.byte_level:
-                piece = self.tok.convert_ids_to_tokens([tid])[0] or ""
-                dec = _byte_decoder()
-                if piece and all(ch in dec for ch in piece):
-                    b = [dec[ch] for ch in piece]
-            if b is None:
-                b = list(self.text(tid).encode("utf-8"))
-            self._bytes[tid] = b
-        return b
+        if self._bytes is None:
+            return list(self.text(tid).encode("utf-8"))
+        return list(self._bytes.piece_bytes(tid))
+
+    def chosen_bytes(self, tid: int, added: str) -> list[int]:
+        """Bytes of a chosen token that added `added` to the text: its own bytes when it added
+        its own text, else the bytes of what it added (so the bytes join to the text too)."""
+        return self.bytes(tid) if added == self.text(tid) else list(added.encode("utf-8"))
+
+
+def _name(fmt: TokenFormatter, tid: int, as_ids: bool) -> str:
+    return f"token_id:{tid}" if as_ids else fmt.text(tid)
 
 
 def completion_logprobs(fmt: TokenFormatter, token_ids: list[int], logprobs: list[dict[int, float]],
-                        text_offset: int = 0) -> dict:
+                        texts: list[str] | None, text_offset: int = 0,
+                        as_ids: bool = False) -> dict:
     """Legacy completions format for generated tokens `token_ids` (one logprob dict each).
+    texts: what each token added to the choice's text (`token_texts`; None: its own text).
     text_offset: character offset of the first token in the choice's text (prompt length with
-    echo, text already streamed otherwise)."""
+    echo, text already streamed otherwise). as_ids: return_tokens_as_token_ids.
+
+    `top_logprobs[i]` is keyed by token text, best first. Equal texts (byte tokens that decode
+    to U+FFFD) collide: the chosen token's key always carries its own logprob, and otherwise
+    the higher-ranked token keeps the key."""
     tokens, token_lps, tops, offsets = [], [], [], []
     off = text_offset
-    for tid, lp in zip(token_ids, logprobs):
-        text = fmt.text(tid)
+    for i, (tid, lp) in enumerate(zip(token_ids, logprobs)):
+        text = _name(fmt, tid, True) if as_ids else (texts[i] if texts is not None else fmt.text(tid))
         tokens.append(text)
         token_lps.append(_finite(lp.get(tid)))
-        tops.append({fmt.text(k): _finite(v) for k, v in sorted(lp.items(), key=lambda kv: -kv[1])})
+        top: dict[str, float | None] = {}
+        for k, v in sorted(lp.items(), key=lambda kv: -kv[1]):
+            key = text if k == tid else _name(fmt, k, as_ids)
+            if key in top or (key == text and k != tid):
+                continue
+            top[key] = _finite(v)
+        tops.append(top)
         offsets.append(off)
         off += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
@@ -88,13 +108,19 @@ def completion_logprobs(fmt: TokenFormatter, token_ids: list[int], logprobs: lis
 
 
 def chat_logprobs(fmt: TokenFormatter, token_ids: list[int], logprobs: list[dict[int, float]],
-                  top_n: int) -> dict:
-    """Chat format: one entry per generated token, with its `top_n` best alternatives."""
+                  texts: list[str] | None, top_n: int, as_ids: bool = False) -> dict:
+    """Chat format: one entry per generated token, with its `top_n` best alternatives.
+    texts / as_ids as in completion_logprobs; `bytes` of the chosen tokens join to the text."""
     content = []
-    for tid, lp in zip(token_ids, logprobs):
+    for i, (tid, lp) in enumerate(zip(token_ids, logprobs)):
+        added = texts[i] if texts is not None else fmt.text(tid)
+        name = _name(fmt, tid, True) if as_ids else added
+        chosen_bytes = fmt.chosen_bytes(tid, added)
         best = sorted(lp.items(), key=lambda kv: -kv[1])[:top_n]
         content.append({
-            "token": fmt.text(tid), "logprob": _finite(lp.get(tid)), "bytes": fmt.bytes(tid),
-            "top_logprobs": [{"token": fmt.text(k), "logprob": _finite(v), "bytes": fmt.bytes(k)}
+            "token": name, "logprob": _finite(lp.get(tid)), "bytes": chosen_bytes,
+            "top_logprobs": [{"token": name if k == tid else _name(fmt, k, as_ids),
+                              "logprob": _finite(v),
+                              "bytes": chosen_bytes if k == tid else fmt.bytes(k)}
                              for k, v in best]})
     return {"content": content}

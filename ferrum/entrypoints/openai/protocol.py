@@ -48,6 +48,8 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: str | None = None                      # accepted for API compatibility; only logged
+    # logprobs name every token `token_id:<id>` (vLLM), so tokens with equal text stay apart
+    return_tokens_as_token_ids: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
 

@@ -21,7 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from ferrum.engine.async_engine import AsyncLLMEngine
-from ferrum.entrypoints.openai.logprobs import TokenFormatter, chat_logprobs, completion_logprobs
+from ferrum.entrypoints.openai.logprobs import (TokenFormatter, chat_logprobs, completion_logprobs,
+                                                ready_tokens, token_texts)
 from ferrum.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from ferrum.errors import (FerrumError, InvalidRequestError, ModelNotFoundError, PromptTooLongError,
                            RequestFailedError, check_prompt_len)
@@ -242,8 +243,10 @@ class OpenAIServing:
             for c in out.outputs:
                 ntok += len(c.token_ids)
                 prefix = (p.text or "") if req.echo else ""
-                lp = (completion_logprobs(self.fmt, c.token_ids, c.logprobs or [], len(prefix))
-                      if req.logprobs is not None else None)
+                lp = (completion_logprobs(
+                    self.fmt, c.token_ids, c.logprobs or [],
+                    token_texts(c.text, c.token_text_ends, 0, len(c.token_ids)), len(prefix),
+                    req.return_tokens_as_token_ids) if req.logprobs is not None else None)
                 choices.append({"index": i * req.n + c.index, "text": prefix + c.text,
                                 "logprobs": lp, "finish_reason": c.finish_reason})
         choices.sort(key=lambda c: c["index"])
@@ -263,6 +266,7 @@ class OpenAIServing:
         sent_tokens: dict[int, int] = {}     # choice index -> tokens already streamed
         text_len: dict[int, int] = {}        # choice index -> characters already streamed
         finished: set[int] = set()
+        echo_len = [len(p.text or "") if req.echo else 0 for p in prompts]
         if req.echo:
             for i, p in enumerate(prompts):
                 for j in range(n):
@@ -275,15 +279,22 @@ class OpenAIServing:
                 if idx in finished:
                     continue
                 start = sent_tokens.get(idx, 0)
-                new_ids = c.token_ids[start:]
-                if not c.delta_text and not c.finished and not (req.logprobs is not None and new_ids):
+                streamed = text_len.get(idx, 0) + len(c.delta_text)
+                ready = start
+                if req.logprobs is not None:  # tokens whose text is final and sent
+                    ready = ready_tokens(c.token_text_ends, start, len(c.token_ids),
+                                         streamed - echo_len[i], c.finished)
+                if not c.delta_text and not c.finished and ready == start:
                     continue
                 lp = None
                 if req.logprobs is not None:
-                    lp = completion_logprobs(self.fmt, new_ids, (c.logprobs or [])[start:],
-                                             text_len.get(idx, 0))
-                sent_tokens[idx] = len(c.token_ids)
-                text_len[idx] = text_len.get(idx, 0) + len(c.delta_text)
+                    lp = completion_logprobs(
+                        self.fmt, c.token_ids[start:ready], (c.logprobs or [])[start:ready],
+                        token_texts(c.text, c.token_text_ends, start, ready),
+                        echo_len[i] + (c.token_text_ends[start - 1] if start and c.token_text_ends else 0),
+                        req.return_tokens_as_token_ids)
+                sent_tokens[idx] = ready
+                text_len[idx] = streamed
                 if c.finished:
                     finished.add(idx)
                     ntok += len(c.token_ids)
@@ -316,8 +327,10 @@ class OpenAIServing:
                 media_type="text/event-stream")
         (out,) = await self._collect(streams, t0, raw)
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": (chat_logprobs(self.fmt, c.token_ids, c.logprobs or [], top_n)
-                                 if req.logprobs else None),
+                    "logprobs": (chat_logprobs(
+                        self.fmt, c.token_ids, c.logprobs or [],
+                        token_texts(c.text, c.token_text_ends, 0, len(c.token_ids)), top_n,
+                        req.return_tokens_as_token_ids) if req.logprobs else None),
                     "finish_reason": c.finish_reason} for c in out.outputs]
         ntok = sum(len(c.token_ids) for c in out.outputs)
         return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
@@ -335,6 +348,7 @@ class OpenAIServing:
         for j in range(req.n):  # the role comes first, as OpenAI sends it
             yield chunk(j, {"role": "assistant", "content": ""})
         sent_tokens: dict[int, int] = {}
+        streamed: dict[int, int] = {}       # choice index -> characters already streamed
         finished: set[int] = set()
         ntok = 0
         async for _, out in self._tracked(streams, t0):
@@ -342,12 +356,17 @@ class OpenAIServing:
                 if c.index in finished:
                     continue
                 start = sent_tokens.get(c.index, 0)
-                new_ids = c.token_ids[start:]
-                if not c.delta_text and not c.finished and not (req.logprobs and new_ids):
+                streamed[c.index] = streamed.get(c.index, 0) + len(c.delta_text)
+                ready = start
+                if req.logprobs:  # tokens whose text is final and sent
+                    ready = ready_tokens(c.token_text_ends, start, len(c.token_ids),
+                                         streamed[c.index], c.finished)
+                if not c.delta_text and not c.finished and ready == start:
                     continue
-                lp = (chat_logprobs(self.fmt, new_ids, (c.logprobs or [])[start:], top_n)
-                      if req.logprobs else None)
-                sent_tokens[c.index] = len(c.token_ids)
+                lp = (chat_logprobs(self.fmt, c.token_ids[start:ready], (c.logprobs or [])[start:ready],
+                                    token_texts(c.text, c.token_text_ends, start, ready), top_n,
+                                    req.return_tokens_as_token_ids) if req.logprobs else None)
+                sent_tokens[c.index] = ready
                 if c.finished:
                     finished.add(c.index)
                     ntok += len(c.token_ids)
