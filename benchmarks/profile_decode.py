@@ -146,7 +146,7 @@ def _category(name: str) -> str:
 def _replay_rank(rank, world, port, args, q):
     from ferrum.executor.cuda_graph import DecodeCudaGraphs
     from ferrum.executor.model_runner import ModelRunner
-    from ferrum.executor.worker import init_distributed
+    from ferrum.executor.tp_rank import init_distributed
     from ferrum.interfaces import KvCacheHandle
     from ferrum.model_store import resolve_model
     dev = f"cuda:{rank}"

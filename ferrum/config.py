@@ -200,6 +200,9 @@ class ParallelConfig:
     # Filled in by torchrun launches (SPMD): global ranks already exist.
     distributed_init_method: str | None = None
     step_timeout_s: float = 30.0              # a rank that does not answer within this fails
+    # spawned worker ranks must be up (process started, model loaded, KV cache allocated)
+    # within this many seconds
+    startup_timeout_s: float = 600.0
 
 
 @dataclass

@@ -117,8 +117,7 @@ def test_killed_worker_is_named_error(tmp_path_factory):
     assert time.monotonic() - t0 < 30
     llm.shutdown()
     for p in procs:
-        p.join(timeout=10)
-        assert not p.is_alive()
+        p.wait(timeout=10)
 
 
 def test_raising_worker_is_named_error(tmp_path_factory):
@@ -131,7 +130,7 @@ def test_raising_worker_is_named_error(tmp_path_factory):
         llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert time.monotonic() - t0 < 30
     llm.shutdown()
-    assert not any(p.is_alive() for p in ex.procs)
+    assert all(p.poll() is not None for p in ex.procs)
 
 
 def _free_port() -> int:
@@ -140,23 +139,141 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_torchrun_matches_spawn(tmp_path_factory, smollm2_tokenizer):
-    """Every rank runs the same `ferrum run` command under torchrun; rank 0 prints."""
+@pytest.fixture(scope="module")
+def cli_model(tmp_path_factory, smollm2_tokenizer) -> str:
+    """A tiny Llama carrying the SmolLM2 tokenizer, for `ferrum run` in subprocesses."""
     d = make_tiny_model(str(tmp_path_factory.mktemp("trun")), "llama", vocab=len(smollm2_tokenizer.hf),
                         hidden=64, num_heads=4, num_kv_heads=2)
     smollm2_tokenizer.hf.save_pretrained(d)
-    args = ["run", d, "-tp", "2", "--prompt", "Hello there", "--raw", "--temperature", "0",
-            "--max-tokens", "12", "--max-model-len", "128"]
+    return d
+
+
+def ferrum_run(model: str, *flags: str, torchrun: tuple[str, ...] = (), wait: bool = True):
+    """`ferrum run <model> --prompt ... <flags>` greedy, 12 tokens, in a subprocess (under
+    `torchrun <torchrun args>` when given). Returns the finished CompletedProcess, or the
+    Popen when not `wait`."""
+    cmd = [sys.executable, "-m", *(("torch.distributed.run", *torchrun, "-m") if torchrun else ()),
+           "ferrum.entrypoints.cli", "run", model, "--prompt", "Hello there", "--raw",
+           "--temperature", "0", "--max-tokens", "12", "--max-model-len", "128", *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    spawned = subprocess.run([sys.executable, "-m", "ferrum.entrypoints.cli", *args],
-                             capture_output=True, text=True, timeout=300, env=env)
-    assert spawned.returncode == 0, spawned.stderr[-2000:]
-    trun = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(_free_port()), "-m", "ferrum.entrypoints.cli", *args],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert trun.returncode == 0, trun.stderr[-2000:]
+    if not wait:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+def test_torchrun_matches_spawn(cli_model):
+    """Every rank runs the same `ferrum run` command under torchrun; rank 0 prints."""
+    spawned = ferrum_run(cli_model, "-tp", "2")
+    trun = ferrum_run(cli_model, "-tp", "2", torchrun=("--nproc-per-node", "2", "--master-port", str(_free_port())))
     assert spawned.stdout.strip() != ""
     assert trun.stdout.strip() == spawned.stdout.strip()
+
+
+def test_two_node_torchrun_matches_tp1(cli_model):
+    """Issue 13 item 9: two torchrun launches, one process each, as on two machines
+    (`--nnodes 2 --node-rank 0|1`, rendezvous at 127.0.0.1, gloo), form one TP=2 engine; node 0
+    prints TP=1's greedy answer, node 1 only follows."""
+    tp1 = ferrum_run(cli_model)
+    assert tp1.stdout.strip()
+    port = str(_free_port())
+    nodes = [ferrum_run(cli_model, "-tp", "2", wait=False,
+                        torchrun=("--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
+                                  "--master-addr", "127.0.0.1", "--master-port", port))
+             for node in (0, 1)]
+    try:
+        outs = [n.communicate(timeout=300) for n in nodes]
+    finally:
+        for n in nodes:
+            n.kill()
+    for n, (out, err) in zip(nodes, outs):
+        assert n.returncode == 0, err[-3000:]
+    assert outs[0][0].strip() == tp1.stdout.strip()
+    assert outs[1][0].strip() == ""
+
+
+def test_llm_on_a_torchrun_worker_rank_is_a_named_error(script_model, monkeypatch):
+    """Under torchrun only rank 0 builds the engine; LLM() on another rank took rank 0's place
+    in the process group."""
+    for key, value in (("TORCHELASTIC_RUN_ID", "x"), ("RANK", "1"), ("WORLD_SIZE", "2")):
+        monkeypatch.setenv(key, value)
+    with pytest.raises(TensorParallelError, match="torchrun rank 1: only rank 0 builds the engine"):
+        LLM(script_model, progress=False, max_model_len=128, tensor_parallel_size=2)
+
+
+# ---- TP from an ordinary script (issue 13 item 8) ---------------------------------------------
+
+SCRIPT = """\
+from ferrum import LLM, SamplingParams
+print("MAIN RUN", flush=True)      # once: worker ranks never import this module
+llm = LLM({folder!r}, progress=False, max_model_len=128, tensor_parallel_size=2)
+sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+print(llm.generate([[5, 6, 7, 8], [9, 10]], sp, use_tqdm=False)[1].outputs[0].token_ids)
+"""   # no `if __name__ == "__main__":` and no shutdown: the interpreter's exit cleans up
+
+
+@pytest.fixture(scope="module")
+def script_model(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("script")), "llama")
+
+
+def test_tp_from_a_script_without_main_guard_and_from_stdin(script_model, tmp_path):
+    """Before: the spawned workers re-imported the caller's __main__ and the start-up failed
+    after a 31 s rendezvous timeout. Now a script file and code piped to `python -` both run,
+    give TP=1's tokens, and exit without a leaked-resource warning."""
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(script_model, progress=False, max_model_len=128) as llm:
+        ref = llm.generate([[9, 10]], sp, use_tqdm=False)[0].outputs[0].token_ids
+    code = SCRIPT.format(folder=script_model)
+    path = tmp_path / "no_main_guard.py"
+    path.write_text(code)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for argv, stdin in (([str(path)], None), (["-"], code)):
+        run = subprocess.run([sys.executable, *argv], input=stdin, capture_output=True, text=True,
+                             timeout=300, env=env, cwd=tmp_path)
+        assert run.returncode == 0, run.stderr[-3000:]
+        lines = run.stdout.strip().splitlines()
+        assert lines == ["MAIN RUN", str(ref)], run.stdout
+        assert "leaked" not in run.stderr and "Traceback" not in run.stderr, run.stderr[-3000:]
+
+
+WORKER_FAULTS = {
+    # dies before it reaches rank 0's store: its exit code and stderr are the report
+    "exit": 'import sys, os\nsys.stderr.write("injected: this worker cannot start\\n")\nos._exit(3)\n',
+    # reaches the store, then fails to load its shard: it reports its own error
+    "load": ("import ferrum.executor.tp_rank as rank\n"
+             "def build_runner(*args, **kwargs):\n"
+             "    raise MemoryError('injected: no memory for the weights')\n"
+             "rank.build_runner = build_runner\n"),
+    # hangs: the start-up timeout ends the wait
+    "hang": "import os, time\nopen(os.environ['HANG_PID_FILE'], 'w').write(str(os.getpid()))\ntime.sleep(600)\n",
+}
+
+
+@pytest.mark.parametrize("fault", list(WORKER_FAULTS))
+def test_worker_failing_at_start_up_is_reported_at_once(script_model, tmp_path, monkeypatch, fault):
+    """A sitecustomize.py on the workers' PYTHONPATH (rank 0, this process, is already up)
+    breaks the worker ranks only."""
+    (tmp_path / "sitecustomize.py").write_text(WORKER_FAULTS[fault])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("HANG_PID_FILE", str(tmp_path / "pid"))
+    expected = {"exit": r"rank 1 failed while starting .*exited with code 3: .*injected: this worker cannot start",
+                "load": r"rank 1 failed while loading the model: MemoryError: injected: no memory for the weights",
+                "hang": r"rank\(s\) \[1\] did not finish starting .* start-up timeout of 5 s "
+                        r"\(ParallelConfig.startup_timeout_s\)"}[fault]
+    t0 = time.monotonic()
+    with pytest.raises(TensorParallelError, match=expected):
+        LLM(script_model, progress=False, max_model_len=128, tensor_parallel_size=2,
+            startup_timeout_s=5 if fault == "hang" else 600)
+    assert time.monotonic() - t0 < 60     # before: a 31 s rendezvous timeout, whatever the cause
+    # nothing left for the next engine of this process: process group, TP state
+    from ferrum.distributed.parallel_state import get_tp
+    assert not torch.distributed.is_initialized() and get_tp().size == 1
+    if fault == "hang":    # the hung worker was stopped
+        pid = int((tmp_path / "pid").read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 def test_all_reduce_fast_path_is_bound_to_its_group(tmp_path_factory):

@@ -36,6 +36,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = True) -
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch decode step n+1 before reading step n's tokens (default: on for CUDA, "
                         "off for CPU, where it only delays each token by one step)")
+    g.add_argument("--startup-timeout-s", type=float, default=600.0,
+                   help="seconds the tensor-parallel worker ranks may take to start (load the model)")
     g.add_argument("--chat-template", default=None, help="chat template that overrides the model's: a Jinja file path or the template text")
     g.add_argument("--split-special-tokens", action=argparse.BooleanOptionalAction, default=True,
                    help="encode special-token strings inside chat messages as text, so only the "
@@ -58,7 +60,8 @@ def config_from_args(args):
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, load_format=args.load_format,
         enforce_eager=args.enforce_eager, chat_template=args.chat_template, seed=args.engine_seed,
-        async_scheduling=args.async_scheduling, split_special_tokens=args.split_special_tokens)
+        async_scheduling=args.async_scheduling, split_special_tokens=args.split_special_tokens,
+        startup_timeout_s=args.startup_timeout_s)
 
 
 def _port(text: str) -> int:
@@ -139,9 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    from ferrum.executor.tensor_parallel import launched_by_torchrun
+    from ferrum.executor.tp_rank import launched_by_torchrun
     if launched_by_torchrun() and int(os.environ.get("RANK", "0")) != 0 and hasattr(args, "tensor_parallel_size"):
-        from ferrum.executor.tensor_parallel import run_spmd_worker
+        from ferrum.executor.tp_worker import run_spmd_worker
         try:
             run_spmd_worker(config_from_args(args))
         except FerrumError as e:

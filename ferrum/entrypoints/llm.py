@@ -20,7 +20,8 @@ def engine_config(model: str = "smollm2", *, tensor_parallel_size: int = 1, dtyp
                   gpu_memory_utilization: float = 0.9, load_format: str = "auto", seed: int = 0,
                   enforce_eager: bool = False, chat_template: str | None = None,
                   max_waiting: int = 4096, async_scheduling: bool | None = None,
-                  split_special_tokens: bool = True) -> EngineConfig:
+                  split_special_tokens: bool = True,
+                  startup_timeout_s: float = 600.0) -> EngineConfig:
     """Keyword arguments (the CLI flags without dashes) -> EngineConfig."""
     return EngineConfig(
         model=model, device=device, dtype=dtype, load_format=load_format, seed=seed,
@@ -32,7 +33,8 @@ def engine_config(model: str = "smollm2", *, tensor_parallel_size: int = 1, dtyp
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
                                   max_waiting=max_waiting, async_scheduling=async_scheduling),
-        parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size))
+        parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                startup_timeout_s=startup_timeout_s))
 
 
 class LLM:

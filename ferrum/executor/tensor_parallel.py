@@ -1,39 +1,45 @@
-"""TensorParallelExecutor: one model sharded over N ranks (GUIDE section 2).
+"""TensorParallelExecutor: one model sharded over N ranks (GUIDE section 2); this is rank 0,
+the driver, living in the engine process.
 
-Rank 0 lives in the engine process and drives; ranks 1..N-1 are processes spawned here (or,
-under `torchrun`, started by torchrun and running `run_spmd_worker`). Every step rank 0
-broadcasts the step's inputs (token ids + block tables, a few KB) and all ranks run the same
-sharded forward: each rank writes its own KV heads into its own paged cache from the first
-prefill token, so no KV ever moves between ranks and no rank holds the whole model. Logits
-are gathered on rank 0, which samples.
+Ranks 1..N-1 are `python -m ferrum.executor.tp_worker` processes started here
+(executor/tp_launch.py), or, under `torchrun`, processes torchrun started that run
+`tp_worker.run_spmd_worker`. Every step rank 0 sends the step's inputs (token ids + block
+tables, a few KB) and all ranks run the same sharded forward: each rank writes its own KV
+heads into its own paged cache from the first prefill token, so no KV ever moves between ranks
+and no rank holds the whole model. Logits are gathered on rank 0, which samples.
 
-Faults: a rank that raises reports its error through a queue and exits; a rank that dies
+Faults: a message that cannot be sent fails only that step (nothing reached the other ranks).
+Once a step is sent the ranks must finish it together, so any failure after that breaks the
+executor (`health()` says why; every later step raises): a worker that raises reports its
+error to rank 0's store and exits; a worker that dies closes its end of the step channel and
 breaks the next collective; a rank that hangs trips the TP group's timeout
-(`ParallelConfig.step_timeout_s`). Each becomes a TensorParallelError naming the rank.
+(`ParallelConfig.step_timeout_s`); rank 0's own forward failing leaves the others inside the
+step. Each becomes a TensorParallelError naming the rank.
 """
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
-import multiprocessing as std_mp
 import os
-import queue
-import socket
+import pickle
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from ferrum.config import EngineConfig, resolve_max_model_len
+from ferrum.config import EngineConfig
 from ferrum.distributed.communication import set_all_reduce_impl
 from ferrum.distributed.parallel_state import init_tensor_parallel
-from ferrum.distributed.shm_broadcast import ShmBroadcast
-from ferrum.errors import FerrumError, TensorParallelError
+from ferrum.distributed.shm_broadcast import ShmBroadcast, StepMessageError
+from ferrum.errors import TensorParallelError
 from ferrum.executor.base import ExecutorBase
-from ferrum.executor.memory import compute_memory_requirements, num_kv_blocks
-from ferrum.executor.worker import (agree_num_blocks, broadcast_message, build_runner,
-                                    handles_to_wire, init_distributed, rank_device,
-                                    spawned_worker_main, worker_loop)
+from ferrum.executor.tp_launch import WorkerProcesses
+from ferrum.executor.tp_rank import (agree_num_blocks, broadcast_message, build_runner,
+                                     handles_to_wire, init_distributed, launched_by_torchrun,
+                                     local_num_blocks, rank_device)
 from ferrum.interfaces import DecodeInput, PrefillInput
 from ferrum.loader.base import ModelSource
 
@@ -55,84 +61,101 @@ def validate_tp_sizes(cfg, tp: int) -> None:
          f"intermediate_size ({cfg.intermediate_size}) is not divisible by tensor_parallel_size ({tp})")
 
 
-def local_num_blocks(runner, config: EngineConfig, device: str) -> int:
-    tp = config.parallel.tensor_parallel_size
-    mem = compute_memory_requirements(runner.cfg, runner.dtype, tp)
-    s = config.scheduler
-    max_len = resolve_max_model_len(runner.cfg, s.max_model_len)
-    return num_kv_blocks(mem, config.cache, device, max_len, s.max_num_seqs, s.max_num_batched_tokens)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launched_by_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ
-                                                    and int(os.environ["WORLD_SIZE"]) > 1)
-
-
 class TensorParallelExecutor(ExecutorBase):
     def __init__(self, source: ModelSource, config: EngineConfig, progress: bool = True):
         super().__init__(source, config)
         validate_tp_sizes(self.cfg, self.tp)
-        self.procs: list = []
+        self.workers: WorkerProcesses | None = None
+        self.channel: ShmBroadcast | None = None
+        self.store = None
+        self.runner = None
         self._closed = False
+        self._step_no = 0
         self.spmd = launched_by_torchrun()
         try:
-            self._start(config, progress)
+            if self.spmd:
+                self._join_torchrun(config, progress)
+            else:
+                self._start_workers(config, progress)
         except BaseException:
-            self._kill_workers()
+            self._closed = True
+            self.shutdown()   # no worker, process group or TP state left for the next engine
             raise
         atexit.register(self.shutdown)
 
-    def _start(self, config: EngineConfig, progress: bool) -> None:
-        if self.spmd:
-            world = int(os.environ["WORLD_SIZE"])
-            if world != self.tp:
-                raise TensorParallelError(f"torchrun started {world} ranks but tensor_parallel_size is {self.tp}")
-            self.rank_device = rank_device(self.device, int(os.environ.get("LOCAL_RANK", 0)))
-            init_method = None
-            self.error_queue, self.step_counter, self.channel = None, None, None
-        else:
-            self.rank_device = rank_device(self.device, 0)
-            init_method = f"tcp://127.0.0.1:{_free_port()}"
-            ctx = mp.get_context("spawn")
-            self.error_queue = ctx.Queue()
-            self.step_counter = std_mp.get_context("spawn").Array("q", self.tp, lock=False)
-            self.channel = ShmBroadcast(ctx, self.tp - 1)
-            for r in range(1, self.tp):
-                p = ctx.Process(target=spawned_worker_main, daemon=True, name=f"ferrum-tp{r}",
-                                args=(r, self.tp, init_method, config, self.channel.reader(r - 1),
-                                      self.error_queue, self.step_counter))
-                p.start()
-                self.procs.append(p)
-        _, self.control = init_distributed(0, self.tp, self.rank_device, init_method,
+    @property
+    def procs(self) -> list:
+        """The worker processes (subprocess.Popen); empty under torchrun."""
+        return self.workers.procs if self.workers is not None else []
+
+    def _join_torchrun(self, config: EngineConfig, progress: bool) -> None:
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])
+        if rank != 0:   # it would take rank 0's place in the process group and hang
+            raise TensorParallelError(
+                f"this process is torchrun rank {rank}: only rank 0 builds the engine; the other "
+                "ranks follow its steps in ferrum.executor.tp_worker.run_spmd_worker(config) "
+                "(the ferrum CLI does this by itself)")
+        if world != self.tp:
+            raise TensorParallelError(f"torchrun started {world} ranks but tensor_parallel_size is {self.tp}")
+        self.rank_device = rank_device(self.device, int(os.environ.get("LOCAL_RANK", 0)))
+        _, self.control = init_distributed(0, self.tp, self.rank_device, None,
                                            config.parallel.step_timeout_s)
         self.runner = build_runner(config, self.rank_device, progress)
-        self.num_blocks = agree_num_blocks(local_num_blocks(self.runner, config, self.rank_device), self.control)
+        self.num_blocks = agree_num_blocks(local_num_blocks(self.runner, config, self.rank_device),
+                                           self.control)
         self.runner.allocate_kv_cache(self.num_blocks, config.cache.block_size)
-        self._step_no = 0
+
+    def _start_workers(self, config: EngineConfig, progress: bool) -> None:
+        """Start ranks 1..N-1 (tp_launch.py) and go through the start-up phases with them:
+        joined -> process group -> model loaded (rank 0 loads its own meanwhile, in a thread,
+        so that a worker's failure is reported at once) -> KV pool agreed -> ready."""
+        par = config.parallel
+        self.rank_device = rank_device(self.device, 0)
+        self.store = dist.TCPStore("127.0.0.1", 0, self.tp, True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=par.startup_timeout_s))
+        self.store.set("config", pickle.dumps(config))
+        self.channel = ShmBroadcast(self.tp - 1)
+        self.workers = WorkerProcesses(self.tp, self.store, f"127.0.0.1:{self.store.port}",
+                                       self.channel, par.startup_timeout_s)
+        self.workers.wait_phase("joined", "starting (importing ferrum, reading the config)")
+        _, self.control = init_distributed(0, self.tp, self.rank_device, None, par.step_timeout_s,
+                                           store=self.store)
+        pool = ThreadPoolExecutor(1, thread_name_prefix="ferrum-tp0-load")
+        try:
+            loading = pool.submit(self._build_runner, config, progress)
+            counts = self.workers.wait_phase("num_blocks", "loading the model", loading)
+            self.runner = loading.result()
+        finally:
+            pool.shutdown(wait=False)   # after a worker's failure rank 0 stops waiting for itself
+        local = local_num_blocks(self.runner, config, self.rank_device)
+        self.num_blocks = min([local] + [int(c) for c in counts])
+        self.store.set("num_blocks", str(self.num_blocks).encode())
+        self.runner.allocate_kv_cache(self.num_blocks, config.cache.block_size)
+        self.workers.wait_phase("ready", "allocating the KV cache")
+
+    def _build_runner(self, config: EngineConfig, progress: bool):
+        if self.rank_device.startswith("cuda"):   # the current device is per thread
+            torch.cuda.set_device(torch.device(self.rank_device))
+        return build_runner(config, self.rank_device, progress)
 
     # ---- one step on every rank -------------------------------------------------------------
     def _run(self, msg: tuple, local):
         if self._closed:
-            raise TensorParallelError("the tensor-parallel executor is shut down")
+            raise TensorParallelError(self._broken or "the tensor-parallel executor is shut down")
+        self._check_workers()
         try:
-            self._check_workers()
             self._send(msg)
-            out = local()
-        except FerrumError:
-            raise
+        except StepMessageError:
+            raise                    # nothing was sent: the ranks are still in step
         except Exception as e:
-            # the ranks are out of step (one may wait in a collective for the others)
-            self._closed = True
-            err = self._diagnose(e)
-            self._broken = str(err)
-            self._kill_workers()
-            raise err from e
+            self._break(e)
+        except BaseException:
+            self._closed = True      # Ctrl-C mid-send: the other ranks may wait for the rest
+            raise
+        try:
+            out = local()
+        except Exception as e:
+            self._break(e)
         except BaseException:
             # Ctrl-C mid-step: the other ranks may be stuck in a collective waiting for us,
             # so shutdown must not wait for them to read a message.
@@ -141,13 +164,26 @@ class TensorParallelExecutor(ExecutorBase):
         self._step_no += 1
         return out
 
+    def _break(self, exc: Exception):
+        """The ranks are out of step: mark the executor broken, stop the workers, raise."""
+        self._closed = True
+        err = self._diagnose(exc)
+        self._broken = str(err)
+        self._kill_workers()
+        raise err from exc
+
     def _send(self, msg) -> None:
-        """Step inputs to ranks 1..N-1: shared memory when we spawned them, else (torchrun)
-        a broadcast over the gloo control group."""
+        """Step inputs to ranks 1..N-1: the shared-memory channel when we started them, else
+        (torchrun) a broadcast over the gloo control group. Raises StepMessageError before
+        sending anything for a message that cannot go."""
         if self.channel is not None:
             self.channel.send(msg, timeout=self.config.parallel.step_timeout_s)
-        else:
-            broadcast_message(msg, self.control)
+            return
+        try:
+            pickle.dumps(msg)
+        except Exception as e:  # noqa: BLE001 - broadcast_object_list would fail the same way
+            raise StepMessageError(f"step message cannot be pickled: {type(e).__name__}: {e}") from e
+        broadcast_message(msg, self.control)
 
     def _prefill(self, inp: PrefillInput) -> torch.Tensor:
         return self._run(("prefill", inp.token_ids, handles_to_wire(inp.kv)),
@@ -180,57 +216,50 @@ class TensorParallelExecutor(ExecutorBase):
 
     # ---- faults -------------------------------------------------------------------------------
     def _check_workers(self) -> None:
-        for r, p in enumerate(self.procs, start=1):
-            if not p.is_alive():
-                self._closed = True
-                err = self._diagnose(None)
-                self._broken = str(err)
-                raise err
+        if self.workers is not None and self.workers.first_dead() is not None:
+            self._break(RuntimeError("a worker rank is not running"))
 
     def health(self) -> str | None:
         """None while every rank is alive and in step, else why not (thread-safe)."""
         if self._broken is not None:
             return self._broken
-        for r, p in enumerate(self.procs, start=1):
-            if p.exitcode is not None:
-                return f"tensor-parallel rank {r} died (exit code {p.exitcode})"
+        dead = self.workers.first_dead() if self.workers is not None else None
+        if dead is not None:
+            return f"tensor-parallel rank {dead} {self.workers.failure(dead)}"
         return None
 
-    def _diagnose(self, exc: Exception | None) -> TensorParallelError:
-        reported = {}
-        if self.error_queue is not None:
-            try:
-                while True:
-                    r, m = self.error_queue.get(timeout=0.5 if not reported else 0.01)
-                    reported[r] = m
-            except (queue.Empty, OSError, EOFError):
-                pass
-        if reported:
-            r = min(reported)
-            return TensorParallelError(f"tensor-parallel rank {r} failed: {reported[r]}")
-        for r, p in enumerate(self.procs, start=1):
-            p.join(timeout=0.2)
-            if not p.is_alive():
-                return TensorParallelError(f"tensor-parallel rank {r} died (exit code {p.exitcode})")
-        if self.step_counter is not None:
-            lag = [r for r in range(1, self.tp) if self.step_counter[r] < self._step_no]
+    def _diagnose(self, exc: Exception) -> TensorParallelError:
+        """Name the rank behind a failed step: a worker's reported error or exit first (given
+        up to 0.5 s to arrive), then a worker that did not finish the step (a timeout), else
+        rank 0's own error."""
+        w = self.workers
+        if w is not None:
+            for _ in range(10):
+                failed = [r for r in range(1, self.tp)
+                          if w.reported_error(r) is not None or w.procs[r - 1].poll() is not None]
+                if failed:
+                    r = failed[0]
+                    return TensorParallelError(f"tensor-parallel rank {r} failed: {w.failure(r)}")
+                time.sleep(0.05)
+        text = f"{type(exc).__name__}: {exc}"
+        if self.channel is not None and ("timed out" in text.lower() or isinstance(exc, TimeoutError)):
+            lag = [r for r in range(1, self.tp) if self.channel.steps_done(r - 1) < self._step_no]
             if lag:
                 return TensorParallelError(
                     f"tensor-parallel rank(s) {lag} did not finish step {self._step_no} within "
-                    f"{self.config.parallel.step_timeout_s:.0f} s: {exc}")
-        return TensorParallelError(f"a tensor-parallel rank failed: {exc}")
+                    f"{self.config.parallel.step_timeout_s:g} s: {text}")
+        if self.spmd:
+            return TensorParallelError(f"a tensor-parallel rank failed: {text}")
+        return TensorParallelError(f"tensor-parallel rank 0 failed: {text}; the other ranks "
+                                   "are left inside the step, so the executor stops")
 
     def _kill_workers(self) -> None:
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
-        for p in self.procs:
-            p.join(timeout=5)
+        if self.workers is not None:
+            self.workers.kill()
 
     def measure_control_overhead(self, batch: int, blocks_per_seq: int, iters: int = 200) -> float:
         """Seconds per step that rank 0 spends sending a decode step's inputs (token ids and
         block tables of `batch` sequences) to the other ranks."""
-        import time
         payload = ("ping", list(range(batch)), [(list(range(blocks_per_seq)), 100)] * batch)
         t0 = time.perf_counter()
         for _ in range(iters):
@@ -248,43 +277,23 @@ class TensorParallelExecutor(ExecutorBase):
         if not self._closed:
             try:
                 self._send(("shutdown",))
-            except Exception:
+            except Exception:  # noqa: BLE001 - a worker may be gone already
                 pass
-            for p in self.procs:
-                p.join(timeout=5)
+            if self.workers is not None:
+                self.workers.join(5)
         self._closed = True
         self._kill_workers()
-        if getattr(self, "runner", None) is not None:
+        if self.runner is not None:
             self.runner.release()
             self.runner = None
-        if getattr(self, "channel", None) is not None:
+        if self.channel is not None:
             self.channel.close()
             self.channel = None
-        if getattr(self, "error_queue", None) is not None:
-            self.error_queue.close()
-            self.error_queue = None
-        import gc
+        self.store = None      # closes rank 0's TCPStore server
         gc.collect()
         try:
             dist.destroy_process_group()
-        except Exception:
+        except Exception:  # noqa: BLE001 - not initialized, or already torn down
             pass
         init_tensor_parallel(0, 1, None)
         set_all_reduce_impl(None)
-
-
-def run_spmd_worker(config: EngineConfig) -> None:
-    """Rank > 0 under torchrun: build this rank's shard and follow rank 0's steps until it
-    shuts down. Every rank runs the same `ferrum` command; rank 0 runs the engine."""
-    from ferrum.config import resolve_device
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = rank_device(resolve_device(config.device), int(os.environ.get("LOCAL_RANK", 0)))
-    _, control = init_distributed(rank, world, device, None, config.parallel.step_timeout_s)
-    runner = build_runner(config, device, progress=False)
-    n = agree_num_blocks(local_num_blocks(runner, config, device), control)
-    runner.allocate_kv_cache(n, config.cache.block_size)
-    worker_loop(runner, lambda: broadcast_message(None, control), config.cache.block_size)
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
