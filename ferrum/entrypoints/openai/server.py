@@ -6,7 +6,8 @@ Endpoints:
   POST /tokenize  {prompt | messages} -> {tokens, count, max_model_len}: the ids the
                   completions / chat endpoint would use for that prompt / those messages
   POST /detokenize {tokens} -> {prompt}
-  GET  /health    200 {"status": "ok"} | 503 once the engine loop has failed
+  GET  /health    200 {"status": "ok"} | 503 {"status": "unhealthy", "error": why} once the
+                  executor is broken (a dead TP rank, a device fault); a failed request is not
   GET  /metrics   Prometheus text format (ferrum.metrics)
   GET  /status    engine.status() as JSON (debug: running/waiting, kv_blocks_free, ...)
 
