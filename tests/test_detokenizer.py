@@ -179,6 +179,18 @@ def test_genuine_replacement_characters_stream_at_once_in_constant_time(smollm2_
         assert sum(wrapper.window_sizes) <= 10 * len(deltas)
 
 
+def test_skipped_special_tokens_do_not_grow_the_window():
+    """Tokens that decode to nothing (special tokens skipped, e.g. EOS forced with ignore_eos)
+    grew the decode window with every one of them."""
+    tok = byte_fallback()
+    eos = tok.hf.eos_token_id
+    tok.window_sizes.clear()
+    deltas, tail = stream(tok, tok.encode("x"), tok.encode("a") + [eos] * 2000 + tok.encode(" b"))
+    assert "".join(deltas) + tail == tok.hf.decode(tok.encode("x") + tok.encode("a") + tok.encode(" b"),
+                                                   skip_special_tokens=True)[len(tok.hf.decode(tok.encode("x"))):]
+    assert max(tok.window_sizes) <= 9
+
+
 ALPHABET = st.sampled_from(list("abc xyz.,") + ["😀", "🎉", "日", "本", "é", "ï", "🤖", "\n"])
 
 

@@ -110,6 +110,8 @@ def test_killed_worker_is_named_error(tmp_path_factory):
     for _ in range(3):
         eng.step()
     procs[0].kill()
+    procs[0].wait(10)
+    assert "rank 1" in eng.health()        # known before the next step (the server's /health)
     t0 = time.monotonic()
     with pytest.raises(TensorParallelError, match="rank 1"):
         for _ in range(100):

@@ -103,6 +103,8 @@ class IncrementalDetokenizer:
             delta = self._feed(token_id)
             self.text += delta
             return delta
+        if self._bytes is not None and self.skip_special_tokens and token_id in self._bytes.special_ids:
+            return ""   # a decode drops it before anything else: leave it out of the window
         self._ids.append(token_id)
         num_pending = len(self._ids) - self._num_context
         if self._bytes is not None:
