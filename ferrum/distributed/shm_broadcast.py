@@ -68,9 +68,12 @@ class ShmBroadcast:
         self._seq = 0
 
     def reader_fds(self, index: int) -> tuple[int, int, int]:
+        """Descriptors reader `index` (0-based) inherits: the buffer, its wake-up pipe's read
+        end, the acknowledgement pipe's write end."""
         return self.fd, self.ready[index][0], self.done[1]
 
     def reader_spec(self, index: int) -> str:
+        """`ShmReader(spec)` in the worker rebuilds reader `index` from this string."""
         return ",".join(map(str, (*self.reader_fds(index), index, self.num_readers, self.size)))
 
     def close_reader_ends(self) -> None:
@@ -113,6 +116,7 @@ class ShmBroadcast:
         return _COUNTER.unpack_from(self.buf, _HEADER.size + _COUNTER.size * index)[0]
 
     def close(self) -> None:
+        """Close our descriptors and unmap the buffer (the memory goes with the last user)."""
         for fd in [w for _, w in self.ready] + [self.done[0], self.fd]:
             _close(fd)
         try:
@@ -149,6 +153,7 @@ class ShmReader:
         return msg
 
     def mark_step_done(self) -> None:
+        """Count one more finished step in this reader's slot (ShmBroadcast.steps_done)."""
         self._steps += 1
         _COUNTER.pack_into(self.buf, _HEADER.size + _COUNTER.size * self.index, self._steps)
 

@@ -62,6 +62,11 @@ def validate_tp_sizes(cfg, tp: int) -> None:
 
 
 class TensorParallelExecutor(ExecutorBase):
+    """Rank 0 of a TP group of `config.parallel.tensor_parallel_size` ranks (see the module
+    docstring); the ModelExecutor contract, as SingleDeviceExecutor. Raises
+    TensorParallelError for sizes that do not divide, a rank that fails to start (named, with
+    its error) or a start-up longer than `ParallelConfig.startup_timeout_s`."""
+
     def __init__(self, source: ModelSource, config: EngineConfig, progress: bool = True):
         super().__init__(source, config)
         validate_tp_sizes(self.cfg, self.tp)

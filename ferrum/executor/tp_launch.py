@@ -74,6 +74,7 @@ class WorkerProcesses:
         return f"exited with code {code}" + (f": {lines}" if lines else "")
 
     def first_dead(self) -> int | None:
+        """The lowest rank whose process has exited, or None."""
         for r, p in enumerate(self.procs, start=1):
             if p.poll() is not None:
                 return r
@@ -106,6 +107,7 @@ class WorkerProcesses:
             time.sleep(_POLL_S)
 
     def join(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds for each worker to exit by itself."""
         for p in self.procs:
             try:
                 p.wait(timeout)
@@ -113,6 +115,7 @@ class WorkerProcesses:
                 pass
 
     def kill(self) -> None:
+        """SIGKILL every worker still running and reap them."""
         for p in self.procs:
             if p.poll() is None:
                 p.kill()

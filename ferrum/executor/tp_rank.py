@@ -29,6 +29,7 @@ def launched_by_torchrun() -> bool:
 
 
 def rank_device(device: str, local_rank: int) -> str:
+    """The device of a rank: `cuda:<local_rank>` on CUDA, else cpu."""
     return f"cuda:{local_rank}" if device.startswith("cuda") else "cpu"
 
 
@@ -53,6 +54,8 @@ def init_distributed(rank: int, world: int, device: str, init_method: str | None
 
 
 def build_runner(config: EngineConfig, device: str, progress: bool):
+    """This rank's ModelRunner: its shard of the model (under the TP state in force) on
+    `device`. Raises what the loader raises."""
     from ferrum.executor.model_runner import ModelRunner
     from ferrum.model_store import resolve_model
     source = resolve_model(config.model)
@@ -85,8 +88,10 @@ def broadcast_message(msg, control_group):
 
 
 def handles_to_wire(kv: list[KvCacheHandle]) -> list[tuple]:
+    """KV handles as (block table, num_tokens) pairs for a step message."""
     return [(h.block_table, h.num_tokens) for h in kv]
 
 
 def handles_from_wire(wire: list[tuple], block_size: int) -> list[KvCacheHandle]:
+    """The inverse of handles_to_wire (cache ids are not sent: workers need none)."""
     return [KvCacheHandle("", bt, n, block_size) for bt, n in wire]

@@ -71,6 +71,9 @@ class TokenBytes:
                                  and not getattr(hf, "clean_up_tokenization_spaces", False))
 
     def piece_bytes(self, token_id: int) -> bytes:
+        """The bytes `token_id` stands for: from its vocabulary piece for byte-level and
+        byte-fallback vocabularies (a piece may hold part of a character), else the UTF-8 of
+        its decoded text (special tokens as their text)."""
         b = self._cache.get(token_id)
         if b is None:
             b = self._cache[token_id] = self._bytes(token_id)
