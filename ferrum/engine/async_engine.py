@@ -101,18 +101,22 @@ class AsyncLLMEngine:
     # ---- properties of the wrapped engine (read-only after construction, so thread-safe) --------
     @property
     def tokenizer(self):
+        """The wrapped engine's Tokenizer (None for a model without one)."""
         return self.engine.tokenizer
 
     @property
     def max_model_len(self) -> int:
+        """Context length in tokens (prompt + output)."""
         return self.engine.max_model_len
 
     @property
     def vocab_size(self) -> int:
+        """Token ids are in [0, vocab_size)."""
         return self.engine.vocab_size
 
     @property
     def is_dead(self) -> bool:
+        """True once the step loop has stopped (a broken executor, or shutdown)."""
         return self._dead is not None
 
     # ---- asyncio side ---------------------------------------------------------------------------

@@ -62,6 +62,7 @@ class StepInFlight:
 
 
 def create_executor(source, config: EngineConfig, progress: bool = True) -> ModelExecutor:
+    """TensorParallelExecutor for tensor_parallel_size > 1, else SingleDeviceExecutor."""
     if config.parallel.tensor_parallel_size > 1:
         from ferrum.executor.tensor_parallel import TensorParallelExecutor
         return TensorParallelExecutor(source, config, progress)
@@ -70,6 +71,13 @@ def create_executor(source, config: EngineConfig, progress: bool = True) -> Mode
 
 
 class LLMEngine:
+    """Requests in (`add_request`), RequestOutputs out (`step`), over one executor.
+
+    Built from an EngineConfig: resolves the model, refuses a max_model_len above the model's
+    positions (ConfigError), loads the tokenizer and chat template, starts the executor and
+    sizes the block manager and scheduler from its capabilities. Not thread-safe: one thread
+    drives it (AsyncLLMEngine's for the server)."""
+
     def __init__(self, config: EngineConfig, progress: bool = True):
         from ferrum.model_store import resolve_model
         self.config = config
@@ -209,6 +217,7 @@ class LLMEngine:
             seq.status = SequenceStatus.FINISHED
 
     def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting, running or not yet returned as finished."""
         return bool(self.requests)
 
     # ---- one step ---------------------------------------------------------------------------
@@ -483,5 +492,6 @@ class LLMEngine:
         }
 
     def shutdown(self) -> None:
+        """Drop the in-flight step and shut the executor down (worker ranks, device memory)."""
         self._in_flight = None
         self.executor.shutdown()

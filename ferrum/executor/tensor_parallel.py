@@ -276,6 +276,8 @@ class TensorParallelExecutor(ExecutorBase):
         self._send(("raise", message))
 
     def shutdown(self) -> None:
+        """Tell the workers to stop (unless broken), then kill what is left, free the runner,
+        the channel, the store and the process group; idempotent (also run at exit)."""
         if getattr(self, "_shut", False):
             return
         self._shut = True

@@ -249,9 +249,11 @@ class Tokenizer:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids` (invalid UTF-8 becomes U+FFFD); special tokens dropped unless asked."""
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
+        """The vocabulary pieces of `ids` (byte-level BPE spells bytes as `Ġ`, `Ã`, ...)."""
         return self.hf.convert_ids_to_tokens(list(ids))
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,

@@ -55,6 +55,8 @@ class TokenFormatter:
         self._bytes = token_bytes_of(tokenizer) if tokenizer is not None else None
 
     def text(self, tid: int) -> str:
+        """The token decoded alone, special tokens included (`token_id:<id>` without a
+        tokenizer)."""
         t = self._text.get(tid)
         if t is None:
             t = (f"token_id:{tid}" if self.tok is None
@@ -63,6 +65,7 @@ class TokenFormatter:
         return t
 
     def bytes(self, tid: int) -> list[int]:
+        """The token's UTF-8 bytes (see TokenBytes.piece_bytes)."""
         if self._bytes is None:
             return list(self.text(tid).encode("utf-8"))
         return list(self._bytes.piece_bytes(tid))
