@@ -48,6 +48,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     torch_dtype: str | None = None
+    quantization_config: dict | None = None   # HF `quantization_config` (ferrum/layers/quantization)
 
     @property
     def family(self) -> str:
@@ -104,6 +105,7 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+            quantization_config=d.get("quantization_config"),
         )
 
     def num_params(self) -> int:
@@ -135,6 +137,17 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
         raise InvalidRequestError(f"dtype {dtype!r} is not one of auto, float32, bfloat16, float16",
                                   param="dtype")
     return _DTYPES[dtype]
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """`auto` -> the model dtype; `fp8` / `fp8_e4m3` -> torch.float8_e4m3fn. Raises
+    InvalidRequestError otherwise."""
+    if kv_cache_dtype == "auto":
+        return dtype
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return torch.float8_e4m3fn
+    raise InvalidRequestError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of auto, fp8 (e4m3)",
+                              param="kv_cache_dtype")
 
 
 def resolve_device(device: str) -> str:
@@ -180,6 +193,9 @@ class CacheConfig:
     kv_cache_memory: int | None = None       # bytes (CPU default: 1 GiB, capped by need)
     gpu_memory_utilization: float = 0.90
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "KV cache element type: auto (the model dtype) | fp8 (e4m3 with one scale per "
+                "layer: half the bytes of bf16, twice the blocks)"})
 
 
 @dataclass
@@ -214,6 +230,11 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     load_format: str = "auto"            # auto | dummy
+    quantization: str | None = field(default=None, metadata={
+        "help": "fp8: quantize an unquantized checkpoint's linear layers to FP8 e4m3 (per output "
+                "channel) while loading; gptq / awq: random 4-bit weights of dummy: models. A "
+                "quantized checkpoint (FP8, compressed-tensors FP8, GPTQ, AWQ, GGUF) runs in its "
+                "own format without this"})
     seed: int = 0
     enforce_eager: bool = False
     chat_template: str | None = None     # a Jinja file path or the template text; overrides the model's

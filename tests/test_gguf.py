@@ -65,7 +65,7 @@ def gguf_name(name: str) -> str:
 
 
 def write_gguf(path, arch="llama", weights=None, qtype=QT.F32, heads=4, kv_heads=2,
-               head_dim=16, hidden=64, raw_override=None):
+               head_dim=16, hidden=64, raw_override=None, inter=96):
     """Write a GGUF the way llama.cpp's converter does (Q/K permuted for llama). 2-D tensors
     in `qtype`, 1-D in F32. raw_override: {hf_name: (uint8 bytes, QT)}."""
     weights = weights if weights is not None else hf_weights(arch, heads=heads, head_dim=head_dim)
@@ -73,7 +73,7 @@ def write_gguf(path, arch="llama", weights=None, qtype=QT.F32, heads=4, kv_heads
     w.add_block_count(2)
     w.add_context_length(256)
     w.add_embedding_length(hidden)
-    w.add_feed_forward_length(96)
+    w.add_feed_forward_length(inter)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     if head_dim != hidden // heads:

@@ -7,6 +7,7 @@ the command, so every node runs the same command line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -32,6 +33,13 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = True) -
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    from ferrum.config import CacheConfig, EngineConfig
+    from ferrum.layers.quantization import QUANTIZATION_CHOICES
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig) + dataclasses.fields(CacheConfig)}
+    g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_CHOICES,
+                   help=fields["quantization"].metadata["help"])
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help=fields["kv_cache_dtype"].metadata["help"])
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch decode step n+1 before reading step n's tokens (default: on for CUDA, "
@@ -61,7 +69,8 @@ def config_from_args(args):
         enable_chunked_prefill=args.enable_chunked_prefill, load_format=args.load_format,
         enforce_eager=args.enforce_eager, chat_template=args.chat_template, seed=args.engine_seed,
         async_scheduling=args.async_scheduling, split_special_tokens=args.split_special_tokens,
-        startup_timeout_s=args.startup_timeout_s)
+        startup_timeout_s=args.startup_timeout_s, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype)
 
 
 def _port(text: str) -> int:

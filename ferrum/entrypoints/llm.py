@@ -21,15 +21,16 @@ def engine_config(model: str = "smollm2", *, tensor_parallel_size: int = 1, dtyp
                   enforce_eager: bool = False, chat_template: str | None = None,
                   max_waiting: int = 4096, async_scheduling: bool | None = None,
                   split_special_tokens: bool = True,
-                  startup_timeout_s: float = 600.0) -> EngineConfig:
+                  startup_timeout_s: float = 600.0, quantization: str | None = None,
+                  kv_cache_dtype: str = "auto") -> EngineConfig:
     """Keyword arguments (the CLI flags without dashes) -> EngineConfig."""
     return EngineConfig(
         model=model, device=device, dtype=dtype, load_format=load_format, seed=seed,
-        enforce_eager=enforce_eager, chat_template=chat_template,
+        enforce_eager=enforce_eager, chat_template=chat_template, quantization=quantization,
         split_special_tokens=split_special_tokens,
         cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
                           gpu_memory_utilization=gpu_memory_utilization,
-                          enable_prefix_caching=enable_prefix_caching),
+                          enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
                                   max_waiting=max_waiting, async_scheduling=async_scheduling),

@@ -40,6 +40,8 @@ class ExecutorBase:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.tp = config.parallel.tensor_parallel_size
         self.max_model_len = resolve_max_model_len(self.cfg, config.scheduler.max_model_len)
+        # unquantized, model-dtype KV; subclasses replace it by their runner's (quantization,
+        # KV cache dtype) once it is built
         self.memory = compute_memory_requirements(self.cfg, self.dtype, self.tp)
         self.num_blocks = 0
         self._live: dict[str, KvCacheHandle] = {}

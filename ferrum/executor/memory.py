@@ -12,24 +12,29 @@ from ferrum.interfaces import MemoryRequirements
 log = logging.getLogger("ferrum")
 
 
-def compute_memory_requirements(cfg: ModelConfig, dtype: torch.dtype, tp: int) -> MemoryRequirements:
+def compute_memory_requirements(cfg: ModelConfig, dtype: torch.dtype, tp: int,
+                                kv_cache_dtype: torch.dtype | None = None,
+                                weight_bits: float | None = None) -> MemoryRequirements:
     """param_bytes: sharded matrices / tp + replicated norms (embedding and LM head are
-    vocab-parallel; a tied head is counted once). kv_bytes_per_token: K+V of all layers for
-    this rank's KV heads (replicated when num_kv_heads < tp). activation_bytes_per_token:
-    hidden + q/k/v + 2x MLP intermediate + fp32 logits row, per rank."""
+    vocab-parallel; a tied head is counted once); the decoder's linear weights at
+    `weight_bits` per parameter when quantized (QuantConfig.weight_bits, scales included).
+    kv_bytes_per_token: K+V of all layers for this rank's KV heads (replicated when
+    num_kv_heads < tp), in `kv_cache_dtype` (default: dtype; 1 byte for fp8).
+    activation_bytes_per_token: hidden + q/k/v + 2x MLP intermediate + fp32 logits row, per rank."""
     e = torch.finfo(dtype).bits // 8
+    kv_e = torch.finfo(kv_cache_dtype or dtype).bits // 8
     h, i, L, D = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.head_dim
     q = cfg.num_attention_heads * D // tp
     kv_heads = max(1, cfg.num_key_value_heads // tp)
     kv = kv_heads * D
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i // tp
-    if cfg.attention_bias:
-        per_layer += q + 2 * kv
+    linear = h * (q + 2 * kv) + q * h + 3 * h * i // tp
+    bias = q + 2 * kv if cfg.attention_bias else 0
     norms = L * 2 * h + h + (2 * D * L if cfg.qk_norm else 0)
     vocab_rows = -(-cfg.vocab_size // tp)
     emb = vocab_rows * h * (1 if cfg.tie_word_embeddings else 2)
-    param_bytes = (L * per_layer + emb + norms) * e
-    kv_bytes_per_token = 2 * L * kv * e
+    linear_bytes = L * linear * (weight_bits / 8 if weight_bits else e)
+    param_bytes = int(linear_bytes + (L * bias + emb + norms) * e)
+    kv_bytes_per_token = 2 * L * kv * kv_e
     act = (4 * h + q + 2 * kv + 2 * i // tp) * e + 4 * vocab_rows
     return MemoryRequirements(param_bytes, kv_bytes_per_token, act, tp)
 

@@ -9,14 +9,17 @@ import os
 
 import torch
 
-from ferrum.config import ModelConfig
+from ferrum.config import ModelConfig, resolve_kv_cache_dtype
 from ferrum.distributed.parallel_state import get_tp
+from ferrum.errors import UnsupportedModelError
 from ferrum.executor.cuda_graph import DecodeCudaGraphs, graph_batch_sizes
+from ferrum.executor.memory import compute_memory_requirements
 from ferrum.executor.model_inputs import prepare_decode, prepare_prefill, take_prev_sampled
 from ferrum.forward_context import forward_context
 from ferrum.interfaces import KvCacheHandle
 from ferrum.layers.attention import Attention
 from ferrum.layers.linear import LinearBase
+from ferrum.layers.quantization import get_quant_config
 from ferrum.layers.vocab_embedding import ParallelLMHead
 from ferrum.loader.base import ModelSource
 from ferrum.loader.model_loader import init_dummy_weights, load_weights
@@ -37,7 +40,8 @@ def _column_major_weights(model: torch.nn.Module) -> None:
     embedding shares the LM head's buffer: its row lookups become strided.
     Disable with FERRUM_CPU_COLUMN_MAJOR_WEIGHTS=0."""
     for mod in model.modules():
-        if isinstance(mod, (LinearBase, ParallelLMHead)):
+        packed = isinstance(mod, LinearBase) and mod.quant_method.name != "unquantized"
+        if isinstance(mod, (LinearBase, ParallelLMHead)) and not packed:  # kernels want packed rows
             w = mod.weight
             if w.dim() == 2 and w.shape[0] >= w.shape[1] and w.is_contiguous():
                 w.data = w.data.t().contiguous().t()
@@ -52,19 +56,23 @@ class ModelRunner:
     UnsupportedModelError)."""
 
     def __init__(self, source: ModelSource, device: str, dtype: torch.dtype,
-                 load_format: str = "auto", seed: int = 0, progress: bool = True):
+                 load_format: str = "auto", seed: int = 0, progress: bool = True,
+                 quantization: str | None = None, kv_cache_dtype: str = "auto"):
         self.cfg: ModelConfig = source.config
         self.device = torch.device(device)
         self.dtype = dtype
+        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
+        dummy = load_format == "dummy" or source.fmt == "dummy"
+        self.quant_config = get_quant_config(self.cfg.quantization_config, quantization, dummy, source.fmt)
         cls = get_model_class(self.cfg)
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
             with self.device:
-                self.model = cls(self.cfg).eval()
+                self.model = cls(self.cfg, self.quant_config).eval()
         finally:
             torch.set_default_dtype(prev)
-        if load_format == "dummy" or source.fmt == "dummy":
+        if dummy:
             init_dummy_weights(self.model, seed)
         else:
             load_weights(self.model, source.weights(), progress=progress)
@@ -79,6 +87,14 @@ class ModelRunner:
         self.block_size = 16
         self.num_blocks = 0
         self.graphs = None
+        if self.attn_backend is attention_triton and self.kv_cache_dtype == torch.float8_e4m3fn:
+            raise UnsupportedModelError("--kv-cache-dtype fp8 runs on CPU (torch attention) only "
+                                        "so far: the Triton attention kernels do not read FP8 yet")
+
+    def memory_requirements(self, tp: int):
+        """MemoryRequirements per rank of this model: its quantization and KV cache dtype."""
+        bits = self.quant_config.weight_bits() if self.quant_config else None
+        return compute_memory_requirements(self.cfg, self.dtype, tp, self.kv_cache_dtype, bits)
 
     def release(self) -> None:
         """Drop graphs, KV cache and weights so the device memory is free at once."""
@@ -113,12 +129,14 @@ class ModelRunner:
 
     # ---- KV cache ---------------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """One [2, num_blocks, block_size, kv_heads_per_rank, head_dim] tensor per layer."""
+        """One [2, num_blocks, block_size, kv_heads_per_rank, head_dim] tensor per layer, in
+        the KV cache dtype (float8_e4m3fn with --kv-cache-dtype fp8: K and V are stored
+        divided by the layer's k_scale / v_scale)."""
         self.num_blocks, self.block_size = num_blocks, block_size
         a = self.attn_layers[0]
         for layer in self.attn_layers:
             layer.kv_cache = torch.zeros(2, num_blocks, block_size, a.num_kv_heads, a.head_dim,
-                                         dtype=self.dtype, device=self.device)
+                                         dtype=self.kv_cache_dtype, device=self.device)
 
     # ---- forward ------------------------------------------------------------------------
     @torch.inference_mode()

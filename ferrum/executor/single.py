@@ -24,7 +24,9 @@ class SingleDeviceExecutor(ExecutorBase):
         super().__init__(source, config)
         torch.manual_seed(config.seed)
         init_tensor_parallel(0, 1, None)  # layers built below see TP size 1
-        self.runner = ModelRunner(source, self.device, self.dtype, config.load_format, config.seed, progress)
+        self.runner = ModelRunner(source, self.device, self.dtype, config.load_format, config.seed, progress,
+                                  config.quantization, config.cache.kv_cache_dtype)
+        self.memory = self.runner.memory_requirements(1)
         s = config.scheduler
         self.num_blocks = num_kv_blocks(self.memory, config.cache, self.device, self.max_model_len,
                                         s.max_num_seqs, s.max_num_batched_tokens)

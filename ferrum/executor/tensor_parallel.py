@@ -106,6 +106,7 @@ class TensorParallelExecutor(ExecutorBase):
         _, self.control = init_distributed(0, self.tp, self.rank_device, None,
                                            config.parallel.step_timeout_s)
         self.runner = build_runner(config, self.rank_device, progress)
+        self.memory = self.runner.memory_requirements(self.tp)
         self.num_blocks = agree_num_blocks(local_num_blocks(self.runner, config, self.rank_device),
                                            self.control)
         self.runner.allocate_kv_cache(self.num_blocks, config.cache.block_size)

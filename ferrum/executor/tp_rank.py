@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ferrum.config import EngineConfig, resolve_dtype, resolve_max_model_len
 from ferrum.distributed.parallel_state import init_tensor_parallel
-from ferrum.executor.memory import compute_memory_requirements, num_kv_blocks
+from ferrum.executor.memory import num_kv_blocks
 from ferrum.interfaces import KvCacheHandle
 
 CONTROL_TIMEOUT = timedelta(days=7)
@@ -60,13 +60,14 @@ def build_runner(config: EngineConfig, device: str, progress: bool):
     from ferrum.model_store import resolve_model
     source = resolve_model(config.model)
     dtype = resolve_dtype(config.dtype, device)
-    return ModelRunner(source, device, dtype, config.load_format, config.seed, progress)
+    return ModelRunner(source, device, dtype, config.load_format, config.seed, progress,
+                       config.quantization, config.cache.kv_cache_dtype)
 
 
 def local_num_blocks(runner, config: EngineConfig, device: str) -> int:
     """KV blocks this rank's memory holds (every rank then takes the minimum over ranks)."""
     tp = config.parallel.tensor_parallel_size
-    mem = compute_memory_requirements(runner.cfg, runner.dtype, tp)
+    mem = runner.memory_requirements(tp)
     s = config.scheduler
     max_len = resolve_max_model_len(runner.cfg, s.max_model_len)
     return num_kv_blocks(mem, config.cache, device, max_len, s.max_num_seqs, s.max_num_batched_tokens)

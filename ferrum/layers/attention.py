@@ -18,6 +18,10 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.kv_cache = torch.empty(0)
+        # FP8 KV cache: K / V are stored divided by these per-layer scales (device tensors, so
+        # a captured CUDA graph reads their current value); 1.0 as vLLM without calibration
+        self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D] in q's dtype."""
@@ -27,9 +31,11 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        backend.write_kv(self.kv_cache, k, v, attn_metadata.slot_mapping)
+        fp8 = self.kv_cache.dtype == torch.float8_e4m3fn
+        scales = dict(k_scale=self.k_scale, v_scale=self.v_scale) if fp8 else {}
+        backend.write_kv(self.kv_cache, k, v, attn_metadata.slot_mapping, **scales)
         if attn_metadata.is_prefill:
-            o = backend.prefill_attention(q, self.kv_cache, attn_metadata, self.scale, k, v)
+            o = backend.prefill_attention(q, self.kv_cache, attn_metadata, self.scale, k, v, **scales)
         else:
-            o = backend.decode_attention(q, self.kv_cache, attn_metadata, self.scale)
+            o = backend.decode_attention(q, self.kv_cache, attn_metadata, self.scale, **scales)
         return o.reshape(T, self.num_heads * self.head_dim)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ferrum.errors import WeightLoadError
+from ferrum.errors import TensorParallelError, WeightLoadError
 from ferrum.loader.base import WeightSource
 
 # Checkpoint entries that are derived state, not weights.
@@ -34,22 +34,30 @@ def load_weights(model: nn.Module, source: WeightSource, progress: bool = True) 
             continue
         try:
             param.weight_loader(param, source.get(name), shard)
-        except WeightLoadError as e:
-            raise WeightLoadError(f"{name}: {e}") from e
+        except (WeightLoadError, TensorParallelError) as e:
+            raise type(e)(f"{name}: {e}") from e
         loaded.add(target if shard is None else f"{target}:{shard}")
+    shards: dict[str, list] = {}  # fused module -> the shard ids it is loaded from
+    for ours, sid in mapping.values():
+        shards.setdefault(ours, []).append(sid)
     missing = []
     for pname, param in params.items():
-        if tied and pname == "lm_head.weight":
+        if (tied and pname == "lm_head.weight") or getattr(param, "optional", False):
             continue
-        if pname.endswith("qkv_proj.weight") or pname.endswith("qkv_proj.bias"):
-            need = [f"{pname}:{s}" for s in "qkv"]
-        elif pname.endswith("gate_up_proj.weight"):
-            need = [f"{pname}:0", f"{pname}:1"]
-        else:
-            need = [pname]
+        module = pname.rsplit(".", 2)[-2] if pname.count(".") >= 1 else ""
+        need = [f"{pname}:{s}" for s in shards[module]] if module in shards else [pname]
         missing += [n for n in need if n not in loaded]
     if missing:
         raise WeightLoadError(f"{len(missing)} tensors missing from the checkpoint, e.g. {missing[:4]}")
+    process_weights_after_loading(model)
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Let each quantized linear turn its checkpoint layout into the layout it runs with."""
+    for mod in model.modules():
+        method = getattr(mod, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(mod)
 
 
 @torch.no_grad()
@@ -57,8 +65,17 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Random weights for speed work: N(0, 0.02) matrices, ones for norm weights. Values are
     drawn on the parameters' device (no host copy), so an 8B model initialises in seconds."""
     g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    quantized = set()
+    for mod in model.modules():  # packed formats draw their own random codes and scales
+        method = getattr(mod, "quant_method", None)
+        if method is not None and method.name != "unquantized":
+            method.init_dummy(mod, g)
+            quantized.update(id(p) for p in mod.parameters(recurse=False))
     for name, p in model.named_parameters():
+        if id(p) in quantized and not name.endswith("bias"):
+            continue
         if name.endswith("norm.weight"):
             p.fill_(1.0)
         elif p.dtype.is_floating_point:
             p.normal_(0.0, 0.02, generator=g)
+    process_weights_after_loading(model)

@@ -26,16 +26,17 @@ class SafetensorsWeight:
     name: str
     shape: tuple[int, ...]
 
-    def _slice(self):
+    def _slice(self, whole: bool = False):
         try:
             f = safe_open(self.path, framework="pt")
-            return f.get_slice(self.name)
+            return f.get_tensor(self.name) if whole else f.get_slice(self.name)
         except Exception as e:  # truncated or corrupt file
             raise WeightLoadError(f"cannot read tensor {self.name!r} from {self.path}: {e}") from e
 
     def load(self) -> torch.Tensor:
-        """The whole tensor, in its stored dtype. Raises WeightLoadError on an unreadable file."""
-        return self._slice()[:]
+        """The whole tensor, in its stored dtype (also 0-dim tensors such as FP8 scales, which
+        slices reject). Raises WeightLoadError on an unreadable file."""
+        return self._slice(whole=True)
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         """Only [start, start + length) along dim, read from the file without the rest."""

@@ -15,6 +15,7 @@ from ferrum.layers.activation import SiluAndMul
 from ferrum.layers.attention import Attention
 from ferrum.layers.layernorm import RMSNorm
 from ferrum.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from ferrum.layers.quantization.base import QuantConfig
 from ferrum.layers.rotary_embedding import RotaryEmbedding
 from ferrum.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 
@@ -23,14 +24,16 @@ class LlamaAttention(nn.Module):
     """Self-attention of one decoder layer: fused qkv projection (column-parallel), optional
     per-head q/k RMSNorm (Qwen3), RoPE, paged attention, o_proj (row-parallel)."""
 
-    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, quant_config: QuantConfig | None = None):
         super().__init__()
         D = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, D, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, bias=cfg.attention_bias)
+                                          cfg.num_key_value_heads, bias=cfg.attention_bias,
+                                          quant_config=quant_config)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * D, cfg.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * D, cfg.hidden_size, bias=False,
+                                        quant_config=quant_config)
         self.rotary_emb = rotary_emb  # one instance shared by all layers (one cos/sin table)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
@@ -55,10 +58,11 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU MLP: down_proj(silu(gate_proj(x)) * up_proj(x)), gate and up fused."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, quant_config: QuantConfig | None = None):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
+                                                       quant_config=quant_config)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, quant_config=quant_config)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,10 +74,10 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm decoder layer; the residual stream is carried between layers un-added (the
     next layer's input norm adds it, `RMSNorm.forward(x, residual)`)."""
 
-    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, quant_config: QuantConfig | None = None):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rotary_emb)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = LlamaAttention(cfg, rotary_emb, quant_config)
+        self.mlp = LlamaMLP(cfg, quant_config)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -92,11 +96,12 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, the decoder layers (one RoPE table shared by all) and the final norm."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, quant_config: QuantConfig | None = None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rope) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rope, quant_config)
+                                    for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -110,7 +115,8 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """input_ids [T] int64, positions [T] int64 -> hidden [T, hidden]; `compute_logits`
-    maps selected hidden rows to [N, vocab] logits (on TP rank 0)."""
+    maps selected hidden rows to [N, vocab] logits (on TP rank 0). With `quant_config` the
+    decoder's linear layers hold quantized weights; embeddings, norms and the LM head do not."""
 
     # HF checkpoint name -> (our fused parameter, shard id)
     packed_modules_mapping = {
@@ -121,10 +127,10 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, quant_config: QuantConfig | None = None):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.model = LlamaModel(cfg, quant_config)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

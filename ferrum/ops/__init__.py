@@ -8,6 +8,8 @@ torch code beside its Triton kernel.
 - `attention_torch` / `attention_triton`: paged attention backends with the same three
   functions (`write_kv`, `prefill_attention`, `decode_attention`); the model runner picks one.
 - `triton_utils`: Triton availability and the programmatic-dependent-launch helpers.
+- `fp8`, `int4`, `gguf`: linears over quantized weights (FP8 e4m3; GPTQ / AWQ 4-bit; GGUF
+  blocks): Triton GEMV for 1-8 rows, a GEMM above, dequantize + F.linear on CPU.
 
 Layers (`ferrum.layers`) are thin modules that own parameters and call these.
 """

@@ -4,6 +4,8 @@ CUDA. Same three functions, shapes and KV layout as `ferrum.ops.attention_triton
 KV cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V).
 K/V are always read through the block table; nothing is kept per sequence elsewhere.
 Grouped-query attention (Ainslie et al. 2023) via SDPA's `enable_gqa`.
+FP8 KV cache (`torch.float8_e4m3fn`): K and V are stored divided by the layer's k_scale /
+v_scale ([1] float32 tensors) and multiplied back in float32 when read.
 """
 from __future__ import annotations
 
@@ -13,12 +15,34 @@ import torch.nn.functional as F
 from ferrum.forward_context import AttentionMetadata
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale rounded to e4m3 (saturating at +-448)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def read_kv(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """Cached K or V in `dtype`: times `scale` (in float32) when the cache is FP8."""
+    if x.dtype != FP8:
+        return x.to(dtype)
+    return (x.float() * scale).to(dtype)
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """Write this step's K/V into the paged cache, in place. k, v: [T, Hkv, D] (cast to the
-    cache dtype) -> flat slots `slot_mapping` [T] int64 (block_id * block_size + offset, all
-    >= 0: padded CUDA-graph rows with slot -1 only meet the Triton backend)."""
+    cache dtype; FP8: divided by k_scale / v_scale [1] float32 and rounded to e4m3) -> flat
+    slots `slot_mapping` [T] int64 (block_id * block_size + offset, all >= 0: padded
+    CUDA-graph rows with slot -1 only meet the Triton backend)."""
     _, nb, bs, h, d = kv_cache.shape
+    if kv_cache.dtype == FP8:  # index_copy_ has no float8 kernel: copy the bytes
+        raw = kv_cache.view(torch.uint8)
+        raw[0].view(nb * bs, h, d).index_copy_(0, slot_mapping, to_fp8(k, k_scale).view(torch.uint8))
+        raw[1].view(nb * bs, h, d).index_copy_(0, slot_mapping, to_fp8(v, v_scale).view(torch.uint8))
+        return
     kv_cache[0].view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
     kv_cache[1].view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
@@ -32,12 +56,16 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
 
 
 def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
-                      scale: float, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                      scale: float, k: torch.Tensor, v: torch.Tensor,
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal paged attention for prefill chunks: q [T, H, D] (new tokens of all sequences,
     concatenated in metadata order) -> new [T, H, D]. k, v: [T, Hkv, D] this step's K/V
-    (already written to the cache; a chunk with no cached context attends to them directly).
+    (already written to the cache; a chunk with no cached context attends to them directly, as
+    stored: rounded to e4m3 first when the cache is FP8, so it sees what later steps read).
     Query j of a sequence sits at position context_len + j and sees keys 0..context_len + j
     (causal with an offset); query_lens / context_lens / block_tables come from attn_metadata."""
+    if kv_cache.dtype == FP8:
+        k, v = read_kv(to_fp8(k, k_scale), q.dtype, k_scale), read_kv(to_fp8(v, v_scale), q.dtype, v_scale)
     out = torch.empty_like(q)
     start = 0
     for i, (qlen, ctx) in enumerate(zip(attn_metadata.query_lens, attn_metadata.context_lens)):
@@ -55,7 +83,8 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: At
             causal = False
         # 4-D [1, heads, len, D] so CPU gets the flash kernel (3-D takes the math path).
         o = F.scaled_dot_product_attention(
-            qi[None], ki.transpose(0, 1).to(q.dtype)[None], vi.transpose(0, 1).to(q.dtype)[None],
+            qi[None], read_kv(ki.transpose(0, 1), q.dtype, k_scale)[None],
+            read_kv(vi.transpose(0, 1), q.dtype, v_scale)[None],
             attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
         out[start:start + qlen] = o[0].transpose(0, 1)
         start += qlen
@@ -97,9 +126,10 @@ def _decode_plan(attn_metadata: AttentionMetadata, block_size: int):
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
-                     scale: float) -> torch.Tensor:
+                     scale: float, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Paged decode attention: q [B, H, D], one token per sequence -> new [B, H, D] in q's
-    dtype (K/V cast to it).
+    dtype (K/V cast to it; an FP8 cache times k_scale / v_scale).
 
     With Python context lengths in `attn_metadata` (the model runner's eager decode): K/V read
     in place when every sequence's blocks are consecutive, else one `index_select` of exactly
@@ -119,8 +149,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Att
         for i, (n, s) in enumerate(zip(lens, starts)):
             # 4-D [1, heads, len, D]: the flash CPU kernel (3-D inputs take the math path,
             # which repeats K/V for GQA).
-            k = kv[0, s:s + n].transpose(0, 1).unsqueeze(0).to(q.dtype)
-            v = kv[1, s:s + n].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            k = read_kv(kv[0, s:s + n].transpose(0, 1).unsqueeze(0), q.dtype, k_scale)
+            v = read_kv(kv[1, s:s + n].transpose(0, 1).unsqueeze(0), q.dtype, v_scale)
             out[i] = F.scaled_dot_product_attention(q[i, :, None][None], k, v, scale=scale,
                                                     enable_gqa=True)[0, :, 0]
         return out
@@ -131,6 +161,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Att
     k = kv_cache[0][bt].view(B, L, *kv_cache.shape[3:]).transpose(1, 2)
     v = kv_cache[1][bt].view(B, L, *kv_cache.shape[3:]).transpose(1, 2)
     mask = (torch.arange(L, device=q.device)[None, :] < attn_metadata.seq_lens[:, None]).view(B, 1, 1, L)
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype),
-                                       attn_mask=mask, scale=scale, enable_gqa=True)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), read_kv(k, q.dtype, k_scale),
+                                       read_kv(v, q.dtype, v_scale), attn_mask=mask, scale=scale,
+                                       enable_gqa=True)
     return o.squeeze(2)

@@ -1,0 +1,198 @@
+"""Linears over GGUF-quantized weights kept in their llama.cpp block layout.
+
+A weight [N, K] is `raw` [N, K // QK * BPB] uint8: row n is its K // QK blocks of BPB bytes
+(ggml-common.h; QK elements per block):
+    Q4_0 (QK 32, 18 B): fp16 d; qs[16]: x[j] = d * ((qs[j] & 15) - 8), x[j+16] = d * ((qs[j] >> 4) - 8)
+    Q8_0 (QK 32, 34 B): fp16 d; int8 qs[32]: x[j] = d * qs[j]
+    Q4_K (QK 256, 144 B): fp16 d, dmin; scales[12] (eight 6-bit scale / min pairs,
+        `get_scale_min_k4`); qs[128]: element e of chunk c = e // 64 is nibble (e // 32) % 2 of
+        qs[32c + e % 32]; x = d * sc[s] * q - dmin * m[s], sub-block s = e // 32
+    Q5_K (QK 256, 176 B): as Q4_K plus qh[32] before qs: bit s of qh[e % 32] is the fifth bit
+    Q6_K (QK 256, 210 B): ql[128], qh[64], int8 scales[16], fp16 d: element e of half H = e // 128,
+        quarter Q = (e % 128) // 32, l = e % 32 is (nibble Q // 2 of ql[64H + 32(Q % 2) + l]) |
+        (((qh[32H + l] >> 2Q) & 3) << 4), minus 32, times d * scales[8H + 2Q + l // 16]
+The reference decoder is the `gguf` package's (a numpy port of llama.cpp's dequantize_row_*).
+
+- `gguf_gemv` (1-8 rows, CUDA): Triton; each program streams BLOCK_N rows, decodes 256
+  elements per row and step in registers (byte gathers within the block), multiplies by x.
+- more rows (CUDA): `gguf_dequantize_triton` writes the 16-bit weight once, then cuBLAS.
+- CPU and the reference: `gguf_dequantize`, then F.linear.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ferrum.ops.fp8 import MAX_GEMV_ROWS
+from ferrum.ops.triton_utils import HAS_TRITON, pdl_ok, pdl_start, use_triton
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+Q4_0, Q8_0, Q4_K, Q5_K, Q6_K = 2, 8, 12, 13, 14  # GGMLQuantizationType values
+BLOCK = {Q4_0: (32, 18), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
+PACKED_TYPES = tuple(BLOCK)
+CHUNK = 256  # elements of a row decoded per kernel step
+DEQUANT_BLOCK_N = 8  # rows per program of the dequantize kernel (16 spills registers for Q6_K)
+
+
+def gguf_dequantize(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """raw [N, K // QK * BPB] uint8 (any device) -> [N, K] float32 on raw's device (decoded on
+    CPU by the `gguf` package)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    arr = dequantize(raw.cpu().numpy(), GGMLQuantizationType(qtype))
+    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(raw.shape[0], k).to(raw.device)
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _u8(ptr, mask):
+        return tl.load(ptr, mask=mask, other=0).to(tl.int32)
+
+    @triton.jit
+    def _f16(ptr, mask):
+        """fp16 at byte address ptr (any alignment) as float32."""
+        lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
+        hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
+        return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _scale_min_k4(sc_ptr, s, mask):
+        """llama.cpp get_scale_min_k4: 6-bit scale and min of sub-block s (0..7)."""
+        lo = s < 4
+        a = _u8(sc_ptr + s, mask)                     # q[j]
+        b = _u8(sc_ptr + s + 4, mask)                 # q[j + 4]
+        c = _u8(sc_ptr + tl.where(lo, s, s - 4), mask)   # q[j - 4] (j >= 4)
+        sc = tl.where(lo, a & 63, (b & 15) | ((c >> 6) << 4))
+        m = tl.where(lo, b & 63, (b >> 4) | ((a >> 6) << 4))
+        return sc.to(tl.float32), m.to(tl.float32)
+
+    @triton.jit
+    def _decode(rows, k0, n_mask, K, QTYPE: tl.constexpr):
+        """[BLOCK_N, CHUNK] float32: elements k0 .. k0 + CHUNK of the rows at byte pointers
+        `rows` [BLOCK_N, 1] (k0 a multiple of CHUNK; elements >= K are 0)."""
+        e = k0 + tl.arange(0, 256)
+        mask = n_mask[:, None] & (e < K)[None, :]
+        if QTYPE == 2 or QTYPE == 8:  # Q4_0 / Q8_0: 32-element blocks
+            BPB: tl.constexpr = 18 if QTYPE == 2 else 34
+            blk = rows + ((e // 32) * BPB)[None, :]
+            d = _f16(blk, mask)
+            j = (e % 32)[None, :]
+            if QTYPE == 2:
+                byte = _u8(blk + 2 + (j % 16), mask)
+                q = tl.where(j < 16, byte & 15, byte >> 4) - 8
+            else:
+                q = tl.load(blk + 2 + j, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.int32)
+            w = d * q.to(tl.float32)
+        else:  # K-quants: one 256-element super-block per step
+            BPB2: tl.constexpr = 144 if QTYPE == 12 else (176 if QTYPE == 13 else 210)
+            blk = rows + (k0 // 256) * BPB2
+            r = (e % 256)[None, :]
+            if QTYPE == 14:  # Q6_K
+                H = r // 128
+                Q = (r % 128) // 32
+                l = r % 32
+                ql = _u8(blk + 64 * H + 32 * (Q % 2) + l, mask)
+                qh = _u8(blk + 128 + 32 * H + l, mask)
+                q = (tl.where(Q < 2, ql & 15, ql >> 4) | (((qh >> (2 * Q)) & 3) << 4)) - 32
+                sc = tl.load(blk + 192 + 8 * H + 2 * Q + l // 16, mask=mask, other=0).to(tl.int8, bitcast=True)
+                w = _f16(blk + 208, mask) * sc.to(tl.float32) * q.to(tl.float32)
+            else:  # Q4_K / Q5_K
+                d = _f16(blk, mask)
+                dmin = _f16(blk + 2, mask)
+                s = r // 32
+                sc, m = _scale_min_k4(blk + 4, s, mask)
+                QS: tl.constexpr = 16 if QTYPE == 12 else 48
+                byte = _u8(blk + QS + 32 * (r // 64) + r % 32, mask)
+                q = tl.where(s % 2 == 0, byte & 15, byte >> 4)
+                if QTYPE == 13:
+                    qh = _u8(blk + 16 + r % 32, mask)
+                    q += ((qh >> s) & 1) << 4
+                w = d * sc * q.to(tl.float32) - dmin * m
+        return w
+
+    @triton.jit
+    def _gguf_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                          QTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+        pid = tl.program_id(0)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        offs_m = tl.arange(0, BLOCK_M)
+        m_mask = offs_m < M
+        rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+        w = _decode(rows, 0, n_mask, K, QTYPE)
+        if USE_PDL:
+            pdl_start()
+        offs_k = tl.arange(0, 256)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)
+        if BLOCK_M == 1:
+            acc = w * x
+            for k0 in range(256, K, 256):
+                offs_k = k0 + tl.arange(0, 256)
+                x = tl.load(x_ptr + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0).to(tl.float32)
+                acc += _decode(rows, k0, n_mask, K, QTYPE) * x
+            y = tl.sum(acc, axis=1)[None, :]
+        else:
+            y = tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+            for k0 in range(256, K, 256):
+                offs_k = k0 + tl.arange(0, 256)
+                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                            mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)
+                y += tl.sum(x[:, None, :] * _decode(rows, k0, n_mask, K, QTYPE)[None, :, :], axis=2)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
+                 mask=m_mask[:, None] & n_mask[None, :])
+
+    @triton.jit
+    def _gguf_dequant_kernel(w_ptr, out_ptr, N, K, stride_wn, stride_on, QTYPE: tl.constexpr,
+                             BLOCK_N: tl.constexpr):
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        k0 = tl.program_id(1) * 256
+        w = _decode(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn, k0, n_mask, K, QTYPE)
+        offs_k = k0 + tl.arange(0, 256)
+        tl.store(out_ptr + offs_n[:, None].to(tl.int64) * stride_on + offs_k[None, :],
+                 w.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & (offs_k < K)[None, :])
+
+
+def gguf_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: int, bias: torch.Tensor | None = None,
+              block_n: int | None = None) -> torch.Tensor:
+    """x: [M, K] (M <= 8, unit stride along K); raw: [N, K // QK * BPB] uint8 (rows
+    contiguous); bias [N] or None -> [M, N] in x's dtype."""
+    M, K = x.shape
+    N = raw.shape[0]
+    qk, bpb = BLOCK[qtype]
+    assert M <= MAX_GEMV_ROWS and raw.shape[1] * qk == K * bpb and raw.stride(1) == 1 and x.stride(1) == 1
+    bn = block_n or (8 if M == 1 else 4)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    pdl = pdl_ok(x)
+    _gguf_gemv_kernel[(triton.cdiv(N, bn),)](
+        x, raw, bias if bias is not None else x, y, M, N, K, x.stride(0), raw.stride(0), y.stride(0),
+        QTYPE=qtype, HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=bn,
+        USE_PDL=pdl, num_warps=4, num_stages=2, launch_pdl=pdl)
+    return y
+
+
+def gguf_dequantize_triton(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """As `gguf_dequantize`, decoded on raw's device by Triton, in `dtype`."""
+    N = raw.shape[0]
+    out = torch.empty(N, k, dtype=dtype, device=raw.device)
+    _gguf_dequant_kernel[(triton.cdiv(N, DEQUANT_BLOCK_N), triton.cdiv(k, CHUNK))](
+        raw, out, N, k, raw.stride(0), out.stride(0), QTYPE=qtype, BLOCK_N=DEQUANT_BLOCK_N, num_warps=4)
+    return out
+
+
+def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T + bias with W packed as GGUF `qtype` (module docstring). x: [T, K]."""
+    K = x.shape[1]
+    if use_triton(x) and x.stride(1) == 1:
+        if x.shape[0] <= MAX_GEMV_ROWS:
+            return gguf_gemv(x, raw, qtype, bias)
+        return F.linear(x, gguf_dequantize_triton(raw, qtype, K, x.dtype), bias)
+    return F.linear(x, gguf_dequantize(raw, qtype, K).to(x.dtype), bias)

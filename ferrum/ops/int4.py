@@ -1,0 +1,224 @@
+"""4-bit integer weight linears with per-group scales and zero points (GPTQ, AWQ; W4A16):
+w[n, k] = (q[n, k] - z[n, g(k)]) * s[n, g(k)], g(k) = k // group_size, or g_idx[k] when the
+checkpoint was quantized in activation order (GPTQ `desc_act`).
+
+ferrum's packed layout (the checkpoint formats are converted to it at load,
+ferrum/layers/quantization/gptq.py and awq.py):
+    qweight [N, K // 8] int32: word w of row n holds q[n, 8w + j] in bits 4j..4j+3;
+    scales  [N, G] 16-bit, zeros [N, G] same dtype (integers 0..16), G = K // group_size;
+    g_idx   [K] int32 or None.
+Rows are output features, so a GEMV program streams whole rows like the bf16 GEMV does.
+
+- `int4_gemv` (1-8 rows, CUDA): Triton; each [BLOCK_N, BLOCK_K // 8] tile of words is widened
+  to [BLOCK_N, BLOCK_K] nibbles in registers (`tl.interleave`), dequantized with the gathered
+  group scales and zeros and multiplied by x; PDL as the bf16 GEMV.
+- `int4_gemm` (more rows, CUDA): Triton tensor-core GEMM that dequantizes each weight tile in
+  registers before `tl.dot` (x [BLOCK_M, BLOCK_K] x w^T [BLOCK_K, BLOCK_N]).
+- CPU and the reference: `dequantize_int4`, then F.linear.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ferrum.ops.fp8 import MAX_GEMV_ROWS, gemv_rows_config
+from ferrum.ops.triton_utils import HAS_TRITON, pdl_ok, pdl_start, use_triton
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+PACK = 8  # 4-bit values per int32
+
+
+def unpack_int4_rows(qweight: torch.Tensor) -> torch.Tensor:
+    """[R, C] int32 -> [R, C * 8] int32 nibbles, nibble j of word c at column 8c + j."""
+    shifts = torch.arange(0, 32, 4, device=qweight.device, dtype=torch.int32)
+    return ((qweight[..., None] >> shifts) & 0xF).reshape(qweight.shape[0], -1)
+
+
+def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
+    """[R, C * 8] integers 0..15 -> [R, C] int32 (inverse of `unpack_int4_rows`)."""
+    q = q.to(torch.int64).reshape(q.shape[0], -1, PACK)
+    words = (q << torch.arange(0, 32, 4, device=q.device)).sum(dim=-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def group_index(K: int, group_size: int, g_idx: torch.Tensor | None, device) -> torch.Tensor:
+    """[K] int64: the group of each input feature."""
+    if g_idx is not None:
+        return g_idx.to(torch.int64)
+    return torch.arange(K, device=device) // group_size
+
+
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                    g_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """ferrum's packed layout (module docstring) -> [N, K] float32."""
+    q = unpack_int4_rows(qweight).float()
+    g = group_index(q.shape[1], group_size, g_idx, q.device)
+    return (q - zeros.float()[:, g]) * scales.float()[:, g]
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _w4_tile(qw_rows, s_rows, z_rows, g_ptr, k0, n_mask, K, GROUP: tl.constexpr,
+                 HAS_GIDX: tl.constexpr, EVEN: tl.constexpr, BLOCK_K: tl.constexpr):
+        """[BLOCK_N, BLOCK_K] float32 weights for input features k0 .. k0 + BLOCK_K (k0 a
+        multiple of 8) of the rows whose base pointers are qw_rows / s_rows / z_rows
+        ([BLOCK_N, 1] each)."""
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        if EVEN:
+            words = tl.load(qw_rows + offs_w[None, :], eviction_policy="evict_first")
+        else:
+            words = tl.load(qw_rows + offs_w[None, :], mask=n_mask[:, None] & (offs_w * 8 < K)[None, :],
+                            other=0, eviction_policy="evict_first")
+        words = tl.interleave(words, words)
+        words = tl.interleave(words, words)
+        words = tl.interleave(words, words)           # [BLOCK_N, BLOCK_K]: the word of each k
+        q = (words >> ((offs_k % 8) * 4)[None, :]) & 0xF
+        if HAS_GIDX:
+            g = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0)
+        else:
+            g = offs_k // GROUP
+        if EVEN:
+            s = tl.load(s_rows + g[None, :]).to(tl.float32)
+            z = tl.load(z_rows + g[None, :]).to(tl.float32)
+        else:
+            gmask = n_mask[:, None] & (offs_k < K)[None, :]
+            s = tl.load(s_rows + g[None, :], mask=gmask, other=0.0).to(tl.float32)
+            z = tl.load(z_rows + g[None, :], mask=gmask, other=0.0).to(tl.float32)
+        return (q.to(tl.float32) - z) * s
+
+    @triton.jit
+    def _x_rows(x_ptr, stride_xm, offs_m, m_mask, k0, K, BLOCK_K: tl.constexpr):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        return tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                       mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _w4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, y_ptr, M, N, K,
+                        stride_xm, stride_qn, stride_sn, stride_ym,
+                        GROUP: tl.constexpr, HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+        pid = tl.program_id(0)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        offs_m = tl.arange(0, BLOCK_M)
+        m_mask = offs_m < M
+        qw_rows = qw_ptr + offs_n[:, None].to(tl.int64) * stride_qn
+        s_rows = s_ptr + offs_n[:, None].to(tl.int64) * stride_sn
+        z_rows = z_ptr + offs_n[:, None].to(tl.int64) * stride_sn
+        w = _w4_tile(qw_rows, s_rows, z_rows, g_ptr, 0, n_mask, K, GROUP, HAS_GIDX, EVEN, BLOCK_K)
+        if USE_PDL:
+            pdl_start()  # x (the previous kernel's output) is ready after this
+        x = _x_rows(x_ptr, stride_xm, offs_m, m_mask, 0, K, BLOCK_K)
+        if BLOCK_M == 1:  # one row: accumulate the tile, reduce once at the end
+            acc = w * x
+            for k0 in range(BLOCK_K, K, BLOCK_K):
+                w = _w4_tile(qw_rows, s_rows, z_rows, g_ptr, k0, n_mask, K, GROUP, HAS_GIDX, EVEN, BLOCK_K)
+                acc += w * _x_rows(x_ptr, stride_xm, offs_m, m_mask, k0, K, BLOCK_K)
+            y = tl.sum(acc, axis=1)[None, :]
+        else:  # 2-8 rows: [M, N, K] products reduced over K per tile
+            y = tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+            for k0 in range(BLOCK_K, K, BLOCK_K):
+                w = _w4_tile(qw_rows, s_rows, z_rows, g_ptr, k0, n_mask, K, GROUP, HAS_GIDX, EVEN, BLOCK_K)
+                x = _x_rows(x_ptr, stride_xm, offs_m, m_mask, k0, K, BLOCK_K)
+                y += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
+                 mask=m_mask[:, None] & n_mask[None, :])
+
+    @triton.jit
+    def _w4_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, y_ptr, M, N, K,
+                        stride_xm, stride_qn, stride_sn, stride_ym,
+                        GROUP: tl.constexpr, HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        qw_rows = qw_ptr + offs_n[:, None].to(tl.int64) * stride_qn
+        s_rows = s_ptr + offs_n[:, None].to(tl.int64) * stride_sn
+        z_rows = z_ptr + offs_n[:, None].to(tl.int64) * stride_sn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                        mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+            w = _w4_tile(qw_rows, s_rows, z_rows, g_ptr, k0, n_mask, K, GROUP, HAS_GIDX, EVEN, BLOCK_K)
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PREC)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
+                 acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _launch_args(x, qweight, scales, zeros, g_idx, bias, y, group_size):
+    M, K = x.shape
+    N = qweight.shape[0]
+    return (x, qweight, scales, zeros, g_idx if g_idx is not None else qweight,
+            bias if bias is not None else scales, y, M, N, K, x.stride(0), qweight.stride(0),
+            scales.stride(0), y.stride(0)), dict(GROUP=group_size, HAS_GIDX=g_idx is not None,
+                                                  HAS_BIAS=bias is not None)
+
+
+def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+              group_size: int, g_idx: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+              config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """x: [M, K] (M <= 8, unit stride along K); packed weight as in the module docstring
+    (scales / zeros with unit stride along G); bias [N] or None -> [M, N] in x's dtype."""
+    M, K = x.shape
+    N = qweight.shape[0]
+    assert M <= MAX_GEMV_ROWS and qweight.shape[1] * 8 == K and x.stride(1) == 1
+    bn, bk, warps, stages = config or gemv_rows_config(N, K, M)
+    bk = max(bk, 8)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    args, kw = _launch_args(x, qweight, scales, zeros, g_idx, bias, y, group_size)
+    pdl = pdl_ok(x)
+    _w4_gemv_kernel[(triton.cdiv(N, bn),)](
+        *args, **kw, EVEN=N % bn == 0 and K % bk == 0, BLOCK_M=triton.next_power_of_2(M),
+        BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
+    return y
+
+
+def int4_gemm_config(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of `int4_gemm`."""
+    bm = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
+    bk = 64
+    while bk > 16 and K % bk:
+        bk //= 2
+    return bm, 128 if M > 64 else 64, bk, 4 if bm <= 64 else 8, 3
+
+
+def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+              group_size: int, g_idx: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+              config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """As `int4_gemv` for any number of rows (tensor cores through tl.dot; x 16-bit on GPU)."""
+    M, K = x.shape
+    N = qweight.shape[0]
+    bm, bn, bk, warps, stages = config or int4_gemm_config(M, N, K)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    args, kw = _launch_args(x, qweight, scales, zeros, g_idx, bias, y, group_size)
+    _w4_gemm_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+        *args, **kw, EVEN=N % bn == 0 and K % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
+    return y
+
+
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                group_size: int, g_idx: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T + bias with W in ferrum's packed 4-bit layout. x: [T, K]. Dispatch: Triton
+    GEMV for T <= 8, Triton dequant-in-tile GEMM above (CUDA); dequantize + F.linear on CPU."""
+    if use_triton(x) and x.stride(1) == 1 and x.dtype != torch.float32:
+        if x.shape[0] <= MAX_GEMV_ROWS:
+            return int4_gemv(x, qweight, scales, zeros, group_size, g_idx, bias)
+        return int4_gemm(x, qweight, scales, zeros, group_size, g_idx, bias)
+    w = dequantize_int4(qweight, scales, zeros, group_size, g_idx)
+    return F.linear(x, w.to(x.dtype), bias)

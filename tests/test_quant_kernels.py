@@ -1,0 +1,360 @@
+"""Quantized-weight kernels (ferrum/ops/fp8.py, int4.py, gguf.py) against the
+dequantize-then-matmul reference in float64.
+
+On CPU the Triton kernels run in Triton's interpreter, in a subprocess (TRITON_INTERPRET must be
+set before triton is imported; see tests/test_triton_kernels.py, whose interpreter fixes this
+reuses). The same `check_*` functions run on CUDA in the `gpu`-marked tests, plus Llama-3-8B
+shapes there. Each check asserts the max error relative to the largest reference output:
+bf16 outputs round at 2^-9 = 2e-3 relative, so the bound is 1e-2 (fp16: 5e-3).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.abspath(__file__)
+ROOT = os.path.dirname(os.path.dirname(HERE))
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_CUDA = torch.cuda.is_available()
+REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3}
+
+
+def _interp_main(name: str) -> None:
+    sys.path.insert(0, os.path.dirname(HERE))
+    torch.set_num_threads(1)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from test_triton_kernels import _shim_interpreter
+        _shim_interpreter()
+    globals()[name]("cpu")
+    print(f"{name}: ok")
+
+
+def _run_interpreted(name: str) -> str:
+    env = dict(os.environ, TRITON_INTERPRET="1", FERRUM_FORCE_TRITON="1", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    code = ("import importlib.util as u\n"
+            f"s = u.spec_from_file_location('_ferrum_qk', {HERE!r}); m = u.module_from_spec(s)\n"
+            f"s.loader.exec_module(m); m._interp_main({name!r})\n")
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, f"{name} failed:\n{r.stdout}\n{r.stderr[-6000:]}"
+    return r.stdout
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got = got.double().cpu()
+    assert not torch.isnan(got).any(), "NaN in output"
+    return ((got - ref).abs().max() / ref.abs().max()).item()
+
+
+def _check(got, ref, dtype, what):
+    err = _rel_err(got, ref)
+    print(f"{what}: max rel err {err:.2e}")
+    assert err < REL_TOL[dtype], f"{what}: max rel err {err:.2e} > {REL_TOL[dtype]}"
+
+
+def _int4_case(N, K, group, act_order, gen, device):
+    """Random packed 4-bit weight in ferrum's layout: (qweight, scales, zeros, g_idx)."""
+    from ferrum.ops import int4
+    G = K // group
+    q = torch.randint(0, 16, (N, K), generator=gen, dtype=torch.int32)
+    scales = (torch.rand(N, G, generator=gen) * 0.02 + 0.005).half()
+    zeros = torch.randint(0, 16, (N, G), generator=gen).half()
+    g_idx = None
+    if act_order:
+        g_idx = torch.empty(K, dtype=torch.int32)
+        g_idx[torch.randperm(K, generator=gen)] = (torch.arange(K) // group).to(torch.int32)
+    t = [int4.pack_int4_rows(q), scales, zeros, g_idx]
+    return [None if x is None else x.to(device) for x in t]
+
+
+# ---------------------------------------------------------------------------------------------
+# checks (on "cpu" in the interpreter subprocess, or on "cuda" in-process)
+# ---------------------------------------------------------------------------------------------
+def check_fp8_gemv(device: str, shapes=((64, 256), (40, 96)), rows=(1, 8)) -> None:
+    from ferrum.ops import fp8
+    gen = torch.Generator().manual_seed(1)
+    for dtype in (torch.bfloat16, torch.float16):
+        for N, K in shapes:
+            w, scale = fp8.quantize_fp8_per_channel(torch.randn(N, K, generator=gen) * 0.05)
+            b = torch.randn(N, generator=gen).to(dtype)
+            ref_w = fp8.dequantize_fp8(w, scale).double()
+            for M in rows:
+                x = torch.randn(M, K, generator=gen).to(dtype)
+                for bias in (None, b):
+                    ref = torch.nn.functional.linear(x.double(), ref_w, None if bias is None else bias.double())
+                    got = fp8.fp8_gemv(x.to(device), w.to(device), scale.to(device),
+                                       None if bias is None else bias.to(device))
+                    assert got.shape == (M, N) and got.dtype == dtype
+                    _check(got, ref, dtype, f"fp8 gemv {dtype} M={M} N={N} K={K} bias={bias is not None}")
+
+
+def check_int4_gemv(device: str, shapes=((64, 256), (40, 128)), rows=(1, 5)) -> None:
+    from ferrum.ops import int4
+    gen = torch.Generator().manual_seed(2)
+    for N, K in shapes:
+        for group in (32, 64, 128):
+            if K % group:
+                continue
+            for act_order in (False, True):
+                qw, s, z, g = _int4_case(N, K, group, act_order, gen, device)
+                ref_w = int4.dequantize_int4(qw.cpu(), s.cpu(), z.cpu(), group, None if g is None else g.cpu()).double()
+                for M in rows:
+                    dtype = torch.bfloat16 if M != 5 else torch.float16
+                    x = torch.randn(M, K, generator=gen).to(dtype)
+                    ref = torch.nn.functional.linear(x.double(), ref_w)
+                    got = int4.int4_gemv(x.to(device), qw, s, z, group, g)
+                    _check(got, ref, dtype, f"int4 gemv M={M} N={N} K={K} g={group} act_order={act_order}")
+
+
+def check_int4_gemm(device: str, shapes=((64, 256),), rows=(9, 40)) -> None:
+    from ferrum.ops import int4
+    gen = torch.Generator().manual_seed(3)
+    for N, K in shapes:
+        for group, act_order in ((32, False), (128, True)):
+            qw, s, z, g = _int4_case(N, K, group, act_order, gen, device)
+            ref_w = int4.dequantize_int4(qw.cpu(), s.cpu(), z.cpu(), group, None if g is None else g.cpu()).double()
+            b = torch.randn(N, generator=gen).to(torch.bfloat16)
+            for M in rows:
+                x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+                ref = torch.nn.functional.linear(x.double(), ref_w, b.double())
+                cfg = (16, 32, 32, 4, 1) if device == "cpu" else None  # small tiles: the interpreter is slow
+                got = int4.int4_gemm(x.to(device), qw, s, z, group, g, b.to(device), config=cfg)
+                _check(got, ref, torch.bfloat16, f"int4 gemm M={M} N={N} K={K} g={group} act_order={act_order}")
+
+
+CHECKS = ["check_fp8_gemv", "check_int4_gemv", "check_int4_gemm"]
+interp = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUDA + triton")]
+
+
+@interp
+@pytest.mark.parametrize("check", CHECKS)
+def test_kernel_in_interpreter(check):
+    print(_run_interpreted(check))
+
+
+def test_cpu_dispatch_is_the_dequantized_reference():
+    """Without CUDA the linears dequantize and call F.linear: the same numbers as the
+    dequantized weight (which is what CPU models hold after loading)."""
+    if os.environ.get("FERRUM_FORCE_TRITON") == "1":
+        pytest.skip("FORCE_TRITON set")
+    from ferrum.ops import fp8, int4
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 128, generator=gen)
+    w, s = fp8.quantize_fp8_per_channel(torch.randn(32, 128, generator=gen))
+    torch.testing.assert_close(fp8.fp8_linear(x, w, s), x @ fp8.dequantize_fp8(w, s).t())
+    qw, sc, z, g = _int4_case(32, 128, 32, True, gen, "cpu")
+    torch.testing.assert_close(int4.int4_linear(x, qw, sc, z, 32, g), x @ int4.dequantize_int4(qw, sc, z, 32, g).t())
+
+
+@pytest.mark.parametrize("check", CHECKS)
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUDA + triton")
+def test_kernel_on_gpu(check):
+    globals()[check]("cuda")
+
+
+LLAMA3_8B = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))  # qkv, o, gate_up, down
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUDA + triton")
+def test_llama3_8b_shapes_on_gpu():
+    """Every Llama-3-8B matrix, 1/2/8 rows (GEMV) and 64/512 rows (GEMM: FP8 tensor cores via
+    torch._scaled_mm, the 4-bit dequant-in-tile kernel), against the dequantized reference."""
+    from ferrum.ops import fp8, int4
+    check_fp8_gemv("cuda", LLAMA3_8B, (1, 2, 8))
+    check_int4_gemv("cuda", LLAMA3_8B, (1, 2, 8))
+    check_int4_gemm("cuda", LLAMA3_8B, (64, 512))
+    gen = torch.Generator().manual_seed(5)
+    for N, K in LLAMA3_8B:
+        w, s = fp8.quantize_fp8_per_channel(torch.randn(N, K, generator=gen) * 0.05)
+        for M in (64, 512):
+            x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+            ref = torch.nn.functional.linear(x.double(), fp8.dequantize_fp8(w, s).double())
+            got = fp8.fp8_linear(x.cuda(), w.cuda(), s.cuda())
+            # activations are quantized to FP8 too (per token): 2^-4 relative per element
+            err = _rel_err(got, ref)
+            print(f"fp8 scaled_mm M={M} N={N} K={K}: max rel err {err:.2e}")
+            assert err < 0.05, f"fp8 scaled_mm M={M} N={N} K={K}: {err:.2e}"
+
+
+def _gguf_raw(qtype: int, N: int, K: int, gen: torch.Generator) -> torch.Tensor:
+    """Random GGUF blocks: random bytes, with every fp16 scale (d, dmin) set to a small finite
+    value so that the decoded weights are O(0.1), as real ones."""
+    from ferrum.ops import gguf
+    qk, bpb = gguf.BLOCK[qtype]
+    raw = torch.randint(0, 256, (N, K // qk, bpb), generator=gen, dtype=torch.uint8)
+    d_at = {gguf.Q4_0: [0], gguf.Q8_0: [0], gguf.Q4_K: [0, 2], gguf.Q5_K: [0, 2], gguf.Q6_K: [208]}[qtype]
+    for at in d_at:
+        d = (torch.rand(N, K // qk, generator=gen) * 0.01 + 0.001).half()
+        raw[:, :, at:at + 2] = d.view(torch.uint8).view(N, K // qk, 2)
+    return raw.reshape(N, -1).contiguous()
+
+
+def check_gguf_gemv(device: str, shapes=((24, 512), (10, 256)), rows=(1, 3)) -> None:
+    """Every packed GGUF type against the `gguf` package's decoder (llama.cpp's reference)."""
+    from ferrum.ops import gguf
+    gen = torch.Generator().manual_seed(6)
+    for qtype in gguf.PACKED_TYPES:
+        for N, K in shapes:
+            raw = _gguf_raw(qtype, N, K, gen)
+            ref_w = gguf.gguf_dequantize(raw, qtype, K).double()
+            if device == "cpu":  # the dequantize kernel decodes exactly what the gguf package does
+                got_w = gguf.gguf_dequantize_triton(raw, qtype, K, torch.float32)
+                assert torch.equal(got_w.double(), ref_w), f"gguf dequant kernel qtype {qtype}"
+            for M in rows:
+                x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+                ref = torch.nn.functional.linear(x.double(), ref_w)
+                got = gguf.gguf_gemv(x.to(device), raw.to(device), qtype)
+                _check(got, ref, torch.bfloat16, f"gguf gemv qtype {qtype} M={M} N={N} K={K}")
+
+
+CHECKS.append("check_gguf_gemv")
+
+
+def check_quantized_model_small(device: str) -> None:
+    """The interpreter's share of `check_quantized_models` (it is slow): GPTQ with act order
+    (GEMV decode, 4-bit GEMM prefill), two decode steps. (The GGUF model's reference is the CPU
+    run, which is this run here: it is checked on the GPU only.)"""
+    check_quantized_models(device, steps=2, cases=("gptq-actorder",), gguf=False)
+
+
+def check_sm90_compile(device: str) -> None:
+    """Compile the kernels' default configurations for sm_90 (H100/H200) with Triton's bundled
+    ptxas, no GPU needed: catches what the interpreter accepts but the compiler does not, and
+    register spills (STACK > 0)."""
+    import subprocess as sp
+    import tempfile
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from ferrum.ops import fp8, gguf, int4
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+    def build(fn, consts, ptrs, warps, stages, what):
+        sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in fn.arg_names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                 if sig[n] != "constexpr" and n not in ("M",)}
+        k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=warps, num_stages=stages))
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            usage = sp.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        line = next(ln for ln in usage.splitlines() if "REG:" in ln)
+        print(f"sm_90 {what}: shared {k.metadata.shared} B, {line.split()[0]}, {line.split()[1]}")
+        assert "STACK:0 " in line + " ", f"{what}: register spills: {line}"
+
+    for M in (1, 8):
+        for n, k in ((6144, 4096),):
+            bn, bk, w, st = fp8.gemv_rows_config(n, k, M)
+            common = dict(HAS_BIAS=False, EVEN=True, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=bn,
+                          BLOCK_K=bk, USE_PDL=True)
+            build(fp8._w8_gemv_kernel, common, dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32",
+                                                   b_ptr="*fp32", y_ptr="*bf16"), w, st, f"fp8 gemv M={M} {n}x{k}")
+            build(int4._w4_gemv_kernel, dict(common, GROUP=128, HAS_GIDX=False),
+                  dict(x_ptr="*bf16", qw_ptr="*i32", s_ptr="*fp16", z_ptr="*fp16", g_ptr="*i32", b_ptr="*fp16",
+                       y_ptr="*bf16"), w, st, f"int4 gemv M={M} {n}x{k}")
+        for qtype in gguf.PACKED_TYPES:
+            build(gguf._gguf_gemv_kernel, dict(QTYPE=qtype, HAS_BIAS=False, BLOCK_M=triton.next_power_of_2(M),
+                                                BLOCK_N=8 if M == 1 else 4, USE_PDL=True),
+                  dict(x_ptr="*bf16", w_ptr="*u8", b_ptr="*bf16", y_ptr="*bf16"), 4, 2, f"gguf {qtype} gemv M={M}")
+    for M in (16, 512):
+        bm, bn, bk, w, st = int4.int4_gemm_config(M, 4096, 4096)
+        build(int4._w4_gemm_kernel, dict(GROUP=128, HAS_GIDX=True, HAS_BIAS=False, EVEN=True, BLOCK_M=bm,
+                                         BLOCK_N=bn, BLOCK_K=bk, DOT_PREC="tf32"),
+              dict(x_ptr="*bf16", qw_ptr="*i32", s_ptr="*fp16", z_ptr="*fp16", g_ptr="*i32", b_ptr="*fp16",
+                   y_ptr="*bf16"), w, st, f"int4 gemm M={M}")
+    for qtype in gguf.PACKED_TYPES:
+        build(gguf._gguf_dequant_kernel, dict(QTYPE=qtype, BLOCK_N=gguf.DEQUANT_BLOCK_N), dict(w_ptr="*u8", out_ptr="*bf16"),
+              4, 2, f"gguf {qtype} dequant")
+
+
+def _has_ptxas() -> bool:
+    if not HAS_TRITON:
+        return False
+    spec = importlib.util.find_spec("triton")
+    return os.path.exists(os.path.join(os.path.dirname(spec.origin), "backends", "nvidia", "bin", "ptxas"))
+
+
+@pytest.mark.skipif(not _has_ptxas(), reason="needs triton with its bundled ptxas")
+def test_kernels_compile_for_sm90_without_spills():
+    env = dict(os.environ, TRITON_INTERPRET="0", FERRUM_FORCE_TRITON="1")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    code = ("import importlib.util as u\n"
+            f"s = u.spec_from_file_location('_ferrum_qk', {HERE!r}); m = u.module_from_spec(s)\n"
+            "s.loader.exec_module(m); m.check_sm90_compile('cpu')\n")
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr[-6000:]
+    print(r.stdout)
+
+
+# ---------------------------------------------------------------------------------------------
+# whole models: the packed kernels inside a forward against the dequantized model
+# ---------------------------------------------------------------------------------------------
+MODEL_CASES = {"fp8": dict(fmt="fp8"), "gptq-actorder": dict(fmt="gptq", group=64, act_order=True),
+               "awq": dict(fmt="awq", group=32)}
+
+
+def _model_logits(folder: str, device: str, steps: int) -> torch.Tensor:
+    """bf16 prefill of two prompts, then `steps` teacher-forced decode steps (tokens fixed, so
+    both models see the same inputs): all logits."""
+    from ferrum.config import EngineConfig
+    from ferrum.executor.single import SingleDeviceExecutor
+    from ferrum.interfaces import DecodeInput, KvCacheHandle, PrefillInput
+    from ferrum.model_store import resolve_model
+    cfg = EngineConfig(model=folder, device=device, dtype="bfloat16", enforce_eager=True)
+    cfg.cache.num_blocks = 16
+    ex = SingleDeviceExecutor(resolve_model(folder), cfg, progress=False)
+    try:
+        prompts = [list(range(3, 23)), list(range(40, 45))]
+        hs = [KvCacheHandle(str(i), [4 * i + j for j in range(4)], 0, 16) for i in range(2)]
+        out = [ex.prefill(PrefillInput(prompts, hs)).logits]
+        for i in range(steps):
+            out.append(ex.decode(DecodeInput([7 + i, 9 + i], hs)).logits)
+        return torch.cat(out).float().cpu()
+    finally:
+        ex.shutdown()
+
+
+def check_quantized_models(device: str, steps: int = 3, cases=tuple(MODEL_CASES), gguf: bool = True) -> None:
+    """Tiny checkpoints in each format (tests/quant_checkpoints.py) run through the packed
+    kernels (decode: GEMV; prefill: FP8 tensor cores on CUDA, the 4-bit GEMM) against the same
+    model with dequantized bf16 weights: logits within 5% of the largest (bf16 and, for FP8
+    prefill, FP8 activations)."""
+    import tempfile
+    sys.path.insert(0, os.path.dirname(HERE))
+    from quant_checkpoints import write_quantized
+    from tiny_models import make_tiny_model
+    with tempfile.TemporaryDirectory() as d:
+        base = make_tiny_model(os.path.join(d, "base"), "llama", num_heads=4, num_kv_heads=2, hidden=128,
+                               inter=256, layers=2, vocab=128, seed=7)
+        runs = {name: write_quantized(base, os.path.join(d, name), **MODEL_CASES[name])[:2] for name in cases}
+        if gguf:  # packed blocks (q/k Q4_K, v Q6_K, o Q5_K, gate Q4_0, up/down Q8_0) vs the CPU dequantized
+            from test_quantization import _tiny_gguf
+            path = _tiny_gguf(os.path.join(d, "m.gguf"))
+            runs["gguf"] = (path, None)
+        for name, (q, ref) in runs.items():
+            got = _model_logits(q, device, steps)
+            want = _model_logits(ref, device, steps) if ref else _model_logits(q, "cpu", steps)
+            err = ((got - want).abs().max() / want.abs().max()).item()
+            print(f"model {name} on {device}: logits vs dequantized bf16 model, max rel err {err:.2e}")
+            assert err < 0.05, f"model {name}: {err:.2e}"
+
+
+@interp
+def test_quantized_model_through_kernels_in_interpreter():
+    print(_run_interpreted("check_quantized_model_small"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUDA + triton")
+def test_quantized_models_on_gpu():
+    check_quantized_models("cuda", steps=6)
