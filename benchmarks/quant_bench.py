@@ -191,7 +191,7 @@ def main():
                    help="folder with vllm_bench.py's JSON files")
     p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     p.add_argument("--throughput-formats", nargs="+", default=["bf16", "fp8"], choices=list(FORMATS))
-    p.add_argument("--throughput-kv", default="auto", choices=["auto", "fp8"],
+    p.add_argument("--throughput-kv", default="fp8", choices=["auto", "fp8"],
                    help="KV cache dtype of the quantized throughput runs")
     p.add_argument("--num-requests", type=int, default=1000)
     args = p.parse_args()

@@ -411,25 +411,31 @@ def check_sm90_compile(device: str) -> None:
         assert "STACK:0 " in line + " ", f"{what}: register spills: {line}"
         assert k.metadata.shared <= 227 * 1024, f"{what}: shared memory {k.metadata.shared}"
 
-    for dtype, D in ((bf16, 128), (bf16, 256), (f32, 128)):
+    # (q dtype, head_dim, FP8 KV cache)
+    for dtype, D, fp8 in ((bf16, 128, False), (bf16, 256, False), (f32, 128, False), (bf16, 128, True)):
         t = "*" + tname[dtype]
+        c = "*fp8e4nv" if fp8 else t
         for splits in (4, 1):
             bn, w, st = tb._decode_config(D, dtype, splits)
             build(tb._decode_split_kernel,
                   dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=D, PAGE=16, BLOCK_N=bn, NUM_SPLITS=splits,
-                       DIRECT_OUT=splits == 1, DOT_PREC=tb._dot_precision(dtype), USE_PDL=True),
-                  dict(q_ptr=t, kc_ptr=t, vc_ptr=t, bt_ptr="*i32", seqlen_ptr="*i32",
-                       o_ptr=t if splits == 1 else "*fp32", lse_ptr=t if splits == 1 else "*fp32"),
-                  w, st, f"decode {dtype} D={D} splits={splits}")
+                       DIRECT_OUT=splits == 1, DOT_PREC=tb._dot_precision(dtype), FP8=fp8, USE_PDL=True),
+                  dict(q_ptr=t, kc_ptr=c, vc_ptr=c, bt_ptr="*i32", seqlen_ptr="*i32", ks_ptr="*fp32",
+                       vs_ptr="*fp32", o_ptr=t if splits == 1 else "*fp32", lse_ptr=t if splits == 1 else "*fp32"),
+                  w, st, f"decode {dtype} D={D} splits={splits} fp8_kv={fp8}")
         bm, bn, w, st = tb._prefill_config(D, dtype)
         build(tb._prefill_kernel,
-              dict(GROUP=4, HEAD_DIM=D, PAGE=16, BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=tb._dot_precision(dtype)),
-              dict(q_ptr=t, kc_ptr=t, vc_ptr=t, o_ptr=t, bt_ptr="*i64", seqlen_ptr="*i32", cu_q_ptr="*i64"),
-              w, st, f"prefill {dtype} D={D}")
+              dict(GROUP=4, HEAD_DIM=D, PAGE=16, BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=tb._dot_precision(dtype), FP8=fp8),
+              dict(q_ptr=t, kc_ptr=c, vc_ptr=c, o_ptr=t, bt_ptr="*i64", seqlen_ptr="*i32", cu_q_ptr="*i64",
+                   ks_ptr="*fp32", vs_ptr="*fp32"),
+              w, st, f"prefill {dtype} D={D} fp8_kv={fp8}")
     build(tb._decode_merge_kernel, dict(NUM_SPLITS=5, SPLITS_PAD=8, HEAD_DIM=128, USE_PDL=True),
           dict(o_part_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16"), 4, 2, "decode merge")
-    build(tb._write_kv_kernel, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, USE_PDL=True),
-          dict(k_ptr="*bf16", v_ptr="*bf16", kc_ptr="*bf16", vc_ptr="*bf16", slot_ptr="*i64"), 4, 2, "write_kv")
+    for c in ("*bf16", "*fp8e4nv"):
+        build(tb._write_kv_kernel, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, FP8=c != "*bf16",
+                                        USE_PDL=True),
+              dict(k_ptr="*bf16", v_ptr="*bf16", kc_ptr=c, vc_ptr=c, slot_ptr="*i64", ks_ptr="*fp32", vs_ptr="*fp32"),
+              4, 2, f"write_kv {c}")
     build(rms_norm._add_rms_norm_kernel, dict(HAS_RES=True, BLOCK=8192, USE_PDL=True),
           dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", res_out_ptr="*bf16"), 8, 2, "rmsnorm")
     build(activation._silu_and_mul_kernel, dict(BLOCK=1024, USE_PDL=True), dict(x_ptr="*bf16", out_ptr="*bf16"), 4, 2, "silu_and_mul")

@@ -11,7 +11,6 @@ import torch
 
 from ferrum.config import ModelConfig, resolve_kv_cache_dtype
 from ferrum.distributed.parallel_state import get_tp
-from ferrum.errors import UnsupportedModelError
 from ferrum.executor.cuda_graph import DecodeCudaGraphs, graph_batch_sizes
 from ferrum.executor.memory import compute_memory_requirements
 from ferrum.executor.model_inputs import prepare_decode, prepare_prefill, take_prev_sampled
@@ -87,9 +86,6 @@ class ModelRunner:
         self.block_size = 16
         self.num_blocks = 0
         self.graphs = None
-        if self.attn_backend is attention_triton and self.kv_cache_dtype == torch.float8_e4m3fn:
-            raise UnsupportedModelError("--kv-cache-dtype fp8 runs on CPU (torch attention) only "
-                                        "so far: the Triton attention kernels do not read FP8 yet")
 
     def memory_requirements(self, tp: int):
         """MemoryRequirements per rank of this model: its quantization and KV cache dtype."""

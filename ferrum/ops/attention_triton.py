@@ -2,6 +2,9 @@
 functions, shapes and KV layout as the torch backend (`ferrum.ops.attention_torch`): one tensor
 per layer `kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]` (K then V), read only
 through the block table. Under `TRITON_INTERPRET=1` the kernels also run on CPU tensors (tests).
+An FP8 (e4m3) cache holds K / V divided by the layer's k_scale / v_scale ([1] float32 device
+tensors, so CUDA graphs stay valid): the store divides and saturates at +-448, the attention
+kernels fold k_scale into the logits' scale and v_scale into the output.
 
 - `write_kv`: one kernel for K and V of all tokens; slot < 0 is skipped (padded CUDA-graph rows).
 - `decode_attention`: split-K "flash-decoding" (Dao, Haziza, Massa, Sizov 2023): grid
@@ -71,12 +74,14 @@ def _sm_count(device: torch.device) -> int:
 # =============================================================================================
 if HAS_TRITON:
     @triton.jit
-    def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+    def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
                          stride_kt, stride_kh, stride_vt, stride_vh,
                          stride_cslot, stride_ch,
                          NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
-        # One program per token: all KV heads of K and V, cast to the cache dtype.
+                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+        # One program per token: all KV heads of K and V, cast to the cache dtype (FP8: divided
+        # by the layer's scale, saturated at +-448 like the torch backend).
         if USE_PDL:  # see triton_utils.py, PDL
             pdl_start()
         t = tl.program_id(0)
@@ -90,14 +95,19 @@ if HAS_TRITON:
             dst = slot * stride_cslot + offs_h[:, None] * stride_ch + offs_d[None, :]
             k = tl.load(src_k, mask=mask)
             v = tl.load(src_v, mask=mask)
+            if FP8:
+                k = tl.clamp(k.to(tl.float32) / tl.load(ks_ptr), -448.0, 448.0)
+                v = tl.clamp(v.to(tl.float32) / tl.load(vs_ptr), -448.0, 448.0)
             tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
             tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """Write this step's K/V into the paged cache, in place.
 
-    kv_cache: [2, num_blocks, block_size, Hkv, D] (bf16/fp16/fp32, contiguous);
+    kv_cache: [2, num_blocks, block_size, Hkv, D] (bf16/fp16/fp32, or float8_e4m3fn with
+    k_scale / v_scale [1] float32: K/V stored divided by them; contiguous);
     k, v: [T, Hkv, D] (any dtype, views allowed: only the last dim must be contiguous);
     slot_mapping: [T] int64 (or int32), flat slot = block_id * block_size + offset; a slot < 0
     is skipped (padded rows of a CUDA graph). One kernel launch writes both K and V.
@@ -110,11 +120,12 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     k, v = last_dim_contiguous(k), last_dim_contiguous(v)
     kc, vc = kv_cache[0], kv_cache[1]
     pdl = pdl_ok(kv_cache)
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
     _write_kv_kernel[(T,)](
-        k, v, kc, vc, slot_mapping,
+        k, v, kc, vc, slot_mapping, k_scale if fp8 else slot_mapping, v_scale if fp8 else slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kc.stride(1), kc.stride(2),
-        NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_H=next_pow2(hkv), BLOCK_D=next_pow2(d),
+        NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_H=next_pow2(hkv), BLOCK_D=next_pow2(d), FP8=fp8,
         USE_PDL=pdl, num_warps=4 if hkv * d >= 1024 else 1, launch_pdl=pdl)
 
 
@@ -148,7 +159,7 @@ if HAS_TRITON:
 if HAS_TRITON:
     @triton.jit
     def _decode_split_kernel(
-            q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, o_ptr, lse_ptr,
+            q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, o_ptr, lse_ptr, ks_ptr, vs_ptr,
             stride_qb, stride_qh,
             stride_cblk, stride_cslot, stride_ch,
             stride_btb,
@@ -157,9 +168,11 @@ if HAS_TRITON:
             qk_scale,  # softmax scale * log2(e): the kernel works in base 2 (exp2)
             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
             PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-            DIRECT_OUT: tl.constexpr, DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr):
+            DIRECT_OUT: tl.constexpr, DOT_PREC: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr):
         if USE_PDL:  # launched early (PDL, triton_utils.py): wait for q and the cache
             pdl_start()
+        if FP8:  # FP8 cache: K's scale folds into the logits' scale, V's into the output
+            qk_scale = qk_scale * tl.load(ks_ptr)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -197,6 +210,8 @@ if HAS_TRITON:
 
         has = l_i > 0
         o = acc / tl.where(has, l_i, 1.0)[:, None]  # zero rows where nothing was seen
+        if FP8:
+            o = o * tl.load(vs_ptr)
         o_ptrs = o_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
         if DIRECT_OUT:
             tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=g_mask[:, None])
@@ -261,11 +276,13 @@ def num_decode_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
-                     scale: float, num_splits: int | None = None) -> torch.Tensor:
+                     scale: float, num_splits: int | None = None, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Paged decode attention, one query token per sequence.
 
     q: [B, H, D] (bf16/fp16/fp32; last dim contiguous); kv_cache: [2, num_blocks, block_size,
-    Hkv, D] (any of those dtypes, contiguous), H % Hkv == 0, D a power of two (32..256).
+    Hkv, D] (any of those dtypes, or float8_e4m3fn read times k_scale / v_scale [1] float32;
+    contiguous), H % Hkv == 0, D a power of two (32..256).
     From attn_metadata: block_tables [B, M] int32/int64 (entries past a sequence's pages are
     never read); seq_lens [B] int32/int64 on the device, length including this step's token
     (0 = padded row -> output 0). Returns [B, H, D] in q's dtype. No host synchronisation: safe
@@ -288,21 +305,23 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Att
     kc, vc = kv_cache[0], kv_cache[1]
     bn, warps, stages = _decode_config(D, q.dtype, S)
     pdl = pdl_ok(q)
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    scales = (k_scale, v_scale) if fp8 else (q, q)
     common = dict(GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=D, PAGE=page,
-                  BLOCK_N=bn, NUM_SPLITS=S, DOT_PREC=_dot_precision(q.dtype),
+                  BLOCK_N=bn, NUM_SPLITS=S, DOT_PREC=_dot_precision(q.dtype), FP8=fp8,
                   num_warps=warps, num_stages=stages)
     args = (q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), bt.stride(0))
     if S == 1:
         # One split: normalise in place and write the final output directly (no merge launch).
         _decode_split_kernel[(B, hkv, 1)](
-            q, kc, vc, bt, attn_metadata.seq_lens, out, out, *args,
+            q, kc, vc, bt, attn_metadata.seq_lens, out, out, *scales, *args,
             out.stride(0), out.stride(1), 0, 0, 0, scale * _LOG2E, DIRECT_OUT=True,
             USE_PDL=pdl, launch_pdl=pdl, **common)
         return out
     o_part = torch.empty(B, H, S, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(B, hkv, S)](
-        q, kc, vc, bt, attn_metadata.seq_lens, o_part, lse, *args,
+        q, kc, vc, bt, attn_metadata.seq_lens, o_part, lse, *scales, *args,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         scale * _LOG2E, DIRECT_OUT=False, USE_PDL=pdl, launch_pdl=pdl, **common)
     _decode_merge_kernel[(B, H)](
@@ -319,13 +338,13 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Att
 if HAS_TRITON:
     @triton.jit
     def _prefill_kernel(
-            q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, seqlen_ptr, cu_q_ptr,
+            q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, seqlen_ptr, cu_q_ptr, ks_ptr, vs_ptr,
             stride_qt, stride_qh, stride_ot, stride_oh,
             stride_cblk, stride_cslot, stride_ch,
             stride_btb,
             qk_scale,
             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, FP8: tl.constexpr):
         pid_m = tl.program_id(0)
         b = tl.program_id(1)
         h = tl.program_id(2)
@@ -350,6 +369,8 @@ if HAS_TRITON:
             # block's last row. Column 0 is in the first tile and valid for every row, so the
             # running max is finite from the first iteration on.
             hi = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
+            if FP8:  # FP8 cache: K's scale folds into the logits' scale, V's into the output
+                qk_scale = qk_scale * tl.load(ks_ptr)
             bt_row = bt_ptr + b.to(tl.int64) * stride_btb
             for n0 in range(0, hi, BLOCK_N):
                 n = n0 + offs_n
@@ -359,6 +380,8 @@ if HAS_TRITON:
                 m_i, l_i, acc = _attend_tile(q, kc_ptr, vc_ptr, off, offs_d, n, n_mask, ctx + offs_m,
                                              m_i, l_i, acc, qk_scale, CAUSAL=True, DOT_PREC=DOT_PREC)
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            if FP8:
+                o = o * tl.load(vs_ptr)
             tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                      o.to(o_ptr.dtype.element_ty), mask=m_mask[:, None])
 
@@ -376,11 +399,13 @@ def _prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, i
 
 
 def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
-                      scale: float, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                      scale: float, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention for prefill chunks of several sequences, possibly with cached context.
 
     q: [T, H, D] (new tokens of all sequences, concatenated in metadata order); kv_cache as
-    in `decode_attention`, already holding this step's K/V (write_kv runs first). From
+    in `decode_attention` (FP8 with k_scale / v_scale), already holding this step's K/V
+    (write_kv runs first). From
     attn_metadata: query_lens / context_lens (lists), seq_lens [B] (= context + query lens,
     device), block_tables [B, M], cu_seqlens_q [B+1] (device; built from query_lens when
     None). k, v: [T, Hkv, D] fresh K/V, unused here (the torch backend reads them; both
@@ -405,11 +430,12 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: At
     kc, vc = kv_cache[0], kv_cache[1]
     bt = attn_metadata.block_tables
     grid = (triton.cdiv(max(attn_metadata.query_lens), bm), B, H)
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
     _prefill_kernel[grid](
-        q, kc, vc, out, bt, attn_metadata.seq_lens, cu,
+        q, kc, vc, out, bt, attn_metadata.seq_lens, cu, *((k_scale, v_scale) if fp8 else (q, q)),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), bt.stride(0),
         scale * _LOG2E,
         GROUP=H // hkv, HEAD_DIM=D, PAGE=page, BLOCK_M=bm, BLOCK_N=bn,
-        DOT_PREC=_dot_precision(q.dtype), num_warps=warps, num_stages=stages)
+        DOT_PREC=_dot_precision(q.dtype), FP8=fp8, num_warps=warps, num_stages=stages)
     return out
