@@ -1,15 +1,29 @@
-"""Configuration dataclasses: what the model is (ModelConfig), how the KV cache is sized
-(CacheConfig), how steps are scheduled (SchedulerConfig) and how the model is split
-(ParallelConfig). ModelConfig is read from a Hugging Face `config.json` dict or built from GGUF
-metadata by the GGUF loader."""
+"""Configuration dataclasses, the one place where every engine option and its default lives.
+
+ModelConfig says what the model is (read from a Hugging Face config through transformers'
+`AutoConfig`, or built from GGUF metadata by the GGUF loader). EngineConfig and its parts say
+how to run it: CacheConfig (KV pool), SchedulerConfig (steps), ParallelConfig (TP ranks).
+
+Every option field carries `metadata` (see `option`): its help text, and optionally a CLI flag
+name, aliases, choices or a parser. The CLI flags (`ferrum.entrypoints.args.add_engine_args`)
+and `LLM(**kwargs)` (`EngineConfig.from_kwargs`) are generated from these fields, as vLLM's
+EngineArgs does, so a default is written only here.
+"""
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import os
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from ferrum.errors import InvalidRequestError, UnsupportedModelError
+
+# `--quantization` values: fp8 quantizes an unquantized checkpoint while loading; the 4-bit
+# formats only describe random weights of `dummy:` models (a real checkpoint says its format).
+QUANTIZATION_CHOICES = ("fp8", "gptq", "awq", "gguf_q4_0", "gguf_q8_0", "gguf_q4_k", "gguf_q5_k",
+                        "gguf_q6_k")
 
 # HF architecture name -> ferrum model family (see ferrum/models/registry.py).
 SUPPORTED_ARCHITECTURES = {
@@ -47,7 +61,6 @@ class ModelConfig:
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
-    torch_dtype: str | None = None
     quantization_config: dict | None = None   # HF `quantization_config` (ferrum/layers/quantization)
 
     @property
@@ -56,56 +69,62 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        """Build from a parsed HF config.json. Raises UnsupportedModelError for an
-        architecture or option ferrum does not implement."""
-        archs = d.get("architectures") or []
+        """Build from a parsed HF config.json: transformers' `AutoConfig.for_model` fills the
+        defaults of its `model_type`, then `from_hf_config`. Raises UnsupportedModelError for
+        an unknown model type, architecture or option."""
+        from transformers import AutoConfig
+        try:
+            hf = AutoConfig.for_model(**d)
+        except (ValueError, KeyError, TypeError) as e:
+            raise UnsupportedModelError(
+                f"unsupported model config (model_type {d.get('model_type')!r}: {e}); supported "
+                f"architectures: {sorted(SUPPORTED_ARCHITECTURES)}") from e
+        return cls.from_hf_config(hf)
+
+    @classmethod
+    def from_hf_config(cls, hf) -> "ModelConfig":
+        """Build from a transformers `PretrainedConfig` (e.g. `AutoConfig.from_pretrained(folder)`).
+        Raises UnsupportedModelError for an architecture or option ferrum does not implement."""
+        archs = getattr(hf, "architectures", None) or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise UnsupportedModelError(
-                f"unsupported architecture {archs or d.get('model_type')!r}; "
+                f"unsupported architecture {archs or getattr(hf, 'model_type', None)!r}; "
                 f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-        if d.get("sliding_window") and d.get("use_sliding_window", arch == "MistralForCausalLM"):
-            if d.get("sliding_window") < d.get("max_position_embeddings", 0):
-                raise UnsupportedModelError(
-                    f"sliding-window attention (window {d['sliding_window']}) is not supported")
-        act = d.get("hidden_act", "silu")
+        window = getattr(hf, "sliding_window", None)
+        if window and getattr(hf, "use_sliding_window", True) and window < hf.max_position_embeddings:
+            raise UnsupportedModelError(f"sliding-window attention (window {window}) is not supported")
+        act = getattr(hf, "hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only 'silu')")
-        # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older `rope_scaling`.
-        rp = d.get("rope_parameters") or {}
-        rs = d.get("rope_scaling") or (rp if rp.get("rope_type", "default") != "default" else None)
-        if rs:
-            rtype = rs.get("rope_type", rs.get("type"))
-            if rtype not in ("llama3", "default"):
-                raise UnsupportedModelError(f"rope_scaling type {rtype!r} is not supported "
-                                            "(supported: llama3)")
-            if rtype == "default":
-                rs = None
-        n_heads = d["num_attention_heads"]
-        eos = d.get("eos_token_id")
-        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        # transformers >= 5 keeps rope_theta and the scaling in `rope_parameters`; 4.x has
+        # `rope_theta` and `rope_scaling`.
+        rp = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+        rtype = rp.get("rope_type", rp.get("type", "default"))
+        if rtype not in ("llama3", "default"):
+            raise UnsupportedModelError(f"rope_scaling type {rtype!r} is not supported (supported: llama3)")
         family = SUPPORTED_ARCHITECTURES[arch]
+        n_heads = hf.num_attention_heads
         return cls(
             architecture=arch,
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_hidden_layers=hf.num_hidden_layers,
             num_attention_heads=n_heads,
-            num_key_value_heads=d.get("num_key_value_heads") or n_heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
-            max_position_embeddings=d.get("max_position_embeddings", 4096),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=d.get("rope_theta", rp.get("rope_theta", 10000.0)),
-            rope_scaling=rs,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", family == "qwen2")),
+            num_key_value_heads=getattr(hf, "num_key_value_heads", None) or n_heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // n_heads,
+            max_position_embeddings=hf.max_position_embeddings,
+            rms_norm_eps=hf.rms_norm_eps,
+            rope_theta=rp.get("rope_theta", getattr(hf, "rope_theta", 10000.0)),
+            rope_scaling=dict(rp) if rtype == "llama3" else None,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(hf, "attention_bias", family == "qwen2")),
             qk_norm=family == "qwen3",
             hidden_act=act,
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=eos,
-            torch_dtype=d.get("torch_dtype") or d.get("dtype"),
-            quantization_config=d.get("quantization_config"),
+            bos_token_id=getattr(hf, "bos_token_id", None),
+            eos_token_id=_id_list(getattr(hf, "eos_token_id", None)),
+            quantization_config=_as_dict(getattr(hf, "quantization_config", None)),
         )
 
     def num_params(self) -> int:
@@ -122,13 +141,33 @@ class ModelConfig:
         return L * per_layer + emb * (1 if self.tie_word_embeddings else 2) + h
 
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-           "half": torch.float16}
+def _as_dict(value) -> dict | None:
+    """A transformers quantization config (a dict, or an object with to_dict) as a dict."""
+    return value.to_dict() if hasattr(value, "to_dict") else value
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
-    """`auto` -> bfloat16 on CUDA, float32 on CPU. Raises InvalidRequestError otherwise."""
+def _id_list(value) -> list[int]:
+    """An HF `eos_token_id` (None, an int or a list) as a list."""
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
+
+
+def generation_eos_token_ids(folder: str) -> list[int] | None:
+    """`eos_token_id` of a HF folder's generation_config.json, read with transformers'
+    GenerationConfig; None when the folder has no such file or it names no EOS id."""
+    if not os.path.exists(os.path.join(folder, "generation_config.json")):
+        return None
+    from transformers import GenerationConfig
+    return _id_list(GenerationConfig.from_pretrained(folder).eos_token_id) or None
+
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16", "half": "float16"}
+
+
+def resolve_dtype(dtype, device: str):
+    """`auto` -> torch.bfloat16 on CUDA, torch.float32 on CPU; a name from _DTYPES or a
+    torch.dtype -> that torch.dtype. Raises InvalidRequestError otherwise."""
+    import torch  # imported here so that building the CLI parser does not load torch
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -136,7 +175,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     if dtype not in _DTYPES:
         raise InvalidRequestError(f"dtype {dtype!r} is not one of auto, float32, bfloat16, float16",
                                   param="dtype")
-    return _DTYPES[dtype]
+    return getattr(torch, _DTYPES[dtype])
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
@@ -153,6 +192,7 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dty
 def resolve_device(device: str) -> str:
     """`auto` -> cuda when available, else cpu."""
     if device == "auto":
+        import torch
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         raise InvalidRequestError(f"device {device!r} is not one of auto, cpu, cuda", param="device")
@@ -183,42 +223,76 @@ def resolve_max_model_len(model: ModelConfig, requested: int | None) -> int:
     return requested
 
 
+def parse_size(value) -> int:
+    """Bytes from an int or a size string: `2GiB`, `512 MiB` (powers of 1024), `2GB`, `2g`
+    (powers of 1000), `1073741824`; parsed by pydantic's ByteSize. Raises
+    InvalidRequestError for anything else, or a negative size."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    from pydantic import ByteSize, TypeAdapter, ValidationError
+    try:
+        return int(TypeAdapter(ByteSize).validate_python(value))
+    except ValidationError:
+        raise InvalidRequestError(f"{value!r} is not a size: give bytes or a number with a unit "
+                                  "such as 512MiB, 2GiB or 4GB") from None
+
+
+def option(default=None, help: str = "", *, default_factory=None, **cli) -> Any:
+    """A config field with its documentation: `help` (a sentence; say what None means when
+    the default is None), and optional CLI details in `cli`: `flag` (its name, default
+    `--field-name`), `aliases` (more flag names), `choices`, `parse` (str -> value, also
+    applied to str values given to `from_kwargs`), `cli=False` (not a flag: set by code)."""
+    metadata = {"help": help, **cli}
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass
 class CacheConfig:
-    """Paged KV cache. `num_blocks` None means: size it from memory (kv_cache_memory bytes on
-    CPU; gpu_memory_utilization of the GPU on CUDA)."""
+    """Paged KV cache: block size and how many blocks the pool gets."""
 
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_memory: int | None = None       # bytes (CPU default: 1 GiB, capped by need)
-    gpu_memory_utilization: float = 0.90
-    enable_prefix_caching: bool = True
-    kv_cache_dtype: str = field(default="auto", metadata={
-        "help": "KV cache element type: auto (the model dtype) | fp8 (e4m3 with one scale per "
-                "layer: half the bytes of bf16, twice the blocks)"})
+    block_size: int = option(16, "tokens per KV block")
+    num_kv_blocks: int | None = option(None, "fix the KV pool at this many blocks per rank "
+                                       "(default: size it from memory)")
+    kv_cache_memory: int | None = option(
+        None, "KV pool bytes per rank on CPU, with a unit (e.g. 2GiB) (default: enough for "
+        "max_num_seqs x max_model_len tokens, at most 1GiB)", parse=parse_size)
+    gpu_memory_utilization: float = option(
+        0.90, "fraction of GPU memory for weights + activations + KV pool (CUDA)")
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of a shared prompt prefix")
+    kv_cache_dtype: str = option(
+        "auto", "KV cache element type: auto (the model dtype) | fp8 (e4m3 with one scale per "
+        "layer: half the bytes of bf16, twice the blocks)", choices=("auto", "fp8"))
 
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 4096
-    max_model_len: int | None = None          # None -> model's max_position_embeddings
-    enable_chunked_prefill: bool = True
-    max_waiting: int = 4096                   # more waiting requests -> QueueFullError
-    # Prepare and launch decode step n+1 while the device still runs step n (the sampled ids
-    # stay on the device). None -> on for CUDA, off for CPU (no device to overlap with).
-    async_scheduling: bool | None = None
+    """How each step is filled: batch limits, context length, queue limit."""
+
+    max_num_seqs: int = option(256, "most sequences in one step")
+    max_num_batched_tokens: int = option(4096, "most tokens (prefill + decode) in one step")
+    max_model_len: int | None = option(None, "context length: prompt + output tokens "
+                                       "(default: the model's max_position_embeddings)",
+                                       aliases=("--ctx-size",))
+    enable_chunked_prefill: bool = option(True, "split long prompts over several steps")
+    max_waiting: int = option(4096, "most queued requests; more raise QueueFullError (HTTP 503)")
+    async_scheduling: bool | None = option(
+        None, "prepare and launch decode step n+1 while the device runs step n (default: on "
+        "for CUDA, off for CPU, where it only delays each token by one step)")
 
 
 @dataclass
 class ParallelConfig:
-    tensor_parallel_size: int = 1
-    # Filled in by torchrun launches (SPMD): global ranks already exist.
-    distributed_init_method: str | None = None
-    step_timeout_s: float = 30.0              # a rank that does not answer within this fails
-    # spawned worker ranks must be up (process started, model loaded, KV cache allocated)
-    # within this many seconds
-    startup_timeout_s: float = 600.0
+    """Tensor parallelism: how many ranks, and how long a rank may take to answer."""
+
+    tensor_parallel_size: int = option(1, "TP ranks (one process each); must divide the "
+                                       "attention heads", aliases=("-tp",))
+    distributed_init_method: str | None = option(None, "set by torchrun launches", cli=False)
+    step_timeout_s: float = option(30.0, "seconds a TP rank may take to answer a step before "
+                                   "the step fails")
+    startup_timeout_s: float = option(600.0, "seconds spawned TP ranks may take to start "
+                                      "(process up, model loaded, KV cache allocated)")
 
 
 @dataclass
@@ -226,21 +300,72 @@ class EngineConfig:
     """Everything needed to build an engine. `model` is a name (`smollm2`), a local HF folder,
     a .gguf file, a hub id, or `dummy:<folder or config.json>` (random weights)."""
 
-    model: str = "smollm2"
-    device: str = "auto"
-    dtype: str = "auto"
-    load_format: str = "auto"            # auto | dummy
-    quantization: str | None = field(default=None, metadata={
-        "help": "fp8: quantize an unquantized checkpoint's linear layers to FP8 e4m3 (per output "
-                "channel) while loading; gptq / awq: random 4-bit weights of dummy: models. A "
-                "quantized checkpoint (FP8, compressed-tensors FP8, GPTQ, AWQ, GGUF) runs in its "
-                "own format without this"})
-    seed: int = 0
-    enforce_eager: bool = False
-    chat_template: str | None = None     # a Jinja file path or the template text; overrides the model's
-    # Special-token strings inside chat messages are encoded as text (only the template's markup
-    # yields special tokens); False parses them as control tokens, as before.
-    split_special_tokens: bool = True
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model: str = option("smollm2", "model name (smollm2), HF folder, .gguf file, hub id "
+                        "org/name, or dummy:<config.json>", positional=True)
+    device: str = option("auto", "auto | cpu | cuda | cuda:N (auto: cuda when available)")
+    dtype: str = option("auto", "weight and activation dtype (auto: bfloat16 on CUDA, "
+                        "float32 on CPU)", choices=("auto", "float32", "bfloat16", "float16"))
+    load_format: str = option("auto", "dummy: random weights of the model's shape",
+                              choices=("auto", "dummy"))
+    quantization: str | None = option(
+        None, "fp8: quantize an unquantized checkpoint's linear layers to FP8 e4m3 (per output "
+        "channel) while loading; gptq / awq / gguf_*: random 4-bit weights of dummy: models. A "
+        "quantized checkpoint (FP8, compressed-tensors FP8, GPTQ, AWQ, GGUF) runs in its own "
+        "format without this (default: none)", choices=QUANTIZATION_CHOICES, aliases=("-q",))
+    seed: int = option(0, "seed of dummy weights and the global RNG (a request's sampling "
+                       "seed is separate)", flag="--engine-seed")
+    enforce_eager: bool = option(False, "no CUDA graphs")
+    chat_template: str | None = option(None, "Jinja chat template (a file path or the "
+                                       "template text) that replaces the model's (default: "
+                                       "the model's own)")
+    split_special_tokens: bool = option(
+        True, "encode special-token strings typed inside chat messages as text (only the "
+        "template's markup yields special tokens); --no-split-special-tokens parses them as "
+        "control tokens")
+    threads: int | None = option(
+        None, "CPU threads per rank for torch ops and the BLAS (default: the usable cores "
+        "divided by the TP ranks, at most 1 per core; see the README on shared machines)")
+    cache: CacheConfig = option(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = option(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = option(default_factory=ParallelConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """Build from flat keyword arguments named after the option fields of EngineConfig
+        and its parts (`LLM(model, max_model_len=512, kv_cache_memory="2GiB")`); str values of
+        fields with a parser (sizes) are parsed. Raises TypeError naming an unknown keyword
+        and the closest known ones, InvalidRequestError for an unparsable value."""
+        groups = config_groups(cls)
+        owner = {f.name: (name, f) for name, c in groups for f in option_fields(c)}
+        unknown = [k for k in kwargs if k not in owner]
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], owner, n=3)
+            raise TypeError(f"unknown engine option {unknown[0]!r}"
+                            + (f"; did you mean {', '.join(close)}?" if close else
+                               f"; known: {', '.join(sorted(owner))}"))
+        parts: dict = {name: {} for name, _ in groups}
+        for key, value in kwargs.items():
+            name, f = owner[key]
+            parse = f.metadata.get("parse")
+            parts[name][key] = parse(value) if parse is not None and isinstance(value, str) else value
+        return cls(**parts[None], **{name: c(**parts[name]) for name, c in groups if name is not None})
+
+
+def _is_group(cls, f: dataclasses.Field) -> bool:
+    """Whether field `f` of `cls` is a nested config dataclass (cache, scheduler, parallel)."""
+    return f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(
+        typing.get_type_hints(cls)[f.name])
+
+
+def option_fields(cls) -> list[dataclasses.Field]:
+    """The option fields of one config dataclass (those made with `option`, without the
+    nested config groups)."""
+    return [f for f in dataclasses.fields(cls) if "help" in f.metadata and not _is_group(cls, f)]
+
+
+def config_groups(cls=None) -> list[tuple[str | None, type]]:
+    """(attribute name, dataclass) of EngineConfig itself (name None) and each nested part."""
+    cls = cls or EngineConfig
+    hints = typing.get_type_hints(cls)
+    return [(None, cls)] + [(f.name, hints[f.name]) for f in dataclasses.fields(cls)
+                            if _is_group(cls, f)]

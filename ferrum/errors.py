@@ -83,6 +83,11 @@ class EngineDeadError(FerrumError):
     """The engine loop or a worker rank failed; no further requests can be served."""
 
 
+class AddressInUseError(FerrumError):
+    """`ferrum serve` cannot listen on the host and port asked for (already in use, or not
+    an address of this machine); raised before the model loads."""
+
+
 class QueueFullError(FerrumError):
     """Too many waiting requests; the server answers 503 with Retry-After."""
 

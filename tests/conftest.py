@@ -16,9 +16,10 @@ def smollm2_gguf_path() -> str:
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_gguf_path):
-    """ferrum Tokenizer built from the SmolLM2 GGUF (about 5 s to convert, so built once)."""
-    from ferrum.tokenizer import Tokenizer
-    return Tokenizer.from_gguf(smollm2_gguf_path)
+    """ferrum Tokenizer of the SmolLM2 GGUF (converted by transformers on the first load of the
+    file, then read from the loader's cache)."""
+    from ferrum.loader.gguf import load_gguf
+    return load_gguf(smollm2_gguf_path).tokenizer_loader()
 
 
 @pytest.fixture(scope="module")
@@ -29,3 +30,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory, smollm2_tokenizer) -> str:
+    """A tiny random Llama (2 layers, hidden 64) carrying the SmolLM2 tokenizer and chat
+    template, for CLI, chat and server tests; max_position_embeddings 8192 so that a reply
+    can run long enough to be interrupted."""
+    from tiny_models import make_tiny_model
+    folder = str(tmp_path_factory.mktemp("tiny_chat_model"))
+    make_tiny_model(folder, "llama", vocab=49152, hidden=64, layers=2, max_pos=8192, seed=5)
+    smollm2_tokenizer.hf.save_pretrained(folder)
+    return folder

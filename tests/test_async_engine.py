@@ -9,9 +9,9 @@ import threading
 import httpx
 import pytest
 
+from ferrum.config import EngineConfig
 from ferrum.engine.async_engine import AsyncLLMEngine
 from ferrum.engine.llm_engine import LLMEngine
-from ferrum.entrypoints.llm import engine_config
 from ferrum.entrypoints.openai.server import build_app
 from ferrum.errors import EngineDeadError, InvalidRequestError
 from ferrum.sampling_params import SamplingParams
@@ -31,7 +31,7 @@ def model_dir(tmp_path_factory, smollm2_tokenizer):
 @pytest.fixture
 def engine(model_dir):
     """A fresh AsyncLLMEngine per test (tests kill or block it)."""
-    eng = AsyncLLMEngine(LLMEngine(engine_config(model_dir, device="cpu", max_model_len=256,
+    eng = AsyncLLMEngine(LLMEngine(EngineConfig.from_kwargs(model=model_dir, device="cpu", max_model_len=256,
                                                  num_kv_blocks=64, max_waiting=2), progress=False))
     yield eng
     eng.shutdown()
@@ -55,7 +55,7 @@ def test_stream_outputs_match_offline_engine(engine, model_dir):
     assert "".join(o.outputs[0].delta_text for o in outs) == final.text
     assert sum(o.outputs[0].num_delta_tokens for o in outs) == 8
     # Same greedy ids as driving an LLMEngine directly.
-    ref = LLMEngine(engine_config(model_dir, device="cpu", max_model_len=256, num_kv_blocks=64),
+    ref = LLMEngine(EngineConfig.from_kwargs(model=model_dir, device="cpu", max_model_len=256, num_kv_blocks=64),
                     progress=False)
     ref.add_request("r", None, greedy(8), prompt_token_ids=PROMPT)
     last = None

@@ -234,8 +234,8 @@ def test_server_survives_a_faulting_request(folder, reference):
     a request running beside them in another step is untouched; later requests are served,
     every block is free and /health stays 200."""
     from ferrum.engine.llm_engine import LLMEngine
-    from ferrum.entrypoints.llm import engine_config
-    engine = AsyncLLMEngine(LLMEngine(engine_config(folder, device="cpu", max_model_len=256),
+    from ferrum.config import EngineConfig
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig.from_kwargs(model=folder, device="cpu", max_model_len=256),
                                       progress=False))
     poison(engine.engine.executor.runner.model)
     app = build_app(engine, ["tiny"])
@@ -275,8 +275,8 @@ def test_server_survives_a_faulting_request(folder, reference):
 
 def test_server_reports_a_broken_executor_on_health(folder):
     from ferrum.engine.llm_engine import LLMEngine
-    from ferrum.entrypoints.llm import engine_config
-    engine = AsyncLLMEngine(LLMEngine(engine_config(folder, device="cpu", max_model_len=256),
+    from ferrum.config import EngineConfig
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig.from_kwargs(model=folder, device="cpu", max_model_len=256),
                                       progress=False))
     poison(engine.engine.executor.runner.model, error=torch.AcceleratorError)
     app = build_app(engine, ["tiny"])

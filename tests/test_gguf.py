@@ -108,8 +108,15 @@ def write_gguf(path, arch="llama", weights=None, qtype=QT.F32, heads=4, kv_heads
 
 # ---------------------------------------------------------------- tiny files
 
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """A private $FERRUM_HOME, so the loader's per-file cache of tiny files stays in tmp."""
+    monkeypatch.setenv("FERRUM_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_tiny_gguf_names_config_and_exact_f32_values(tmp_path, arch):
+def test_tiny_gguf_names_config_and_exact_f32_values(tmp_path, home, arch):
     head_dim = 32 if arch == "qwen3" else 16    # qwen3: key_length != hidden / heads
     ref = hf_weights(arch, head_dim=head_dim)
     src = load_gguf(write_gguf(tmp_path / "m.gguf", arch, ref, head_dim=head_dim))
@@ -132,7 +139,7 @@ def test_tiny_gguf_names_config_and_exact_f32_values(tmp_path, arch):
         assert torch.equal(got.load(), t), name          # permuted Q/K restored exactly
 
 
-def test_untied_gguf_has_lm_head(tmp_path):
+def test_untied_gguf_has_lm_head(tmp_path, home):
     ref = hf_weights("llama", tied=False)
     src = load_gguf(write_gguf(tmp_path / "m.gguf", "llama", ref))
     assert not src.config.tie_word_embeddings
@@ -140,7 +147,7 @@ def test_untied_gguf_has_lm_head(tmp_path):
 
 
 @pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_1, QT.F16])
-def test_quantized_narrow_matches_full_load(tmp_path, qtype):
+def test_quantized_narrow_matches_full_load(tmp_path, home, qtype):
     ref = hf_weights("llama")
     ws = load_gguf(write_gguf(tmp_path / "m.gguf", "llama", ref, qtype=qtype)).weights()
     q = ws.get("model.layers.1.self_attn.q_proj.weight")
@@ -171,7 +178,7 @@ def test_unpermute_inverts_llama_cpp_permute_on_head_aligned_slices(n_head, half
     assert torch.equal(_unpermute_rows(p[a * hd:b * hd], hd), w[a * hd:b * hd])
 
 
-def test_truncated_or_garbage_file_raises_weight_load_error(tmp_path):
+def test_truncated_or_garbage_file_raises_weight_load_error(tmp_path, home):
     path = write_gguf(tmp_path / "m.gguf", "llama")
     data = open(path, "rb").read()
     for i, cut in enumerate([len(data) - 100, len(data) // 2, 200]):
@@ -185,13 +192,13 @@ def test_truncated_or_garbage_file_raises_weight_load_error(tmp_path):
         load_gguf(str(junk))
 
 
-def test_unknown_architecture_raises_unsupported(tmp_path):
+def test_unknown_architecture_raises_unsupported(tmp_path, home):
     path = write_gguf(tmp_path / "m.gguf", "mamba")
     with pytest.raises(UnsupportedModelError, match="mamba.*supported.*llama"):
         load_gguf(path)
 
 
-def test_unsupported_quant_type_is_named(tmp_path):
+def test_unsupported_quant_type_is_named(tmp_path, home):
     # IQ4_NL: 32 values in 18 bytes; gguf can decode it but ferrum does not accept it.
     raw = np.random.default_rng(0).integers(0, 255, size=(32, 64 // 32 * 18), dtype=np.uint8)
     path = write_gguf(tmp_path / "m.gguf", "llama",

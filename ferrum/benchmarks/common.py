@@ -1,6 +1,8 @@
 """Shared pieces of `ferrum bench latency | throughput`: the record of where and how a
-benchmark ran (command, date, hardware, load), memory bandwidth for MBU, random token-id
-prompts, thread setup, and loading the same weights into HF transformers for a baseline."""
+benchmark ran (command, date, hardware, load and the other busy processes), memory read
+bandwidth for MBU, random token-id prompts, thread setup, and loading the same weights into HF
+transformers for a baseline. (torch is imported inside the functions that use it, so that
+building the CLI parser does not load it.)"""
 from __future__ import annotations
 
 import datetime
@@ -11,29 +13,31 @@ import random
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def add_common_args(p) -> None:
-    """Add --out, --threads and --seed to the benchmark parser p."""
-    p.add_argument("--out", default=None, help="write the results as JSON to this file")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads on CPU (default: torch's choice). On shared cores use 1: "
-                        "an OpenMP barrier can wait a whole scheduler slice for a busy core")
+    """Add --out and --seed to the benchmark parser p (--threads is an engine flag)."""
+    p.add_argument("--out", default=None, help="write the results as JSON to this file (default: print only)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
 
 
 _LOAD_AT_START: list[float] | None = None
+_BUSY_AT_START: list[dict] = []
 
 
 def setup_threads(threads: int | None) -> int:
-    """Set torch's intra-op threads (if given) and note the load average at the start."""
-    global _LOAD_AT_START
+    """Note the load average at the start, and give this process the engine's CPU threads
+    (`threads`, None: the engine default; ferrum/executor/threads.py) so a baseline run here
+    uses as many as the engine. Returns the count."""
+    global _LOAD_AT_START, _BUSY_AT_START
+    from ferrum.executor.threads import set_threads
     _LOAD_AT_START = load_average()
-    if threads:
-        torch.set_num_threads(threads)
-    return torch.get_num_threads()
+    _BUSY_AT_START = busy_processes()
+    return set_threads(threads, warn=False)
 
 
 def cpu_model() -> str:
@@ -66,8 +70,58 @@ def git_commit() -> str | None:
         return None
 
 
+def busy_processes(interval_s: float = 0.5, min_share: float = 0.2) -> list[dict]:
+    """Other processes using at least `min_share` of a core over the next `interval_s`
+    seconds (Linux /proc; [] elsewhere), busiest first: [{"pid", "cpu" (cores), "command"}]."""
+    def cpu_ticks() -> dict[int, int]:
+        ticks = {}
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit() or int(pid) == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                ticks[int(pid)] = int(fields[11]) + int(fields[12])   # utime + stime
+            except (OSError, IndexError, ValueError):
+                pass
+        return ticks
+    if not os.path.isdir("/proc"):
+        return []
+    hz = os.sysconf("SC_CLK_TCK")
+    before = cpu_ticks()
+    time.sleep(interval_s)
+    after = cpu_ticks()
+    busy = []
+    for pid, t in after.items():
+        share = (t - before.get(pid, t)) / hz / interval_s
+        if share >= min_share:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:100]
+            except OSError:
+                cmd = "?"
+            busy.append({"pid": pid, "cpu": round(share, 2), "command": cmd})
+    return sorted(busy, key=lambda b: -b["cpu"])
+
+
+def load_note(device: str, busy_at_end: list[dict]) -> str | None:
+    """A sentence when other work shared the CPU during a run: a 1-min load average above
+    half the cores before it started (its own work is not in that figure yet), or other
+    processes busy at its start (`setup_threads`) or end (`busy_at_end`); else None."""
+    cores = os.cpu_count() or 1
+    load = _LOAD_AT_START[0] if _LOAD_AT_START else 0.0
+    busy = {b["pid"]: b for b in _BUSY_AT_START + busy_at_end}.values()
+    if device != "cpu" or (not busy and load <= cores / 2):
+        return None
+    others = "; ".join(f"{b['command'][:60]} ({b['cpu']:.1f} cores)"
+                       for b in sorted(busy, key=lambda b: -b["cpu"])[:3]) or "none seen"
+    return (f"the machine was loaded: 1-min load average {load:.1f} on {cores} cores before the "
+            f"run; other busy processes: {others}. CPU figures are then pessimistic and noisy")
+
+
 def hardware(device: str) -> dict:
     """CPU model / cores / threads, GPU name, versions, and the load average now."""
+    import torch
     hw = {"cpu": cpu_model(), "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
           "device": device, "load_average_1_5_15min_at_start": _LOAD_AT_START,
           "load_average_1_5_15min_at_end": load_average(),
@@ -105,28 +159,29 @@ def write_json(path: str | None, rec: dict) -> None:
     print(f"wrote {path}")
 
 
-def measure_memcpy_bandwidth(device: str, nbytes: int = 256 << 20, reps: int = 5) -> float:
-    """Rough device memory bandwidth in GB/s (1e9 bytes/s): best of `reps` copies of a
-    `nbytes` buffer, counting bytes read + bytes written. Uses the current torch threads."""
-    n = nbytes // 4
-    src = torch.empty(n, dtype=torch.float32, device=device).fill_(1.0)
-    dst = torch.empty_like(src)
+def measure_read_bandwidth(device: str, nbytes: int, reps: int = 3) -> float:
+    """Memory read bandwidth in GB/s (1e9 bytes/s): best of `reps` reductions (torch.sum) over
+    a float32 buffer of `nbytes`, the size of the weights a decode step reads, so both see the
+    same cache level. Uses the current torch threads."""
+    import torch
+    buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    dst.copy_(src)
+    buf.sum()
     sync()
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
-        dst.copy_(src)
+        buf.sum()
         sync()
         best = min(best, time.perf_counter() - t)
-    return 2 * n * 4 / best / 1e9
+    return buf.numel() * 4 / best / 1e9
 
 
 def decode_weight_bytes(mem, cfg, dtype: torch.dtype) -> int:
     """Weight bytes one rank reads per decode step: `MemoryRequirements.param_bytes` minus the
     input-embedding table when it is not tied to the LM head (a lookup reads only the batch's
     rows; a tied table is read in full by the LM head)."""
+    import torch
     if cfg.tie_word_embeddings:
         return mem.param_bytes
     e = torch.finfo(dtype).bits // 8

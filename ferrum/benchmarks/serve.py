@@ -52,23 +52,23 @@ def add_parser(subparsers, add_engine_args) -> None:
     g = p.add_argument_group("load")
     g.add_argument("--base-url", default=None,
                    help="running server, e.g. http://127.0.0.1:8000 (default: start one)")
-    g.add_argument("--api-key", default=None)
+    g.add_argument("--api-key", default=None, help="API key to send (default: none)")
     g.add_argument("--served-model-name", default=None, help="`model` to send (default: the "
                    "first of /v1/models)")
-    g.add_argument("--num-prompts", type=int, default=64)
+    g.add_argument("--num-prompts", type=int, default=64, help="requests per run")
     g.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
     g.add_argument("--output-len", type=int, default=64, help="generated tokens per request")
     g.add_argument("--request-rate", type=float, default=math.inf,
                    help="requests/s, Poisson arrivals (default inf: all at once)")
-    g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--plot", default=None, help="write a PNG of latency CDFs here (matplotlib)")
+    g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the requests")
+    g.add_argument("--plot", default=None, help="write a PNG of latency CDFs here (matplotlib) (default: no plot)")
     g.add_argument("--offline", action="store_true",
                    help="also run the workload through LLM.generate and print server/offline")
     g.add_argument("--repeat", type=int, default=1,
                    help="run the load (and the offline run) this many times, alternating; report "
                    "medians")
-    add_common_args(p)   # --out, --threads (also OMP_NUM_THREADS of a server started here), --seed
+    add_common_args(p)   # --out, --seed (--threads is an engine flag: also OMP_NUM_THREADS of a server started here)
     p.set_defaults(func=main)
 
 
@@ -241,7 +241,7 @@ def plot(results: list[RequestResult], path: str) -> bool:
 def _engine_argv(args) -> list[str]:
     """The engine flags of `args` that differ from their defaults, as command-line words (to
     start `ferrum serve` with the same engine)."""
-    from ferrum.entrypoints.cli import add_engine_args
+    from ferrum.entrypoints.args import add_engine_args
     p = argparse.ArgumentParser(add_help=False)
     add_engine_args(p, model_positional=False)
     words = []
@@ -249,7 +249,9 @@ def _engine_argv(args) -> list[str]:
         value = getattr(args, a.dest, a.default)
         if value == a.default:
             continue
-        if isinstance(a, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if isinstance(a, argparse.BooleanOptionalAction):  # --x / --no-x
+            words.append(a.option_strings[0] if value else a.option_strings[1])
+        elif isinstance(a, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             words.append(a.option_strings[-1])
         else:
             words += [a.option_strings[-1], str(value)]
@@ -294,7 +296,7 @@ class OfflineRunner:
     was started with. run(prompts) -> output tokens/s over the wall time of one generate()."""
 
     def __init__(self, args):
-        from ferrum.entrypoints.cli import config_from_args
+        from ferrum.entrypoints.args import config_from_args
         from ferrum.sampling_params import SamplingParams
         self.llm = llm_from_config(config_from_args(args))
         self.params = SamplingParams(max_tokens=args.output_len, ignore_eos=True,

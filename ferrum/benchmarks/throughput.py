@@ -25,12 +25,14 @@ def add_parser(subparsers, add_engine_args) -> None:
     """Add `ferrum bench throughput` and its flags."""
     p = subparsers.add_parser("throughput", help="offline batch output tok/s vs the same prompts one at a time")
     add_engine_args(p)
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--input-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
-    p.add_argument("--output-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"))
+    p.add_argument("--num-prompts", type=int, default=32, help="prompts in the batch")
+    p.add_argument("--input-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"),
+                   help="prompt lengths, uniform in [MIN, MAX]")
+    p.add_argument("--output-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"),
+                   help="output lengths, uniform in [MIN, MAX]")
     p.add_argument("--no-sequential", dest="sequential", action="store_false",
                    help="skip the one-at-a-time baseline")
-    p.add_argument("--plot", default=None, help="PNG: generated tokens over time, batched vs sequential")
+    p.add_argument("--plot", default=None, help="PNG: generated tokens over time, batched vs sequential (default: no plot)")
     add_common_args(p)
     p.set_defaults(func=main)
 
@@ -127,7 +129,7 @@ def main(args) -> int:
     """Run the batched phase and the one-at-a-time baseline (unless --no-sequential); print
     and optionally write the record; returns the exit status (2: lengths exceed
     max_model_len)."""
-    from ferrum.entrypoints.cli import config_from_args
+    from ferrum.entrypoints.args import config_from_args
     threads = setup_threads(args.threads)
     llm = llm_from_config(config_from_args(args))
     eng = llm.engine

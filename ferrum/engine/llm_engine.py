@@ -459,7 +459,8 @@ class LLMEngine:
                 index=s.index, text=state.text, token_ids=list(state.token_ids),
                 finish_reason=state.finish_reason, stop_reason=state.stop_reason,
                 logprobs=list(s.logprobs) if req.params.logprobs is not None else None,
-                cumulative_logprob=s.cumulative_logprob, delta_text=state.stream_delta(),
+                cumulative_logprob=s.cumulative_logprob if req.params.logprobs is not None else None,
+                delta_text=state.stream_delta(),
                 num_delta_tokens=s.new_tokens,
                 token_text_ends=state.token_text_ends() if req.params.logprobs is not None else None))
             s.new_tokens = 0

@@ -6,54 +6,49 @@ import time
 
 from tqdm.auto import tqdm
 
-from ferrum.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from ferrum.config import EngineConfig
 from ferrum.engine.llm_engine import LLMEngine
+from ferrum.errors import InvalidRequestError
 from ferrum.outputs import RequestOutput
 from ferrum.sampling_params import SamplingParams
 
 
-def engine_config(model: str = "smollm2", *, tensor_parallel_size: int = 1, dtype: str = "auto",
-                  device: str = "auto", max_model_len: int | None = None, max_num_seqs: int = 256,
-                  max_num_batched_tokens: int = 4096, enable_prefix_caching: bool = True,
-                  enable_chunked_prefill: bool = True, block_size: int = 16,
-                  kv_cache_memory: int | None = None, num_kv_blocks: int | None = None,
-                  gpu_memory_utilization: float = 0.9, load_format: str = "auto", seed: int = 0,
-                  enforce_eager: bool = False, chat_template: str | None = None,
-                  max_waiting: int = 4096, async_scheduling: bool | None = None,
-                  split_special_tokens: bool = True,
-                  startup_timeout_s: float = 600.0, quantization: str | None = None,
-                  kv_cache_dtype: str = "auto") -> EngineConfig:
-    """Keyword arguments (the CLI flags without dashes) -> EngineConfig."""
-    return EngineConfig(
-        model=model, device=device, dtype=dtype, load_format=load_format, seed=seed,
-        enforce_eager=enforce_eager, chat_template=chat_template, quantization=quantization,
-        split_special_tokens=split_special_tokens,
-        cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
-                          gpu_memory_utilization=gpu_memory_utilization,
-                          enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                  max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
-                                  max_waiting=max_waiting, async_scheduling=async_scheduling),
-        parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
-                                startup_timeout_s=startup_timeout_s))
-
-
 class LLM:
-    """An engine for offline batches. `model` as in EngineConfig; other kwargs as in
-    `engine_config` (tensor_parallel_size, dtype, device, max_model_len, ...)."""
+    """An engine for offline batches.
+
+    model: as in EngineConfig (a name, HF folder, .gguf file, hub id or dummy:<config>).
+    progress: show weight-loading and generation progress bars.
+    kwargs: any engine option, named as its field in `ferrum/config.py` (the `ferrum run`
+    flags without dashes): tensor_parallel_size, dtype, device, max_model_len, threads,
+    kv_cache_memory ("2GiB" or bytes), ... An unknown name raises TypeError.
+    """
 
     def __init__(self, model: str = "smollm2", progress: bool = True, **kwargs):
-        self.engine = LLMEngine(engine_config(model, **kwargs), progress=progress)
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs), progress=progress)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. Prompts are strings or token-id lists.
-        All are queued first, so they run concurrently (continuous batching)."""
+        """One RequestOutput per prompt, in order. Prompts are strings or token-id lists;
+        sampling_params is one SamplingParams for all (default: `SamplingParams()`) or a list
+        with one per prompt. All are queued first, so they run concurrently (continuous
+        batching). Raises InvalidRequestError when a list of SamplingParams has a different
+        length than the prompts, plus what `LLMEngine.add_request` raises (nothing is left
+        queued then)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(prompts):
+                raise InvalidRequestError(
+                    f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts: give "
+                    "one SamplingParams for all, or a list with one per prompt",
+                    param="sampling_params")
+            params = sampling_params
+        else:
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        if not prompts:
+            return []
         ids = []
         try:
             for p, sp in zip(prompts, params):

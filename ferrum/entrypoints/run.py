@@ -1,94 +1,256 @@
-"""`ferrum run`: one-shot generation with --prompt, else an interactive chat that keeps the
-conversation through the model's chat template. Tokens stream to the terminal as they come;
-decode speed is printed at the end (to stderr, so stdout holds only the answer)."""
+"""`ferrum run`: one-shot generation from --prompt (or from piped stdin), else an interactive
+chat that keeps the conversation through the model's chat template.
+
+stdout carries only the answers; the `>>>` prompt, progress and speed go to stderr, so
+`ferrum run ... > out.txt` or a pipe holds only generated text. The chat reads lines with
+prompt_toolkit (history in $FERRUM_HOME/chat_history, pasted multi-line text stays one
+message, `\"\"\"` starts and ends a multi-line message). Ctrl-C stops the current reply and
+keeps the conversation (as ollama does); at the prompt it clears the line. Type /help in the
+chat for the commands.
+"""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import os
+import signal
 import sys
+import threading
 import time
 
-from ferrum.engine.llm_engine import LLMEngine
+from ferrum.entrypoints.args import config_from_args
 from ferrum.errors import InvalidRequestError
 from ferrum.sampling_params import SamplingParams
 
+CHAT_HELP = """commands:
+  /help                 this help
+  /bye                  quit (Ctrl-D on an empty line quits too)
+  /reset                forget the conversation (asks first)
+  /set temperature T    sampling temperature (0 = greedy); also max_tokens N, top_p P,
+                        top_k K, min_p P, seed S, system TEXT (system: resets the chat)
+  /show                 the current settings
+  \"\"\"                   start a multi-line message; a line ending in \"\"\" sends it
+Pasted text stays one message. Ctrl-C stops a reply (the conversation keeps what was said);
+at the prompt it clears the line. Up/down arrows recall earlier messages."""
 
-def stream(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams, out=sys.stdout) -> str:
-    """Generate and print as it goes; returns the text. Prints tokens/s to stderr."""
+# `/set NAME VALUE`: the SamplingParams field and how to parse its value
+_SETTABLE = {"temperature": float, "max_tokens": int, "top_p": float, "top_k": int,
+             "min_p": float, "seed": int, "repetition_penalty": float}
+
+
+@contextlib.contextmanager
+def sigint_flag():
+    """While active, Ctrl-C (SIGINT) sets the yielded Event instead of raising
+    KeyboardInterrupt, so a generation stops between engine steps, never inside one (an
+    interrupted step could leave KV blocks or the scheduler half-updated)."""
+    hit = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: hit.set())
+    try:
+        yield hit
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def stream(engine, prompt_ids: list[int], params: SamplingParams, out=None,
+           stats: bool = True) -> tuple[str, bool]:
+    """Generate and write the text to `out` (default stdout) as it comes. Returns (text,
+    interrupted): Ctrl-C aborts the request at the next step boundary, frees its KV blocks
+    and returns what was generated so far. With `stats`, prints tokens, TTFT and decode
+    tokens/s to stderr."""
+    out = out or sys.stdout
     rid = engine.add_request(None, None, params, prompt_token_ids=prompt_ids)
     t0 = time.perf_counter()
     first = None
-    text, n = "", 0
-    try:
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                c = o.outputs[0]
-                if first is None and c.token_ids:
-                    first = time.perf_counter()
-                out.write(c.delta_text)
-                out.flush()
-                text, n = c.text, len(c.token_ids)
-    except BaseException:
-        engine.abort_request(rid)
-        raise
+    text, n, interrupted = "", 0, False
+    with sigint_flag() as hit:
+        try:
+            while engine.has_unfinished_requests():
+                if hit.is_set():
+                    engine.abort_request(rid)
+                    interrupted = True
+                    break
+                for o in engine.step():
+                    c = o.outputs[0]
+                    if first is None and c.token_ids:
+                        first = time.perf_counter()
+                    out.write(c.delta_text)
+                    out.flush()
+                    text, n = c.text, len(c.token_ids)
+        except BaseException:
+            engine.abort_request(rid)
+            raise
     t1 = time.perf_counter()
     out.write("\n")
-    if n:
+    out.flush()
+    if stats and n:
         decode = (n - 1) / (t1 - first) if n > 1 and t1 > first else float("nan")
         print(f"[{n} tokens in {t1 - t0:.2f} s; TTFT {1000 * (first - t0):.0f} ms, "
-              f"decode {decode:.1f} tokens/s]", file=sys.stderr)
-    return text
+              f"decode {decode:.1f} tokens/s{'; interrupted' if interrupted else ''}]",
+              file=sys.stderr)
+    return text, interrupted
+
+
+def sampling_params(args) -> SamplingParams:
+    """SamplingParams from `ferrum run`'s generation flags (validated: InvalidRequestError)."""
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
 
 
 def run(args) -> int:
-    from ferrum.entrypoints.cli import config_from_args
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                            seed=args.seed, max_tokens=args.max_tokens)
-    if args.prompt is not None and not args.prompt.strip():  # before loading anything
+    """`ferrum run`: returns the exit status (130 when a one-shot reply was interrupted)."""
+    params = sampling_params(args)   # bad flags fail before anything loads
+    prompt = args.prompt
+    if prompt is None and not sys.stdin.isatty():
+        prompt = sys.stdin.read()    # `echo question | ferrum run`: stdin is the prompt
+        if not prompt.strip():
+            raise InvalidRequestError("stdin is empty: pipe a prompt, or give --prompt",
+                                      param="prompt")
+    if prompt is not None and not prompt.strip():
         raise InvalidRequestError("--prompt is empty", param="prompt")
+    print(f"ferrum: loading {args.model} ...", file=sys.stderr, flush=True)
+    from ferrum.engine.llm_engine import LLMEngine
     engine = LLMEngine(config_from_args(args))
-    tok = engine.tokenizer
-    if tok is None:
-        engine.shutdown()
-        raise InvalidRequestError(f"model {args.model!r} has no tokenizer files, so `ferrum run` cannot "
-                                  "encode text; add tokenizer.json/tokenizer_config.json to its folder, "
-                                  "or use the Python API with token-id prompts")
     try:
-        if args.prompt is not None:
-            if not args.prompt.strip():
-                raise InvalidRequestError("--prompt is empty", param="prompt")
+        if engine.tokenizer is None:
+            raise InvalidRequestError(
+                f"model {args.model!r} has no tokenizer files, so `ferrum run` cannot encode "
+                "text; add tokenizer.json/tokenizer_config.json to its folder, or use the "
+                "Python API with token-id prompts")
+        if prompt is not None:
+            tok = engine.tokenizer
             if args.raw or not tok.chat_template:
-                ids = tok.encode(args.prompt)
+                ids = tok.encode(prompt)
             else:
-                msgs = ([{"role": "system", "content": args.system}] if args.system else []) + \
-                       [{"role": "user", "content": args.prompt}]
-                ids = tok.apply_chat_template(msgs)
-            stream(engine, ids, params)
-            return 0
-        return chat_loop(engine, params, args.system)
+                ids = tok.apply_chat_template(system_messages(args.system) +
+                                              [{"role": "user", "content": prompt}])
+            _, interrupted = stream(engine, ids, params)
+            return 130 if interrupted else 0
+        return Chat(engine, params, args.system, verbose=getattr(args, "verbose", False)).loop()
     finally:
         engine.shutdown()
 
 
-def chat_loop(engine: LLMEngine, params: SamplingParams, system: str | None) -> int:
-    tok = engine.tokenizer
-    messages = [{"role": "system", "content": system}] if system else []
-    print("ferrum chat; empty line or Ctrl-D to quit, /reset to clear the conversation", file=sys.stderr)
-    while True:
+def system_messages(system: str | None) -> list[dict]:
+    return [{"role": "system", "content": system}] if system else []
+
+
+class Chat:
+    """The interactive chat: reads messages with prompt_toolkit, keeps the conversation,
+    streams each reply to stdout. `loop()` returns the exit status."""
+
+    def __init__(self, engine, params: SamplingParams, system: str | None, verbose: bool = False):
+        self.engine, self.params, self.system, self.verbose = engine, params, system, verbose
+        self.messages = system_messages(system)
+        self.session = self._session()
+
+    @staticmethod
+    def _session():
+        from prompt_toolkit import PromptSession
+        from prompt_toolkit.history import FileHistory
+        from prompt_toolkit.output import create_output
+
+        from ferrum.loader.cache import ferrum_home
+        os.makedirs(ferrum_home(), exist_ok=True)
+        return PromptSession(history=FileHistory(os.path.join(ferrum_home(), "chat_history")),
+                             output=create_output(stdout=sys.stderr))
+
+    def say(self, text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    def read_message(self) -> str:
+        """One message: a line (a paste may hold several), or the lines between `\"\"\"`
+        and a line ending in `\"\"\"`. Raises EOFError (Ctrl-D) and KeyboardInterrupt."""
+        text = self.session.prompt(">>> ")
+        if not text.lstrip().startswith('"""'):
+            return text
+        text = text.lstrip()[3:]
+        lines = []
+        while True:
+            if text.rstrip().endswith('"""'):
+                lines.append(text.rstrip()[:-3])
+                return "\n".join(lines)
+            lines.append(text)
+            text = self.session.prompt("... ")
+
+    def loop(self) -> int:
+        self.say("ferrum chat: type a message, /help for commands, /bye or Ctrl-D to quit")
+        while True:
+            try:
+                text = self.read_message()
+            except KeyboardInterrupt:   # at the prompt: clear the line, keep chatting
+                self.say("(Ctrl-C clears the line; /bye or Ctrl-D quits)")
+                continue
+            except EOFError:
+                return 0
+            if not text.strip():
+                continue
+            if text.strip().startswith("/"):
+                if self.command(text.strip()) == "bye":
+                    return 0
+                continue
+            self.reply(text)
+
+    def reply(self, text: str) -> None:
+        """Send `text` as the user's turn and stream the answer; a reply cut by Ctrl-C stays
+        in the conversation as far as it went. A conversation too long for the context is
+        refused and the turn dropped."""
+        self.messages.append({"role": "user", "content": text})
         try:
-            line = input(">>> ")
-        except EOFError:
-            print(file=sys.stderr)
-            return 0
-        if not line.strip():
-            return 0
-        if line.strip() == "/reset":
-            messages = messages[:1] if system else []
-            continue
-        messages.append({"role": "user", "content": line})
-        try:
-            reply = stream(engine, tok.apply_chat_template(messages), params)
+            ids = self.engine.tokenizer.apply_chat_template(self.messages)
+            answer, interrupted = stream(self.engine, ids, self.params, stats=self.verbose)
         except InvalidRequestError as e:  # e.g. conversation longer than max_model_len
-            print(f"ferrum: error: {e}", file=sys.stderr)
-            messages.pop()
-            continue
-        messages.append({"role": "assistant", "content": reply})
+            self.say(f"ferrum: error: {e}")
+            self.messages.pop()
+            return
+        if interrupted:
+            self.say("(reply stopped; it stays in the conversation)")
+        self.messages.append({"role": "assistant", "content": answer})
+
+    def command(self, line: str) -> str | None:
+        """Run a /command; returns "bye" to quit."""
+        name, _, rest = line.partition(" ")
+        rest = rest.strip()
+        if name in ("/bye", "/exit", "/quit"):
+            return "bye"
+        if name in ("/help", "/?"):
+            self.say(CHAT_HELP)
+        elif name == "/reset":
+            if self.confirm("forget the whole conversation?"):
+                self.messages = system_messages(self.system)
+                self.say("conversation cleared")
+        elif name == "/set":
+            self.set(rest)
+        elif name == "/show":
+            p = self.params
+            self.say(", ".join(f"{k} {getattr(p, k)}" for k in _SETTABLE)
+                     + f"; system {self.system!r}; {len(self.messages)} messages")
+        else:
+            self.say(f"unknown command {name}; /help lists them")
+        return None
+
+    def confirm(self, question: str) -> bool:
+        try:
+            return self.session.prompt(f"{question} [y/N] ").strip().lower() in ("y", "yes")
+        except (KeyboardInterrupt, EOFError):
+            return False
+
+    def set(self, rest: str) -> None:
+        """`/set NAME VALUE`: a sampling option (validated like SamplingParams) or the system
+        message (which starts a new conversation)."""
+        key, _, value = rest.partition(" ")
+        key, value = key.replace("-", "_"), value.strip()
+        if key == "system":
+            self.system = value or None
+            self.messages = system_messages(self.system)
+            self.say("system message set; conversation cleared")
+            return
+        if key not in _SETTABLE or not value:
+            self.say(f"usage: /set NAME VALUE with NAME one of {', '.join(_SETTABLE)}, system")
+            return
+        try:
+            self.params = dataclasses.replace(self.params, **{key: _SETTABLE[key](value)})
+        except ValueError as e:   # not a number, or out of range (InvalidRequestError)
+            self.say(f"ferrum: error: {key}: {e}")
+            return
+        self.say(f"{key} = {getattr(self.params, key)}")

@@ -47,8 +47,8 @@ def num_kv_blocks(mem: MemoryRequirements, cache: CacheConfig, device: str, max_
     activation headroom for max_num_batched_tokens. CPU: `kv_cache_memory` bytes if given,
     else enough for max_num_seqs * max_model_len tokens capped at 1 GiB."""
     per_block = mem.kv_bytes_per_block(cache.block_size)
-    if cache.num_blocks is not None:
-        return cache.num_blocks
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
     if device.startswith("cuda"):
         # Layers hold cycles (parameter -> bound weight_loader -> module), so a model dropped
         # by an earlier engine in this process is only freed by the cyclic GC: collect first.

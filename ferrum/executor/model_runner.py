@@ -127,11 +127,14 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """One [2, num_blocks, block_size, kv_heads_per_rank, head_dim] tensor per layer, in
         the KV cache dtype (float8_e4m3fn with --kv-cache-dtype fp8: K and V are stored
-        divided by the layer's k_scale / v_scale)."""
+        divided by the layer's k_scale / v_scale), left uninitialised: zero-filling a 1 GiB CPU
+        pool took seconds of start-up, and the attention backends never let a slot that was
+        not written contribute (they read only positions < seq_len, or mask with `where`;
+        tests/test_kv_cache_garbage.py fills the pool with NaN)."""
         self.num_blocks, self.block_size = num_blocks, block_size
         a = self.attn_layers[0]
         for layer in self.attn_layers:
-            layer.kv_cache = torch.zeros(2, num_blocks, block_size, a.num_kv_heads, a.head_dim,
+            layer.kv_cache = torch.empty(2, num_blocks, block_size, a.num_kv_heads, a.head_dim,
                                          dtype=self.kv_cache_dtype, device=self.device)
 
     # ---- forward ------------------------------------------------------------------------

@@ -46,19 +46,28 @@ from ferrum.loader.base import ModelSource
 log = logging.getLogger("ferrum")
 
 
-def validate_tp_sizes(cfg, tp: int) -> None:
-    """Raise TensorParallelError naming the sizes that do not divide over `tp` ranks."""
-    def need(ok: bool, msg: str):
-        if not ok:
-            raise TensorParallelError(msg)
-    need(tp >= 1, f"tensor_parallel_size must be >= 1, got {tp}")
-    need(cfg.num_attention_heads % tp == 0,
-         f"num_attention_heads ({cfg.num_attention_heads}) is not divisible by tensor_parallel_size ({tp})")
+def _tp_size_problem(cfg, tp: int) -> str | None:
+    """Why `tp` ranks cannot split this model's heads and MLP, or None when they can."""
     kv = cfg.num_key_value_heads
-    need(kv % tp == 0 or tp % kv == 0,
-         f"num_key_value_heads ({kv}) and tensor_parallel_size ({tp}) must divide one another")
-    need(cfg.intermediate_size % tp == 0,
-         f"intermediate_size ({cfg.intermediate_size}) is not divisible by tensor_parallel_size ({tp})")
+    if tp < 1:
+        return f"tensor_parallel_size must be >= 1, got {tp}"
+    if cfg.num_attention_heads % tp:
+        return f"num_attention_heads ({cfg.num_attention_heads}) is not divisible by tensor_parallel_size ({tp})"
+    if kv % tp and tp % kv:
+        return f"num_key_value_heads ({kv}) and tensor_parallel_size ({tp}) must divide one another"
+    if cfg.intermediate_size % tp:
+        return f"intermediate_size ({cfg.intermediate_size}) is not divisible by tensor_parallel_size ({tp})"
+    return None
+
+
+def validate_tp_sizes(cfg, tp: int) -> None:
+    """Raise TensorParallelError naming the size that does not divide over `tp` ranks and
+    listing the tensor_parallel_size values that work for this model."""
+    problem = _tp_size_problem(cfg, tp)
+    if problem:
+        ok = [n for n in range(1, cfg.num_attention_heads + 1) if _tp_size_problem(cfg, n) is None]
+        raise TensorParallelError(f"{problem}; sizes that divide this model: "
+                                  f"{', '.join(map(str, ok))}")
 
 
 class TensorParallelExecutor(ExecutorBase):

@@ -40,8 +40,6 @@ def init_distributed(rank: int, world: int, device: str, init_method: str | None
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    else:  # ranks share the host's cores: oversubscribed threads make every rank slow
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if not dist.is_initialized():
         kw = {"store": store} if store is not None else {"init_method": init_method or "env://"}
         dist.init_process_group(backend, rank=rank, world_size=world,
@@ -55,9 +53,14 @@ def init_distributed(rank: int, world: int, device: str, init_method: str | None
 
 def build_runner(config: EngineConfig, device: str, progress: bool):
     """This rank's ModelRunner: its shard of the model (under the TP state in force) on
-    `device`. Raises what the loader raises."""
+    `device`, after setting its CPU threads (the ranks of this machine share its cores; rank
+    0 warns when they are oversubscribed) and its kernel switches. Raises what the loader
+    raises."""
     from ferrum.executor.model_runner import ModelRunner
+    from ferrum.executor.threads import set_threads
     from ferrum.model_store import resolve_model
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", config.parallel.tensor_parallel_size))
+    set_threads(config.threads, local_ranks, warn=device == "cpu" and dist.get_rank() == 0)
     source = resolve_model(config.model)
     dtype = resolve_dtype(config.dtype, device)
     return ModelRunner(source, device, dtype, config.load_format, config.seed, progress,

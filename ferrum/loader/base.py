@@ -4,11 +4,12 @@ its slice (`narrow`) and no rank ever materialises the whole model."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from ferrum.config import ModelConfig
+
+if TYPE_CHECKING:  # annotations only: resolving a model name must not wait for torch
+    import torch
 
 
 class LazyWeight(Protocol):

@@ -11,10 +11,18 @@ Layout facts this module relies on:
   llama-arch models for interleaved ("GPT-J") RoPE:
       w.reshape(n_head, 2, head_dim // 2, in).swapaxes(1, 2).reshape(w.shape)
   `_unpermute_rows` inverts it back to HF's rotate-half layout. qwen2/qwen3 are not permuted.
+
+Parsed once per file: GGUFReader reads every metadata string (the vocabulary too) and takes
+seconds, and transformers' tokenizer conversion more; `prepare_gguf` does both once and keeps
+the result under $FERRUM_HOME/gguf/<file key> (ferrum/loader/cache.py), so a later start reads
+a JSON file and a tokenizer.json, and maps the tensors straight from the file.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -217,11 +225,12 @@ def gguf_config(reader: GGUFReader) -> ModelConfig:
     )
 
 
-def gguf_weights(reader: GGUFReader, config: ModelConfig) -> GGUFSource:
-    """Lazy HF-named weights of an opened GGUF. Raises UnsupportedModelError for a tensor type
-    outside SUPPORTED_QUANT_TYPES and for a tensor name with no HF equivalent."""
-    permuted = config.architecture == "LlamaForCausalLM"
-    weights: dict[str, GGUFWeight] = {}
+def tensor_table(reader: GGUFReader, config: ModelConfig) -> list[list]:
+    """The tensors of an opened GGUF as JSON-able rows [hf_name, qtype, hf_shape, data_offset,
+    raw_dtype, raw_shape]: where each tensor's bytes lie in the file and how gguf views them
+    (`raw` below). Raises UnsupportedModelError for a tensor type outside
+    SUPPORTED_QUANT_TYPES and for a tensor name with no HF equivalent."""
+    rows = []
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
@@ -231,36 +240,125 @@ def gguf_weights(reader: GGUFReader, config: ModelConfig) -> GGUFSource:
             raise UnsupportedModelError(
                 f"GGUF tensor {t.name} has quantization type {t.tensor_type.name}, which is not "
                 f"supported; supported: {', '.join(q.name for q in SUPPORTED_QUANT_TYPES)}")
+        rows.append([name, int(t.tensor_type), [int(d) for d in reversed(t.shape.tolist())],
+                     int(t.data_offset), t.data.dtype.str, list(t.data.shape)])
+    return rows
+
+
+def gguf_weights(path: str, table: list[list], config: ModelConfig) -> GGUFSource:
+    """Lazy HF-named weights over the memory-mapped file at `path`, from its `tensor_table`
+    (llama-arch Q/K rows are un-permuted on read)."""
+    data = np.memmap(path, mode="r")
+    permuted = config.architecture == "LlamaForCausalLM"
+    weights: dict[str, GGUFWeight] = {}
+    for name, qtype, shape, offset, dtype, raw_shape in table:
+        nbytes = int(np.prod(raw_shape)) * np.dtype(dtype).itemsize
+        raw = data[offset:offset + nbytes].view(dtype).reshape(raw_shape)
         qk = permuted and (".q_proj." in name or ".k_proj." in name)
-        weights[name] = GGUFWeight(name=name, raw=t.data, qtype=t.tensor_type,
-                                   shape=tuple(int(d) for d in reversed(t.shape.tolist())),
+        weights[name] = GGUFWeight(name=name, raw=raw, qtype=QT(qtype), shape=tuple(shape),
                                    unpermute_head_dim=config.head_dim if qk else None)
     return GGUFSource(weights)
+
+
+# ---- once per file: parse and convert the tokenizer ------------------------------------------------
+# Cache entry <ferrum_home>/gguf/<file_key>/: meta.json (config, EOS ids, chat template, tensor
+# table) and tokenizer/ (the converted tokenizer, saved by transformers).
+CACHE_FORMAT = 1
+
+
+def _say(msg: str) -> None:
+    print(f"ferrum: {msg}", file=sys.stderr, flush=True)
+
+
+def _parse(path: str, folder: str) -> dict:
+    """Read the GGUF's metadata once (gguf's GGUFReader) and convert its tokenizer
+    (transformers); write meta.json and tokenizer/ into `folder`; returns the meta."""
+    import transformers
+    reader = open_reader(path)
+    config = gguf_config(reader)
+    meta = {"format": CACHE_FORMAT, "transformers": transformers.__version__,
+            "config": dataclasses.asdict(config), "eos_token_ids": list(config.eos_token_id),
+            "chat_template": gguf_field(reader, "tokenizer.chat_template"),
+            "tensors": tensor_table(reader, config), "tokenizer_error": None}
+    del reader
+    try:
+        hf = transformers.PreTrainedTokenizerFast.from_pretrained(
+            os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+        hf.save_pretrained(os.path.join(folder, "tokenizer"))
+    except Exception as e:  # noqa: BLE001  no or unsupported tokenizer: the model still serves ids
+        meta["tokenizer_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    with open(os.path.join(folder, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    return meta
+
+
+def _read_meta(folder: str) -> dict | None:
+    try:
+        with open(os.path.join(folder, "meta.json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return None
+    import transformers
+    if meta.get("format") != CACHE_FORMAT or meta.get("transformers") != transformers.__version__:
+        return None   # made by another ferrum or transformers: the tokenizer may differ
+    return meta
+
+
+def prepare_gguf(path: str) -> tuple[str, dict]:
+    """The cache entry of a GGUF file, built on first use: (its folder, its meta). Later calls,
+    in this or any process, read meta.json and skip the GGUF parse and tokenizer conversion.
+    Raises what `open_reader`, `gguf_config` and `tensor_table` raise (nothing is cached then)."""
+    import tempfile
+
+    from ferrum.loader.cache import exclusive, ferrum_home, file_key, staged_folder
+    try:
+        folder = os.path.join(ferrum_home(), "gguf", file_key(path))
+    except OSError as e:
+        raise WeightLoadError(f"cannot read GGUF file {path}: {e}") from e
+    meta = _read_meta(folder)
+    if meta is not None:
+        return folder, meta
+    try:
+        with exclusive(folder):
+            meta = _read_meta(folder)   # another process may have built it while we waited
+            if meta is None:
+                _say(f"reading {os.path.basename(path)} once (metadata and tokenizer; cached "
+                     f"in {folder})")
+                with staged_folder(folder) as tmp:
+                    meta = _parse(path, tmp)
+        return folder, meta
+    except PermissionError:   # a read-only $FERRUM_HOME: build into a temporary folder
+        folder = tempfile.mkdtemp(prefix="ferrum-gguf-")
+        return folder, _parse(path, folder)
 
 
 def load_gguf(path: str) -> ModelSource:
     """Resolve a `.gguf` file into a ModelSource (fmt "gguf").
 
-    Config from GGUF metadata (`gguf_config`), weights as float32-dequantizing LazyWeights under
-    HF names (`lm_head.weight` only when the file has `output.weight`), EOS ids from
-    `tokenizer.ggml.{eos,eot,eom}_token_id`, chat template from `tokenizer.chat_template`.
+    Config from GGUF metadata (`gguf_config`), weights as lazy GGUFWeights under HF names
+    (`lm_head.weight` only when the file has `output.weight`; the GGUF layers keep their raw
+    blocks, TP ranks read only their rows), EOS ids from
+    `tokenizer.ggml.{eos,eot,eom}_token_id`, chat template from `tokenizer.chat_template`,
+    tokenizer converted by transformers; all but the weights cached per file (`prepare_gguf`).
     Raises WeightLoadError (unreadable/truncated file), UnsupportedModelError (architecture,
     quantization type or option not implemented).
     """
-    reader = open_reader(path)
-    config = gguf_config(reader)
-    source = gguf_weights(reader, config)   # validates tensor types up front
-    chat_template = gguf_field(reader, "tokenizer.chat_template")
-    eos = list(config.eos_token_id)
+    folder, meta = prepare_gguf(path)
+    config = ModelConfig(**meta["config"])
+    eos, chat_template = list(meta["eos_token_ids"]), meta["chat_template"]
 
     def tokenizer_loader():
+        from transformers import PreTrainedTokenizerFast
         from ferrum.tokenizer.tokenizer import Tokenizer
-        return Tokenizer.from_gguf(path, eos_token_ids=eos, chat_template=chat_template)
+        if meta["tokenizer_error"]:
+            raise ValueError(f"the GGUF's tokenizer could not be converted: {meta['tokenizer_error']}")
+        hf = PreTrainedTokenizerFast.from_pretrained(os.path.join(folder, "tokenizer"))
+        return Tokenizer(hf, eos, chat_template)
 
     return ModelSource(
         name=os.path.splitext(os.path.basename(path))[0],
         config=config,
-        weights=lambda: source,
+        weights=lambda: gguf_weights(path, meta["tensors"], config),
         tokenizer_loader=tokenizer_loader,
         eos_token_ids=eos,
         chat_template=chat_template,

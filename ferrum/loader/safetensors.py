@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
-from ferrum.config import ModelConfig
-from ferrum.errors import ModelNotFoundError, WeightLoadError
+from ferrum.config import ModelConfig, generation_eos_token_ids
+from ferrum.errors import ModelNotFoundError, UnsupportedModelError, WeightLoadError
 from ferrum.loader.base import ModelSource
 
 
@@ -77,36 +77,31 @@ class SafetensorsSource:
         return self._weights[name]
 
 
-def read_eos_ids(folder: str, config: ModelConfig) -> list[int]:
-    """EOS ids: generation_config.json first, then config.json (never guessed)."""
-    gen = os.path.join(folder, "generation_config.json")
-    if os.path.exists(gen):
-        with open(gen) as f:
-            eos = json.load(f).get("eos_token_id")
-        if eos is not None:
-            return [eos] if isinstance(eos, int) else list(eos)
-    return list(config.eos_token_id)
-
-
 def load_hf_folder(folder: str) -> ModelSource:
-    """Resolve a local HF model folder into a ModelSource. Raises ModelNotFoundError when the
-    folder has no config.json, UnsupportedModelError for an unknown architecture."""
-    cfg_path = os.path.join(folder, "config.json")
-    if not os.path.exists(cfg_path):
+    """Resolve a local HF model folder into a ModelSource: config.json through transformers'
+    AutoConfig, EOS ids from generation_config.json (GenerationConfig), else config.json.
+    Raises ModelNotFoundError when the folder has no config.json, UnsupportedModelError for
+    an unknown architecture."""
+    if not os.path.exists(os.path.join(folder, "config.json")):
         raise ModelNotFoundError(f"{folder} has no config.json; not a Hugging Face model folder")
-    with open(cfg_path) as f:
-        config = ModelConfig.from_hf_dict(json.load(f))
+    from transformers import AutoConfig
+    try:
+        hf = AutoConfig.from_pretrained(folder)
+    except (ValueError, KeyError) as e:   # unknown model_type
+        raise UnsupportedModelError(f"{folder}/config.json: {e}") from e
+    config = ModelConfig.from_hf_config(hf)
+    eos = generation_eos_token_ids(folder) or list(config.eos_token_id)
 
     def tokenizer_loader():
         from ferrum.tokenizer.tokenizer import Tokenizer
-        return Tokenizer.from_folder(folder)
+        return Tokenizer.from_folder(folder, eos)
 
     return ModelSource(
         name=os.path.basename(os.path.normpath(folder)),
         config=config,
         weights=lambda: SafetensorsSource(folder),
         tokenizer_loader=tokenizer_loader,
-        eos_token_ids=read_eos_ids(folder, config),
+        eos_token_ids=eos,
         path=folder,
         fmt="safetensors",
     )

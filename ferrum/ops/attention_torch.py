@@ -158,10 +158,13 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Att
     B, M = bt.shape
     bs = kv_cache.shape[2]
     L = M * bs
-    k = kv_cache[0][bt].view(B, L, *kv_cache.shape[3:]).transpose(1, 2)
-    v = kv_cache[1][bt].view(B, L, *kv_cache.shape[3:]).transpose(1, 2)
-    mask = (torch.arange(L, device=q.device)[None, :] < attn_metadata.seq_lens[:, None]).view(B, 1, 1, L)
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), read_kv(k, q.dtype, k_scale),
-                                       read_kv(v, q.dtype, v_scale), attn_mask=mask, scale=scale,
-                                       enable_gqa=True)
+    valid = torch.arange(L, device=q.device)[None, :] < attn_metadata.seq_lens[:, None]  # [B, L]
+    # Slots past seq_len (padding, never written) may hold NaN/inf: a masked score still
+    # gives 0 * NaN in P @ V, so zero them in the gathered copies rather than rely on the mask.
+    invalid = ~valid.view(B, 1, L, 1)
+    k = read_kv(kv_cache[0][bt].view(B, L, *kv_cache.shape[3:]).transpose(1, 2), q.dtype, k_scale)
+    v = read_kv(kv_cache[1][bt].view(B, L, *kv_cache.shape[3:]).transpose(1, 2), q.dtype, v_scale)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k.masked_fill_(invalid, 0),
+                                       v.masked_fill_(invalid, 0), attn_mask=valid.view(B, 1, 1, L),
+                                       scale=scale, enable_gqa=True)
     return o.squeeze(2)

