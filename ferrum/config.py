@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import typing
 from dataclasses import dataclass, field
@@ -237,15 +238,46 @@ def parse_size(value) -> int:
                                   "such as 512MiB, 2GiB or 4GB") from None
 
 
-def option(default=None, help: str = "", *, default_factory=None, **cli) -> Any:
+def option(default=None, help: str = "", *, default_factory=None, env: str | None = None,
+           **cli) -> Any:
     """A config field with its documentation: `help` (a sentence; say what None means when
     the default is None), and optional CLI details in `cli`: `flag` (its name, default
     `--field-name`), `aliases` (more flag names), `choices`, `parse` (str -> value, also
-    applied to str values given to `from_kwargs`), `cli=False` (not a flag: set by code)."""
-    metadata = {"help": help, **cli}
+    applied to str values given to `from_kwargs`), `cli=False` (not a flag: set by code).
+    `env`: an environment variable that overrides the default when set (read each time a
+    config is created; bools: 1/0; parsed by `parse` when given): the README's table."""
+    metadata = {"help": help, "env": env, **cli}
+    if env is not None:
+        default_factory = functools.partial(_env_value, env, default, cli.get("parse"))
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=metadata)
     return field(default=default, metadata=metadata)
+
+
+def _env_value(name: str, default, parse=None):
+    """`default`, or the value of environment variable `name` when set: for a bool default
+    "1"/"0" (also true/false, yes/no, on/off), else parsed by `parse` (or the default's type).
+    Raises InvalidRequestError for a value it cannot read."""
+    text = os.environ.get(name)
+    if text is None or text == "":
+        return default
+    if isinstance(default, bool):
+        flag = text.strip().lower()
+        if flag in ("1", "true", "yes", "on"):
+            return True
+        if flag in ("0", "false", "no", "off"):
+            return False
+        raise InvalidRequestError(f"environment variable {name}={text!r}: expected 1 or 0", param=name)
+    try:
+        return (parse or (type(default) if default is not None else str))(text)
+    except ValueError as e:
+        raise InvalidRequestError(f"environment variable {name}={text!r}: {e}", param=name) from None
+
+
+def option_default(f: dataclasses.Field):
+    """The default of a field (calling its factory: an env-overridable default reads the
+    environment now)."""
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 @dataclass
@@ -257,7 +289,7 @@ class CacheConfig:
                                        "(default: size it from memory)")
     kv_cache_memory: int | None = option(
         None, "KV pool bytes per rank on CPU, with a unit (e.g. 2GiB) (default: enough for "
-        "max_num_seqs x max_model_len tokens, at most 1GiB)", parse=parse_size)
+        "max_num_seqs x max_model_len tokens, at most 1GiB)", parse=parse_size, metavar="SIZE")
     gpu_memory_utilization: float = option(
         0.90, "fraction of GPU memory for weights + activations + KV pool (CUDA)")
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of a shared prompt prefix")
@@ -295,6 +327,53 @@ class ParallelConfig:
                                       "(process up, model loaded, KV cache allocated)")
 
 
+def parse_gemv_config(text: str) -> tuple[int, int, int, int]:
+    """`"BN,BK,warps,stages"` -> four ints (the Triton GEMV's block shape). Raises ValueError."""
+    values = tuple(int(v) for v in text.split(","))
+    if len(values) != 4:
+        raise ValueError(f"expected BN,BK,warps,stages, got {text!r}")
+    return values
+
+
+@dataclass
+class KernelConfig:
+    """Which kernels run: switches for speed work and debugging, process-wide (the kernels
+    read `KERNELS`, which `set_kernels` fills from the engine's config when it builds its
+    model). Each has an environment variable that overrides its default."""
+
+    triton_gemv: bool = option(True, "batch-1 linears through the Triton GEMV (CUDA, 16-bit)",
+                               env="FERRUM_TRITON_GEMV")
+    gemv_config: tuple | None = option(
+        None, "Triton GEMV block shape BN,BK,warps,stages (default: chosen per matrix shape)",
+        env="FERRUM_GEMV_CONFIG", parse=parse_gemv_config, metavar="BN,BK,WARPS,STAGES")
+    qgemv_config: tuple | None = option(
+        None, "block shape BN,BK,warps,stages of the quantized (FP8, 4-bit) GEMVs (default: "
+        "chosen per matrix shape and row count)", env="FERRUM_QGEMV_CONFIG",
+        parse=parse_gemv_config, metavar="BN,BK,WARPS,STAGES")
+    pdl: bool = option(True, "programmatic dependent launch of the decode kernels (CUDA sm_90+)",
+                       env="FERRUM_PDL")
+    cpu_blas_gemv: bool = option(True, "CPU float32 linears through numpy's OpenBLAS (one "
+                                 "process) instead of torch", env="FERRUM_CPU_BLAS_GEMV")
+    cpu_column_major_weights: bool = option(
+        True, "store CPU linear weights column-major (faster batch-1 GEMV on MKL)",
+        env="FERRUM_CPU_COLUMN_MAJOR_WEIGHTS")
+    disable_symm_mem: bool = option(False, "no one-shot all-reduce over symmetric memory for "
+                                    "small TP messages (CUDA): NCCL only",
+                                    env="FERRUM_DISABLE_SYMM_MEM")
+    force_triton: bool = option(False, "run the Triton kernels on CPU tensors too (tests, with "
+                                "TRITON_INTERPRET=1)", env="FERRUM_FORCE_TRITON", cli=False)
+
+
+KERNELS = KernelConfig()
+"""The kernel switches in force in this process (see KernelConfig)."""
+
+
+def set_kernels(kernels: KernelConfig) -> None:
+    """Put `kernels` in force for this process (in place: modules hold `KERNELS`)."""
+    for f in dataclasses.fields(KernelConfig):
+        setattr(KERNELS, f.name, getattr(kernels, f.name))
+
+
 @dataclass
 class EngineConfig:
     """Everything needed to build an engine. `model` is a name (`smollm2`), a local HF folder,
@@ -328,6 +407,7 @@ class EngineConfig:
     cache: CacheConfig = option(default_factory=CacheConfig)
     scheduler: SchedulerConfig = option(default_factory=SchedulerConfig)
     parallel: ParallelConfig = option(default_factory=ParallelConfig)
+    kernels: KernelConfig = option(default_factory=KernelConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

@@ -23,7 +23,7 @@ import torch
 
 import ferrum.model_store as store
 from ferrum import LLM, SamplingParams
-from ferrum.config import EngineConfig, config_groups, option_fields
+from ferrum.config import EngineConfig, config_groups, option_default, option_fields
 from ferrum.entrypoints.args import config_from_args
 from ferrum.entrypoints.cli import build_parser
 from ferrum.errors import InvalidRequestError, TensorParallelError
@@ -56,11 +56,11 @@ def test_every_flag_has_help_that_shows_its_default():
                 continue
             what = f"{name} {'/'.join(action.option_strings) or action.dest}"
             assert action.help, f"{what} has no help"
-            shown = formatter._expand_help(action) if action.help else ""
+            shown = formatter._expand_help(action)
             if action.default is not None and action.default is not argparse.SUPPRESS:
-                assert f"default: {action.default}" in shown or "default" in shown, what
+                assert f"(default: {action.default})" in shown, f"{what}: {shown!r}"
             elif action.option_strings and action.default is None:
-                assert "default" in shown, f"{what}: help must say what no value means"
+                assert "(default" in shown, f"{what}: help must say what no value means"
 
 
 def test_run_help_states_its_sampling_defaults_differ_from_samplingparams():
@@ -108,25 +108,53 @@ def test_cli_defaults_are_the_config_defaults(command):
 def test_every_option_field_is_a_flag_and_an_llm_keyword():
     """Each option field of the config dataclasses round-trips through its generated flag and
     through EngineConfig.from_kwargs (what LLM(**kwargs) calls) with a non-default value."""
+    special = {"device": ("cpu", "cpu"), "dtype": ("float32", "float32"),
+               "load_format": ("dummy", "dummy"), "chat_template": ("t.jinja", "t.jinja"),
+               "kv_cache_memory": ("2KiB", 2048), "gemv_config": ("8,512,4,3", (8, 512, 4, 3))}
     p = build_parser()
+    seen = set()
     for group, cls in config_groups():
         for f in option_fields(cls):
             if not f.metadata.get("cli", True) or f.metadata.get("positional"):
                 continue
-            value = {bool: not f.default, int: 3, float: 0.5, str: "float32"}.get(
-                type(f.default), 3)
-            if f.name in ("device", "load_format", "chat_template"):
-                value = {"device": "cpu", "load_format": "dummy", "chat_template": "t.jinja"}[f.name]
-            if f.name == "async_scheduling":
-                value = True
+            default = option_default(f)
             flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
-            argv = ["run", "m"] + ([flag] if value is True else
-                                   [flag.replace("--", "--no-", 1)] if value is False else [flag, str(value)])
-            cfg = config_from_args(p.parse_args(argv))
-            got = getattr(getattr(cfg, group) if group else cfg, f.name)
-            assert got == value, f.name
-            kw = EngineConfig.from_kwargs(**{f.name: value})
+            if f.name in special:
+                text, value = special[f.name]
+                argv = [flag, text]
+            elif isinstance(default, bool) or f.name == "async_scheduling":
+                value = not default
+                argv = [flag if value else flag.replace("--", "--no-", 1)]
+            else:
+                value = 0.5 if isinstance(default, float) else 3
+                argv = [flag, str(value)]
+            cfg = config_from_args(p.parse_args(["run", "m", *argv]))
+            assert getattr(getattr(cfg, group) if group else cfg, f.name) == value, f.name
+            kw = EngineConfig.from_kwargs(**{f.name: text if f.name in special else value})
             assert getattr(getattr(kw, group) if group else kw, f.name) == value, f.name
+            seen.add(f.name)
+    assert {"max_model_len", "threads", "tensor_parallel_size", "pdl", "disable_symm_mem"} <= seen
+
+
+def test_environment_overrides_kernel_defaults(monkeypatch):
+    """The FERRUM_* kernel switches are config fields whose defaults the environment
+    overrides (read when a config is made, not at import)."""
+    from ferrum.config import KERNELS, KernelConfig, set_kernels
+    monkeypatch.setenv("FERRUM_PDL", "0")
+    monkeypatch.setenv("FERRUM_GEMV_CONFIG", "16,256,4,4")
+    k = KernelConfig()
+    assert k.pdl is False and k.gemv_config == (16, 256, 4, 4) and k.triton_gemv is True
+    assert build_parser().parse_args(["run"]).pdl is False
+    assert EngineConfig.from_kwargs(pdl=True).kernels.pdl is True     # an explicit value wins
+    monkeypatch.setenv("FERRUM_PDL", "maybe")
+    with pytest.raises(InvalidRequestError, match="FERRUM_PDL='maybe': expected 1 or 0"):
+        KernelConfig()
+    saved = dataclasses.replace(KERNELS)
+    try:
+        set_kernels(k)
+        assert KERNELS.pdl is False and KERNELS.gemv_config == (16, 256, 4, 4)
+    finally:
+        set_kernels(saved)
 
 
 def test_from_kwargs_rejects_unknown_names_and_parses_sizes():

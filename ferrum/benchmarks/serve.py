@@ -59,7 +59,7 @@ def add_parser(subparsers, add_engine_args) -> None:
     g.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
     g.add_argument("--output-len", type=int, default=64, help="generated tokens per request")
     g.add_argument("--request-rate", type=float, default=math.inf,
-                   help="requests/s, Poisson arrivals (default inf: all at once)")
+                   help="requests/s, Poisson arrivals; inf: all at once")
     g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the requests")
     g.add_argument("--plot", default=None, help="write a PNG of latency CDFs here (matplotlib) (default: no plot)")

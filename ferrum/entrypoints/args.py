@@ -14,16 +14,16 @@ import os
 import types
 import typing
 
-from ferrum.config import EngineConfig, config_groups, option_fields
+from ferrum.config import EngineConfig, config_groups, option_default, option_fields
 
 
 class HelpFormatter(argparse.HelpFormatter):
     """Shows every option's default: appends "(default: X)" to a help text that does not
-    already name its default (None-default options say in words what None means)."""
+    already have a "(default..." part (None-default options say there what None means)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if ("default" in text or action.default in (None, argparse.SUPPRESS)
+        if ("(default" in text or action.default in (None, argparse.SUPPRESS)
                 or not action.option_strings):
             return text
         return text + " (default: %(default)s)"
@@ -63,20 +63,22 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = True) -
             meta = f.metadata
             if not meta.get("cli", True):
                 continue
+            default = option_default(f)
             if meta.get("positional"):
                 if model_positional:
-                    p.add_argument(f.name, nargs="?", default=f.default,
-                                   help=f"{meta['help']} (default: {f.default})")
+                    p.add_argument(f.name, nargs="?", default=default,
+                                   help=f"{meta['help']} (default: {default})")
                 continue
             flags = [meta.get("flag") or "--" + f.name.replace("_", "-"), *meta.get("aliases", ())]
             kind = _value_type(hints[f.name])
-            kw = {"dest": _dest(f), "default": f.default, "help": meta["help"]}
+            text = meta["help"] + (f" [env {meta['env']}]" if meta["env"] else "")
+            kw = {"dest": _dest(f), "default": default, "help": text}
             if kind is bool:
-                kw["action"] = "store_true" if f.default is False else argparse.BooleanOptionalAction
+                kw["action"] = "store_true" if default is False else argparse.BooleanOptionalAction
             else:
                 parse = meta.get("parse")
                 kw["type"] = _as_argparse_type(parse) if parse else kind
-                kw["metavar"] = "SIZE" if parse else kind.__name__.upper()
+                kw["metavar"] = meta.get("metavar") or kind.__name__.upper()
                 if "choices" in meta:
                     kw["choices"] = meta["choices"]
                     kw.pop("metavar")

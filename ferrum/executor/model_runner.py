@@ -5,11 +5,10 @@ single-device executor and by every rank of the tensor-parallel executor."""
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
-from ferrum.config import ModelConfig, resolve_kv_cache_dtype
+from ferrum.config import KERNELS, ModelConfig, resolve_kv_cache_dtype
 from ferrum.distributed.parallel_state import get_tp
 from ferrum.executor.cuda_graph import DecodeCudaGraphs, graph_batch_sizes
 from ferrum.executor.memory import compute_memory_requirements
@@ -37,7 +36,7 @@ def _column_major_weights(model: torch.nn.Module) -> None:
     rows; at batch >= 4 column-major is a little slower, and for out < in (down_proj) row-major
     is faster at every batch, so those stay (figures: benchmarks/results/README.md). A tied
     embedding shares the LM head's buffer: its row lookups become strided.
-    Disable with FERRUM_CPU_COLUMN_MAJOR_WEIGHTS=0."""
+    Off with `KERNELS.cpu_column_major_weights` False (FERRUM_CPU_COLUMN_MAJOR_WEIGHTS=0)."""
     for mod in model.modules():
         packed = isinstance(mod, LinearBase) and mod.quant_method.name != "unquantized"
         if isinstance(mod, (LinearBase, ParallelLMHead)) and not packed:  # kernels want packed rows
@@ -75,7 +74,7 @@ class ModelRunner:
             init_dummy_weights(self.model, seed)
         else:
             load_weights(self.model, source.weights(), progress=progress)
-        if self.device.type == "cpu" and os.environ.get("FERRUM_CPU_COLUMN_MAJOR_WEIGHTS", "1") != "0":
+        if self.device.type == "cpu" and KERNELS.cpu_column_major_weights:
             _column_major_weights(self.model)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # the paged attention every layer calls (through the forward context): Triton on CUDA
@@ -118,7 +117,7 @@ class ModelRunner:
     def enable_symm_mem_all_reduce(self, allowed: bool = True) -> bool:
         """Every rank gets the same `allowed` (rank 0 decides, see symm_mem.py)."""
         from ferrum.distributed.symm_mem import try_enable_symm_mem
-        if not allowed or os.environ.get("FERRUM_DISABLE_SYMM_MEM") == "1":
+        if not allowed or KERNELS.disable_symm_mem:
             return False
         tp = get_tp()
         return tp.size > 1 and try_enable_symm_mem(tp.group, self.device, self.dtype)

@@ -14,7 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ferrum.config import EngineConfig, resolve_dtype, resolve_max_model_len
+from ferrum.config import EngineConfig, resolve_dtype, resolve_max_model_len, set_kernels
 from ferrum.distributed.parallel_state import init_tensor_parallel
 from ferrum.executor.memory import num_kv_blocks
 from ferrum.interfaces import KvCacheHandle
@@ -61,6 +61,7 @@ def build_runner(config: EngineConfig, device: str, progress: bool):
     from ferrum.model_store import resolve_model
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", config.parallel.tensor_parallel_size))
     set_threads(config.threads, local_ranks, warn=device == "cpu" and dist.get_rank() == 0)
+    set_kernels(config.kernels)
     source = resolve_model(config.model)
     dtype = resolve_dtype(config.dtype, device)
     return ModelRunner(source, device, dtype, config.load_format, config.seed, progress,

@@ -4,22 +4,21 @@ For float32 weights larger than the caches, numpy's OpenBLAS streams them faster
 MKL path at every row count on the small x86 boxes ferrum's CPU work runs on (sgemv for one
 row, sgemm for more; figures in benchmarks/results/cpu-smollm2-2026-11-30.md). Single process
 only: OpenBLAS sizes its own thread pool from the core count, which CPU TP ranks sharing the
-cores would oversubscribe. `FERRUM_CPU_BLAS_GEMV=0` turns it off.
+cores would oversubscribe. `KERNELS.cpu_blas_gemv` (FERRUM_CPU_BLAS_GEMV=0) turns it off.
 """
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
-ENABLED = os.environ.get("FERRUM_CPU_BLAS_GEMV", "1") != "0"
+from ferrum.config import KERNELS
 
 
 def can_use(x: torch.Tensor, weight: torch.Tensor, single_process: bool) -> bool:
     """True when `blas_linear(x, weight)` applies: enabled, one process, x a float32 [T, K] CPU
     tensor and weight float32."""
-    return (ENABLED and single_process and x.dim() == 2 and x.device.type == "cpu"
+    return (KERNELS.cpu_blas_gemv and single_process and x.dim() == 2 and x.device.type == "cpu"
             and x.dtype == torch.float32 and weight.dtype == torch.float32)
 
 
@@ -43,7 +42,7 @@ def cpu_blas_forward(active: bool):
     and on a small box torch's spinning workers and OpenBLAS's fight for the same cores
     (batch-1 decode became ~8x slower); the matrix work, nearly all of a step, still uses
     every core through OpenBLAS."""
-    if not (active and ENABLED):
+    if not (active and KERNELS.cpu_blas_gemv):
         yield
         return
     n = torch.get_num_threads()

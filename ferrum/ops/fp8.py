@@ -14,11 +14,10 @@ q = round_to_nearest_even(w / s), s = amax(|w_row|) / 448 (as vLLM / llm-compres
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
+from ferrum.config import KERNELS
 from ferrum.ops.triton_utils import HAS_TRITON, pdl_ok, pdl_start, use_triton
 
 if HAS_TRITON:
@@ -104,11 +103,10 @@ def gemv_rows_config(n: int, k: int, m: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the quantized GEMVs for an [n, k] weight and
     m rows: one row takes the bf16 GEMV's tile shapes (ferrum/ops/gemv.py `gemv_config`);
     more rows use narrower K tiles, since the [rows, BLOCK_N, BLOCK_K] products of a tile
-    live in registers. `FERRUM_QGEMV_CONFIG="BN,BK,warps,stages"` overrides (tuning runs)."""
-    env = os.environ.get("FERRUM_QGEMV_CONFIG")
-    if env:
-        bn, bk, w, s = (int(v) for v in env.split(","))
-        return bn, bk, w, s
+    live in registers. `KERNELS.qgemv_config` (--qgemv-config, FERRUM_QGEMV_CONFIG=
+    "BN,BK,warps,stages") overrides (tuning runs)."""
+    if KERNELS.qgemv_config:
+        return KERNELS.qgemv_config
     from ferrum.ops.gemv import gemv_config
     if m == 1:
         return gemv_config(n, k)

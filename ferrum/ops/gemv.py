@@ -6,18 +6,15 @@ the smaller ones of a step (o_proj, and every matrix at TP=2); this kernel strea
 [BLOCK_N, BLOCK_K] tiles with each program owning BLOCK_N output rows, so the grid always has
 thousands of programs and no split-K reduction is needed. With PDL (`triton_utils`) it reads
 its first weight tile before waiting for x. `ferrum.ops.linear` decides when it runs (x one
-row, 16-bit, on CUDA; `FERRUM_TRITON_GEMV=0` turns it off). Measured speed:
+row, 16-bit, on CUDA; `KERNELS.triton_gemv`, FERRUM_TRITON_GEMV=0, turns it off). Measured speed:
 benchmarks/results/README.md ("Figures behind the kernel choices").
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ferrum.config import KERNELS
 from ferrum.ops.triton_utils import HAS_TRITON, pdl_ok, pdl_start
-
-ENABLED = os.environ.get("FERRUM_TRITON_GEMV", "1") != "0"
 
 if HAS_TRITON:
     import triton
@@ -70,11 +67,10 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
     (gate_up, LM head) like short wide tiles; matrices of <= 32 MB (o_proj, qkv at TP=2) like
     long thin tiles, which give more programs; the rest (qkv, down) sit in between. BLOCK_K
     is halved until it divides k, keeping the unmasked path.
-    `FERRUM_GEMV_CONFIG="BN,BK,warps,stages"` overrides (tuning runs)."""
-    env = os.environ.get("FERRUM_GEMV_CONFIG")
-    if env:
-        bn, bk, w, s = (int(v) for v in env.split(","))
-        return bn, bk, w, s
+    `KERNELS.gemv_config` (--gemv-config, FERRUM_GEMV_CONFIG="BN,BK,warps,stages") overrides
+    (tuning runs)."""
+    if KERNELS.gemv_config:
+        return KERNELS.gemv_config
     if n >= 14336:
         bn, bk, w, s = 16, 256, 4, 4
     elif n * k <= 4096 * 4096:
@@ -89,7 +85,7 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
 def can_use(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True when `gemv(x, weight)` applies: enabled, triton present, x a contiguous [1, K]
     CUDA tensor in bf16/fp16 and weight [N, K] of the same dtype with unit stride along K."""
-    return (ENABLED and HAS_TRITON and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+    return (KERNELS.triton_gemv and HAS_TRITON and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and weight.stride(1) == 1 and x.is_contiguous())
 

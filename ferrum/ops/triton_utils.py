@@ -2,21 +2,22 @@
 
 - `HAS_TRITON`: triton imports (CPU-only installs run every op's torch code instead).
 - `use_triton(t)`: the dispatch rule of the elementwise ops: Triton for CUDA tensors, and for
-  CPU tensors too when `FERRUM_FORCE_TRITON=1` (tests, with `TRITON_INTERPRET=1`, which runs
-  the kernels in Triton's numpy interpreter).
+  CPU tensors too when `KERNELS.force_triton` (FERRUM_FORCE_TRITON=1; tests, with
+  `TRITON_INTERPRET=1`, which runs the kernels in Triton's numpy interpreter).
 - Programmatic dependent launch (PDL, sm_90+, CUDA programming guide "Programmatic Dependent
   Launch and Synchronization"): a kernel launched with `launch_pdl=True` may start while the
   kernel before it still runs. The batch-1 GEMV uses that to read its first weight tile early
   (weights never change) and only then waits for its input; every other decode-path kernel
   calls `pdl_start` first, which waits for its inputs and then lets the next kernel launch, so
   the next GEMV's weight stream starts during this kernel's tail. `pdl_ok(t)` says whether
-  kernels on t's device use it; `FERRUM_PDL=0` turns it off. It survives CUDA-graph capture.
+  kernels on t's device use it; `KERNELS.pdl` (--no-pdl, FERRUM_PDL=0) turns it off. It
+  survives CUDA-graph capture.
 """
 from __future__ import annotations
 
-import os
-
 import torch
+
+from ferrum.config import KERNELS
 
 try:
     import triton
@@ -24,15 +25,13 @@ try:
 except ImportError:  # pragma: no cover
     HAS_TRITON = False
 
-FORCE_TRITON: bool = os.environ.get("FERRUM_FORCE_TRITON", "0") == "1"
-PDL: bool = os.environ.get("FERRUM_PDL", "1") != "0"
 _SM90: dict[int, bool] = {}
 
 
 def use_triton(t: torch.Tensor) -> bool:
     """True when an op on tensor t runs its Triton kernel: triton is installed and t is on
-    CUDA (or FERRUM_FORCE_TRITON=1, for the interpreter tests on CPU)."""
-    return HAS_TRITON and (t.is_cuda or FORCE_TRITON)
+    CUDA (or KERNELS.force_triton, for the interpreter tests on CPU)."""
+    return HAS_TRITON and (t.is_cuda or KERNELS.force_triton)
 
 
 def next_pow2(n: int) -> int:
@@ -51,10 +50,10 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def pdl_ok(t: torch.Tensor) -> bool:
-    """True when kernels on t's device may use programmatic dependent launch: FERRUM_PDL is
-    not 0, triton is installed, t is on CUDA and the device is sm_90 or newer (cached per
-    device index)."""
-    if not (PDL and HAS_TRITON and t.is_cuda):
+    """True when kernels on t's device may use programmatic dependent launch: KERNELS.pdl,
+    triton is installed, t is on CUDA and the device is sm_90 or newer (cached per device
+    index)."""
+    if not (KERNELS.pdl and HAS_TRITON and t.is_cuda):
         return False
     idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
     if idx not in _SM90:

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import torch
 
+from ferrum.config import KERNELS
 from ferrum.errors import UnsupportedModelError, WeightLoadError
 from ferrum.layers.quantization.base import (LinearMethod, QuantConfig, dequantized_on_cpu, new_param,
                                              shard_spec)
 from ferrum.ops import fp8 as fp8_ops
-from ferrum.ops.triton_utils import FORCE_TRITON
 
 
 def check_ignored(ignore, what: str) -> None:
@@ -170,7 +170,7 @@ class Fp8LinearMethod(LinearMethod):
             layer.weight_scale.data[i:i + 4096] = s
 
     def process_weights_after_loading(self, layer):
-        if not (layer.weight.is_cuda or FORCE_TRITON):
+        if not (layer.weight.is_cuda or KERNELS.force_triton):
             dequantized_on_cpu(layer, fp8_ops.dequantize_fp8(layer.weight, layer.weight_scale),
                                ["weight", "weight_scale", "input_scale"])
             return

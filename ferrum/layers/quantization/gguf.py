@@ -15,10 +15,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from ferrum.config import KERNELS
 from ferrum.errors import TensorParallelError, WeightLoadError
 from ferrum.layers.quantization.base import LinearMethod, QuantConfig, dequantized_on_cpu, shard_spec
 from ferrum.ops import gguf as gguf_ops
-from ferrum.ops.triton_utils import FORCE_TRITON
 
 # `--quantization` names of random GGUF weights for dummy models -> GGML type
 DUMMY_TYPES = {"gguf_q4_0": gguf_ops.Q4_0, "gguf_q8_0": gguf_ops.Q8_0, "gguf_q4_k": gguf_ops.Q4_K,
@@ -117,7 +117,7 @@ class GGUFLinearMethod(LinearMethod):
                 segments.append((off, t.shape[0], qtype, t))
         if sum(s[1] for s in segments) != layer.out_features:
             raise WeightLoadError(f"GGUF layer has {sum(s[1] for s in segments)} of {layer.out_features} rows")
-        on_gpu = segments[0][3].is_cuda or FORCE_TRITON
+        on_gpu = segments[0][3].is_cuda or KERNELS.force_triton
         if not on_gpu:
             k = layer.in_features
             w = torch.cat([t if q is None else gguf_ops.gguf_dequantize(t, q, k) for _, _, q, t in segments])

@@ -24,12 +24,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ferrum.config import KERNELS
 from ferrum.errors import UnsupportedModelError, WeightLoadError
 from ferrum.layers.quantization.base import (LinearMethod, QuantConfig, dequantized_on_cpu, new_param,
                                              shard_spec)
 from ferrum.layers.quantization.fp8 import check_ignored
 from ferrum.ops import int4 as int4_ops
-from ferrum.ops.triton_utils import FORCE_TRITON
 
 AWQ_NIBBLE = [0, 4, 1, 5, 2, 6, 3, 7]  # nibble of column 8c + i in AutoAWQ's words
 GROUP_SIZES = (32, 64, 128, -1)
@@ -151,7 +151,7 @@ class Int4LinearMethod(LinearMethod):
         for name in ("qweight", "qzeros", "scales", "g_idx"):
             if hasattr(layer, name):
                 delattr(layer, name)
-        if not (qweight.is_cuda or FORCE_TRITON):
+        if not (qweight.is_cuda or KERNELS.force_triton):
             dequantized_on_cpu(layer, int4_ops.dequantize_int4(qweight, scales, zeros, layer.group_size, g_idx), [])
             return
         layer.qweight = nn.Parameter(qweight, requires_grad=False)
