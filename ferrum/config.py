@@ -402,8 +402,8 @@ class EngineConfig:
         "template's markup yields special tokens); --no-split-special-tokens parses them as "
         "control tokens")
     threads: int | None = option(
-        None, "CPU threads per rank for torch ops and the BLAS (default: the usable cores "
-        "divided by the TP ranks, at most 1 per core; see the README on shared machines)")
+        None, "CPU threads per rank for torch ops and the BLAS (default: the usable cores less "
+        "one, split over the TP ranks, at least 1: a busy core then stalls no step)")
     cache: CacheConfig = option(default_factory=CacheConfig)
     scheduler: SchedulerConfig = option(default_factory=SchedulerConfig)
     parallel: ParallelConfig = option(default_factory=ParallelConfig)
