@@ -70,6 +70,15 @@ def git_commit() -> str | None:
         return None
 
 
+def _proc_text(pid: int, name: str) -> str:
+    """/proc/<pid>/<name> as one line (NULs as spaces), at most 100 characters; "" if gone."""
+    try:
+        with open(f"/proc/{pid}/{name}", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:100]
+    except OSError:
+        return ""
+
+
 def busy_processes(interval_s: float = 0.5, min_share: float = 0.2) -> list[dict]:
     """Other processes using at least `min_share` of a core over the next `interval_s`
     seconds (Linux /proc; [] elsewhere), busiest first: [{"pid", "cpu" (cores), "command"}]."""
@@ -95,12 +104,8 @@ def busy_processes(interval_s: float = 0.5, min_share: float = 0.2) -> list[dict
     for pid, t in after.items():
         share = (t - before.get(pid, t)) / hz / interval_s
         if share >= min_share:
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:100]
-            except OSError:
-                cmd = "?"
-            busy.append({"pid": pid, "cpu": round(share, 2), "command": cmd})
+            cmd = _proc_text(pid, "cmdline") or _proc_text(pid, "comm")  # comm: kernel threads
+            busy.append({"pid": pid, "cpu": round(share, 2), "command": cmd or "?"})
     return sorted(busy, key=lambda b: -b["cpu"])
 
 
