@@ -328,6 +328,7 @@ def test_serve_says_serving_once_listening_and_logs_each_request(tiny_chat_model
         text = (tmp_path / "serve.log").read_text()
         assert '"POST /v1/completions HTTP/1.1" 200' in text
         assert '"POST /v1/completions HTTP/1.1" 400' in text
+        assert "Started server process" not in text      # uvicorn's INFO chatter only with -v
     finally:
         proc.terminate()
         proc.wait(30)

@@ -16,11 +16,13 @@ With `--api-key KEY` the /v1/*, /tokenize and /detokenize endpoints want
 and scrapers. POST bodies must be JSON with `Content-Type: application/json` (else 400).
 `--allowed-origins` turns on CORS (Starlette's CORSMiddleware) for those browser origins.
 
+Every error is an OpenAI-style body `{"error": {"message", "type", "param", "code"}}`: bad
+JSON or fields 400, unknown model 404, queue full 503 with Retry-After, engine failure 500;
+other ferrum errors use their `http_status`.
+
 Start-up (`serve`): the port is bound before the model loads (a busy port fails at once), the
 "serving ..." line is printed once the socket listens, and uvicorn logs one access line per
-request to stderr unless `--disable-log-requests`. Every error is an OpenAI-style body `{"error": {"message", "type", "param",
-"code"}}`: bad JSON or fields 400, unknown model 404, queue full 503 with Retry-After, engine
-failure 500; other ferrum errors use their `http_status`.
+request to stderr unless `--disable-log-requests`.
 """
 from __future__ import annotations
 
@@ -244,16 +246,17 @@ def bind_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to (host, port), not yet listening: connections are refused until
     the server starts, and a port that is taken fails now, before the model loads. Raises
     AddressInUseError."""
-    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    family, _, _, _, address = info[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is fine
+    sock = None
     try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is fine
         sock.bind(address)
-    except OSError as e:
-        sock.close()
-        raise AddressInUseError(f"cannot listen on {host}:{port}: {e.strerror}; is another server "
-                                "running there? Pick another --port (or --host)") from e
+    except OSError as e:   # in use, or not an address of this machine (gaierror too)
+        if sock is not None:
+            sock.close()
+        raise AddressInUseError(f"cannot listen on {host}:{port}: {e.strerror or e}; is another "
+                                "server running there? Pick another --port (or --host)") from e
     return sock
 
 
@@ -263,6 +266,7 @@ def _log_config(verbose: bool, log_requests: bool) -> dict:
     config = copy.deepcopy(LOGGING_CONFIG)
     config["handlers"]["access"]["stream"] = "ext://sys.stderr"
     config["loggers"]["uvicorn"]["level"] = "INFO" if verbose else "WARNING"
+    config["loggers"]["uvicorn.error"]["level"] = "INFO" if verbose else "WARNING"
     config["loggers"]["uvicorn.access"]["level"] = "INFO" if log_requests else "WARNING"
     return config
 
