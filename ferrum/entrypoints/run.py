@@ -146,14 +146,19 @@ class Chat:
 
     @staticmethod
     def _session():
+        """A prompt_toolkit session drawing on stderr, with history in $FERRUM_HOME (in
+        memory when that folder cannot be written)."""
         from prompt_toolkit import PromptSession
-        from prompt_toolkit.history import FileHistory
+        from prompt_toolkit.history import FileHistory, InMemoryHistory
         from prompt_toolkit.output import create_output
 
         from ferrum.loader.cache import ferrum_home
-        os.makedirs(ferrum_home(), exist_ok=True)
-        return PromptSession(history=FileHistory(os.path.join(ferrum_home(), "chat_history")),
-                             output=create_output(stdout=sys.stderr))
+        try:
+            os.makedirs(ferrum_home(), exist_ok=True)
+            history = FileHistory(os.path.join(ferrum_home(), "chat_history"))
+        except OSError:
+            history = InMemoryHistory()
+        return PromptSession(history=history, output=create_output(stdout=sys.stderr))
 
     def say(self, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
