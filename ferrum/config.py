@@ -240,10 +240,11 @@ def parse_size(value) -> int:
 
 def option(default=None, help: str = "", *, default_factory=None, env: str | None = None,
            **cli) -> Any:
-    """A config field with its documentation: `help` (a sentence; say what None means when
-    the default is None), and optional CLI details in `cli`: `flag` (its name, default
-    `--field-name`), `aliases` (more flag names), `choices`, `parse` (str -> value, also
-    applied to str values given to `from_kwargs`), `cli=False` (not a flag: set by code).
+    """A config field with its documentation: `help` (a sentence; say in "(default: ...)" what
+    None means when the default is None), and optional CLI details in `cli`: `flag` (its
+    name, default `--field-name`), `aliases` (more flag names), `choices`, `metavar`, `parse`
+    (str -> value, also applied to str values given to `from_kwargs`), `positional=True` (an
+    optional positional argument: the model), `cli=False` (not a flag: set by code).
     `env`: an environment variable that overrides the default when set (read each time a
     config is created; bools: 1/0; parsed by `parse` when given): the README's table."""
     metadata = {"help": help, "env": env, **cli}
