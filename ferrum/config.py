@@ -66,6 +66,7 @@ class ModelConfig:
 
     @property
     def family(self) -> str:
+        """The ferrum model family of the architecture (llama | qwen2 | qwen3; models/registry.py)."""
         return SUPPORTED_ARCHITECTURES[self.architecture]
 
     @classmethod

@@ -35,6 +35,7 @@ class KnownModel:
 
     @property
     def filename(self) -> str:
+        """The GGUF's file name, as stored in the cache."""
         return os.path.basename(self.member)
 
 

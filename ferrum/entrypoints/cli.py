@@ -142,6 +142,8 @@ def _is_torchrun_worker() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run `ferrum <command>` with `argv` (default: sys.argv[1:]); returns the exit status:
+    0, 1 for a ferrum error (printed on one stderr line), 130 when interrupted."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

@@ -95,6 +95,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def shutdown(self) -> None:
+        """Stop the engine: worker ranks exit and device memory is freed."""
         self.engine.shutdown()
 
     def __enter__(self):

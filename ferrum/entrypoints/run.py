@@ -132,6 +132,7 @@ def run(args) -> int:
 
 
 def system_messages(system: str | None) -> list[dict]:
+    """The conversation's opening: [] or one system message."""
     return [{"role": "system", "content": system}] if system else []
 
 
@@ -161,6 +162,7 @@ class Chat:
         return PromptSession(history=history, output=create_output(stdout=sys.stderr))
 
     def say(self, text: str) -> None:
+        """A line for the user on stderr (stdout carries only replies)."""
         print(text, file=sys.stderr, flush=True)
 
     def read_message(self) -> str:
@@ -179,6 +181,7 @@ class Chat:
             text = self.session.prompt("... ")
 
     def loop(self) -> int:
+        """Read and answer messages until /bye or Ctrl-D; returns the exit status (0)."""
         self.say("ferrum chat: type a message, /help for commands, /bye or Ctrl-D to quit")
         while True:
             try:
@@ -235,6 +238,7 @@ class Chat:
         return None
 
     def confirm(self, question: str) -> bool:
+        """Ask a yes/no question at the prompt; only y / yes is yes (Ctrl-C or Ctrl-D: no)."""
         try:
             return self.session.prompt(f"{question} [y/N] ").strip().lower() in ("y", "yes")
         except (KeyboardInterrupt, EOFError):

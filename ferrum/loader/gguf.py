@@ -134,9 +134,11 @@ class GGUFSource:
         self._weights = weights
 
     def names(self) -> list[str]:
+        """The HF names of the file's tensors."""
         return list(self._weights)
 
     def get(self, name: str) -> GGUFWeight:
+        """The lazy tensor under HF name `name` (KeyError if absent)."""
         return self._weights[name]
 
 
