@@ -12,6 +12,7 @@ from ferrum.interfaces import (DecodeInput, DecodeOutput, ExecutorCapabilities, 
                                KvCacheHandle, ModelInfo, PrefillInput, PrefillOutput)
 from ferrum.loader.base import ModelSource
 from ferrum.executor.memory import compute_memory_requirements
+from ferrum.executor.threads import apply_engine_settings
 
 log = logging.getLogger("ferrum")
 
@@ -38,6 +39,8 @@ class ExecutorBase:
         self.cfg = source.config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        # the thread that runs the steps (rank 0's): threads, kernel switches, one warning
+        apply_engine_settings(config, warn=self.device == "cpu")
         self.tp = config.parallel.tensor_parallel_size
         self.max_model_len = resolve_max_model_len(self.cfg, config.scheduler.max_model_len)
         # unquantized, model-dtype KV; subclasses replace it by their runner's (quantization,

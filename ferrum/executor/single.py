@@ -5,12 +5,11 @@ import logging
 
 import torch
 
-from ferrum.config import EngineConfig, set_kernels
+from ferrum.config import EngineConfig
 from ferrum.distributed.parallel_state import init_tensor_parallel
 from ferrum.executor.base import ExecutorBase
 from ferrum.executor.memory import num_kv_blocks
 from ferrum.executor.model_runner import ModelRunner
-from ferrum.executor.threads import set_threads
 from ferrum.interfaces import DecodeInput, PrefillInput
 from ferrum.loader.base import ModelSource
 
@@ -23,8 +22,6 @@ class SingleDeviceExecutor(ExecutorBase):
 
     def __init__(self, source: ModelSource, config: EngineConfig, progress: bool = True):
         super().__init__(source, config)
-        set_threads(config.threads, warn=self.device == "cpu")
-        set_kernels(config.kernels)
         torch.manual_seed(config.seed)
         init_tensor_parallel(0, 1, None)  # layers built below see TP size 1
         self.runner = ModelRunner(source, self.device, self.dtype, config.load_format, config.seed, progress,

@@ -45,8 +45,9 @@ def oversubscription_warning(threads: int, ranks: int, cores: int | None = None)
 
 
 def set_threads(threads: int | None, ranks: int = 1, warn: bool = True) -> int:
-    """Use `threads` (None: `default_threads(ranks)`) for torch's intra-op pool and every
-    BLAS library loaded in this process; returns the count. With `warn`, logs
+    """Use `threads` (None: `default_threads(ranks)`) for torch's intra-op pool (of the
+    calling thread: torch keeps the count per thread) and every BLAS library loaded in this
+    process; returns the count. With `warn`, logs
     `oversubscription_warning` when there is one. Raises InvalidRequestError for threads < 1."""
     import torch
     if threads is not None and threads < 1:
@@ -62,3 +63,15 @@ def set_threads(threads: int | None, ranks: int = 1, warn: bool = True) -> int:
     except ImportError:  # the BLAS keeps its default; torch still uses n
         pass
     return n
+
+
+def apply_engine_settings(config, warn: bool = False) -> int:
+    """Put the engine config's process settings in force for the calling thread: its CPU
+    threads (`set_threads`, with the ranks of this machine: LOCAL_WORLD_SIZE under torchrun,
+    else the TP size) and its kernel switches (`ferrum.config.set_kernels`). torch's thread
+    count is per thread, so every thread that runs model code calls this. Returns the
+    threads."""
+    from ferrum.config import set_kernels
+    set_kernels(config.kernels)
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", config.parallel.tensor_parallel_size))
+    return set_threads(config.threads, ranks, warn=warn)

@@ -14,7 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ferrum.config import EngineConfig, resolve_dtype, resolve_max_model_len, set_kernels
+from ferrum.config import EngineConfig, resolve_dtype, resolve_max_model_len
 from ferrum.distributed.parallel_state import init_tensor_parallel
 from ferrum.executor.memory import num_kv_blocks
 from ferrum.interfaces import KvCacheHandle
@@ -53,15 +53,13 @@ def init_distributed(rank: int, world: int, device: str, init_method: str | None
 
 def build_runner(config: EngineConfig, device: str, progress: bool):
     """This rank's ModelRunner: its shard of the model (under the TP state in force) on
-    `device`, after setting its CPU threads (the ranks of this machine share its cores; rank
-    0 warns when they are oversubscribed) and its kernel switches. Raises what the loader
-    raises."""
+    `device`, after putting the config's CPU threads and kernel switches in force for the
+    calling thread (a worker's main thread; rank 0 loads in a helper thread, its step thread
+    is set up by ExecutorBase). Raises what the loader raises."""
     from ferrum.executor.model_runner import ModelRunner
-    from ferrum.executor.threads import set_threads
+    from ferrum.executor.threads import apply_engine_settings
     from ferrum.model_store import resolve_model
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", config.parallel.tensor_parallel_size))
-    set_threads(config.threads, local_ranks, warn=device == "cpu" and dist.get_rank() == 0)
-    set_kernels(config.kernels)
+    apply_engine_settings(config)
     source = resolve_model(config.model)
     dtype = resolve_dtype(config.dtype, device)
     return ModelRunner(source, device, dtype, config.load_format, config.seed, progress,
