@@ -116,10 +116,11 @@ def home(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_tiny_gguf_names_config_and_exact_f32_values(tmp_path, home, arch):
+@pytest.mark.parametrize("dequant_cache", [True, False])
+def test_tiny_gguf_names_config_and_exact_f32_values(tmp_path, home, arch, dequant_cache):
     head_dim = 32 if arch == "qwen3" else 16    # qwen3: key_length != hidden / heads
     ref = hf_weights(arch, head_dim=head_dim)
-    src = load_gguf(write_gguf(tmp_path / "m.gguf", arch, ref, head_dim=head_dim))
+    src = load_gguf(write_gguf(tmp_path / "m.gguf", arch, ref, head_dim=head_dim), dequant_cache)
     c = src.config
     assert c.architecture == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                               "qwen3": "Qwen3ForCausalLM"}[arch]
@@ -149,7 +150,7 @@ def test_untied_gguf_has_lm_head(tmp_path, home):
 @pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_1, QT.F16])
 def test_quantized_narrow_matches_full_load(tmp_path, home, qtype):
     ref = hf_weights("llama")
-    ws = load_gguf(write_gguf(tmp_path / "m.gguf", "llama", ref, qtype=qtype)).weights()
+    ws = load_gguf(write_gguf(tmp_path / "m.gguf", "llama", ref, qtype=qtype), dequant_cache=False).weights()
     q = ws.get("model.layers.1.self_attn.q_proj.weight")
     full = q.load()
     tol = {QT.Q8_0: 0.05, QT.Q4_1: 0.6, QT.F16: 2e-3}[qtype]
@@ -226,7 +227,8 @@ def hf_reference(smollm2_gguf_path):
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_gguf_path):
-    return load_gguf(smollm2_gguf_path)
+    """SmolLM2 with its weights dequantized from the file on each read (not the loader's cache)."""
+    return load_gguf(smollm2_gguf_path, dequant_cache=False)
 
 
 def test_smollm2_config_matches_transformers(smollm2, hf_reference):
@@ -252,9 +254,13 @@ def test_smollm2_config_matches_transformers(smollm2, hf_reference):
     assert "<|im_start|>" in smollm2.chat_template
 
 
-def test_smollm2_every_tensor_equals_transformers(smollm2, hf_reference):
+@pytest.mark.parametrize("dequant_cache", [False, True])
+def test_smollm2_every_tensor_equals_transformers(smollm2_gguf_path, hf_reference, dequant_cache):
+    """Dequantized from the file, and read from the loader's float32 cache: bit-identical to
+    transformers' GGUF loader."""
     ref = hf_reference[1]
-    ws = smollm2.weights()
+    ws = load_gguf(smollm2_gguf_path, dequant_cache).weights()
+    assert all((ws.get(n).dense is not None) == dequant_cache for n in ws.names())
     assert sorted(ws.names()) == sorted(ref) and len(ref) == 1 + 30 * 9 + 1
     worst = 0.0
     for name in ws.names():

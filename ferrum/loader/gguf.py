@@ -14,8 +14,9 @@ Layout facts this module relies on:
 
 Parsed once per file: GGUFReader reads every metadata string (the vocabulary too) and takes
 seconds, and transformers' tokenizer conversion more; `prepare_gguf` does both once and keeps
-the result under $FERRUM_HOME/gguf/<file key> (ferrum/loader/cache.py), so a later start reads
-a JSON file and a tokenizer.json, and maps the tensors straight from the file.
+the result under $FERRUM_HOME/gguf/<file key> (ferrum/loader/cache.py), with the dequantized
+float32 weights of models up to DEQUANT_CACHE_MAX_BYTES (`dequantized_cache`), so a later
+start reads a JSON file, a tokenizer.json and a safetensors file instead.
 """
 from __future__ import annotations
 
@@ -94,10 +95,13 @@ def _to_torch(raw: np.ndarray, qtype: QT, shape: tuple[int, ...]) -> torch.Tenso
 @dataclass
 class GGUFWeight:
     """One GGUF tensor as a LazyWeight. `shape` is the torch/HF shape ([out, in] for Linear);
-    `load`/`narrow` return float32 CPU tensors, dequantized on each call.
+    `load`/`narrow` return float32 CPU tensors, dequantized on each call, or read from `dense`.
 
-    raw: the tensor's memory-mapped bytes, [rows, bytes_per_row] for quantized types.
+    raw: the tensor's memory-mapped bytes, [rows, bytes_per_row] for quantized types (the GGUF
+        linear layers keep the blocks of types they have kernels for).
     unpermute_head_dim: head_dim when rows are llama.cpp-permuted Q/K rows, else None.
+    dense: the same tensor dequantized and un-permuted (a LazyWeight over the loader's float32
+        cache, `dequantized_cache`), or None.
     """
 
     name: str
@@ -105,12 +109,15 @@ class GGUFWeight:
     qtype: QT
     shape: tuple[int, ...]
     unpermute_head_dim: int | None = None
+    dense: object | None = None
 
     def _fix(self, w: torch.Tensor) -> torch.Tensor:
         return _unpermute_rows(w, self.unpermute_head_dim) if self.unpermute_head_dim else w
 
     def load(self) -> torch.Tensor:
         """The whole tensor: float32, `self.shape`."""
+        if self.dense is not None:
+            return self.dense.load()
         return self._fix(_to_torch(self.raw, self.qtype, self.shape))
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
@@ -120,6 +127,8 @@ class GGUFWeight:
         if not 0 <= start <= start + length <= self.shape[dim]:
             raise IndexError(f"narrow({dim}, {start}, {length}) out of range for {self.name} "
                              f"of shape {self.shape}")
+        if self.dense is not None:
+            return self.dense.narrow(dim, start, length)
         hd = self.unpermute_head_dim
         if dim == 0 and len(self.shape) >= 2 and (not hd or (start % hd == 0 and length % hd == 0)):
             rows = self.raw[start:start + length]
@@ -247,9 +256,10 @@ def tensor_table(reader: GGUFReader, config: ModelConfig) -> list[list]:
     return rows
 
 
-def gguf_weights(path: str, table: list[list], config: ModelConfig) -> GGUFSource:
+def gguf_weights(path: str, table: list[list], config: ModelConfig, dense=None) -> GGUFSource:
     """Lazy HF-named weights over the memory-mapped file at `path`, from its `tensor_table`
-    (llama-arch Q/K rows are un-permuted on read)."""
+    (llama-arch Q/K rows are un-permuted on read); `dense`: a WeightSource of the same tensors
+    dequantized (`dequantized_cache`) that their load / narrow read instead."""
     data = np.memmap(path, mode="r")
     permuted = config.architecture == "LlamaForCausalLM"
     weights: dict[str, GGUFWeight] = {}
@@ -258,14 +268,17 @@ def gguf_weights(path: str, table: list[list], config: ModelConfig) -> GGUFSourc
         raw = data[offset:offset + nbytes].view(dtype).reshape(raw_shape)
         qk = permuted and (".q_proj." in name or ".k_proj." in name)
         weights[name] = GGUFWeight(name=name, raw=raw, qtype=QT(qtype), shape=tuple(shape),
-                                   unpermute_head_dim=config.head_dim if qk else None)
+                                   unpermute_head_dim=config.head_dim if qk else None,
+                                   dense=dense.get(name) if dense is not None else None)
     return GGUFSource(weights)
 
 
-# ---- once per file: parse and convert the tokenizer ------------------------------------------------
+# ---- once per file: parse, convert the tokenizer, dequantize -----------------------------------
 # Cache entry <ferrum_home>/gguf/<file_key>/: meta.json (config, EOS ids, chat template, tensor
-# table) and tokenizer/ (the converted tokenizer, saved by transformers).
+# table), tokenizer/ (the converted tokenizer, saved by transformers) and model.safetensors
+# (every tensor dequantized to float32, when that takes at most DEQUANT_CACHE_MAX_BYTES).
 CACHE_FORMAT = 1
+DEQUANT_CACHE_MAX_BYTES = 2 << 30
 
 
 def _say(msg: str) -> None:
@@ -334,20 +347,50 @@ def prepare_gguf(path: str) -> tuple[str, dict]:
         return folder, _parse(path, folder)
 
 
-def load_gguf(path: str) -> ModelSource:
+def dequantized_cache(path: str, folder: str, meta: dict, config: ModelConfig):
+    """A SafetensorsSource over `folder`/model.safetensors: every tensor of the file
+    dequantized to float32 and un-permuted, written on first use (about 3 s of numpy
+    dequantization for SmolLM2 on a 2-core box, paid again on every start otherwise); None
+    when it would take more than DEQUANT_CACHE_MAX_BYTES. Layers that run a type's blocks
+    (ferrum/layers/quantization/gguf.py) read `raw` instead; the others, and the embedding,
+    read this."""
+    from ferrum.loader.cache import exclusive, staged_file
+    from ferrum.loader.safetensors import SafetensorsSource
+    nbytes = 4 * sum(int(np.prod(shape)) for _, _, shape, *_ in meta["tensors"])
+    if nbytes > DEQUANT_CACHE_MAX_BYTES:
+        return None
+    target = os.path.join(folder, "model.safetensors")
+    if not os.path.exists(target):
+        with exclusive(target):
+            if not os.path.exists(target):
+                from safetensors.torch import save_file
+                _say(f"dequantizing the weights once ({nbytes / 2**20:.0f} MiB of float32, cached "
+                     f"in {folder})")
+                source = gguf_weights(path, meta["tensors"], config)
+                with staged_file(target) as tmp:
+                    save_file({name: source.get(name).load() for name in source.names()}, tmp)
+    return SafetensorsSource(folder)
+
+
+def load_gguf(path: str, dequant_cache: bool = True) -> ModelSource:
     """Resolve a `.gguf` file into a ModelSource (fmt "gguf").
 
     Config from GGUF metadata (`gguf_config`), weights as lazy GGUFWeights under HF names
-    (`lm_head.weight` only when the file has `output.weight`; the GGUF layers keep their raw
-    blocks, TP ranks read only their rows), EOS ids from
+    (`lm_head.weight` only when the file has `output.weight`): the raw blocks, and their
+    float32 values from `dequantized_cache` when `dequant_cache` and the model is small enough
+    (else dequantized on each read; TP ranks read only their rows). EOS ids from
     `tokenizer.ggml.{eos,eot,eom}_token_id`, chat template from `tokenizer.chat_template`,
-    tokenizer converted by transformers; all but the weights cached per file (`prepare_gguf`).
+    tokenizer converted by transformers; all cached per file (`prepare_gguf`).
     Raises WeightLoadError (unreadable/truncated file), UnsupportedModelError (architecture,
     quantization type or option not implemented).
     """
     folder, meta = prepare_gguf(path)
     config = ModelConfig(**meta["config"])
     eos, chat_template = list(meta["eos_token_ids"]), meta["chat_template"]
+
+    def weights():
+        dense = dequantized_cache(path, folder, meta, config) if dequant_cache else None
+        return gguf_weights(path, meta["tensors"], config, dense)
 
     def tokenizer_loader():
         from transformers import PreTrainedTokenizerFast
@@ -360,7 +403,7 @@ def load_gguf(path: str) -> ModelSource:
     return ModelSource(
         name=os.path.splitext(os.path.basename(path))[0],
         config=config,
-        weights=lambda: gguf_weights(path, meta["tensors"], config),
+        weights=weights,
         tokenizer_loader=tokenizer_loader,
         eos_token_ids=eos,
         chat_template=chat_template,

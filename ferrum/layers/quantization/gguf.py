@@ -59,7 +59,7 @@ class GGUFLinearMethod(LinearMethod):
 
     @staticmethod
     def _load(layer, lazy, shard_id):
-        from ferrum.loader.gguf import _to_torch, _unpermute_rows
+        from ferrum.loader.gguf import _unpermute_rows
         if not hasattr(lazy, "qtype"):
             raise WeightLoadError("a GGUF-quantized layer can only load tensors from a GGUF file")
         off, start, n = layer.output_shard(shard_id)
@@ -68,11 +68,11 @@ class GGUFLinearMethod(LinearMethod):
             raise WeightLoadError(f"tensor has shape {tuple(lazy.shape)}, expected rows {start}..{start + n} "
                                   f"of {layer.in_features} input features per rank")
         qtype = int(lazy.qtype)
-        rows = torch.from_numpy(np.array(lazy.raw[start:start + n]))  # a copy: the file is mapped read-only
-        if lazy.unpermute_head_dim:
-            rows = _unpermute_rows(rows, lazy.unpermute_head_dim)
         shard = layer.input_shard() if layer.input_sharded else None
         if qtype in gguf_ops.PACKED_TYPES:
+            rows = torch.from_numpy(np.array(lazy.raw[start:start + n]))  # a copy: the file is mapped read-only
+            if lazy.unpermute_head_dim:
+                rows = _unpermute_rows(rows, lazy.unpermute_head_dim)
             if shard is not None:
                 qk, bpb = gguf_ops.BLOCK[qtype]
                 if shard[0] % qk or shard[1] % qk:
@@ -82,7 +82,7 @@ class GGUFLinearMethod(LinearMethod):
                 rows = rows[:, shard[0] // qk * bpb:(shard[0] + shard[1]) // qk * bpb]
             part = (qtype, rows.contiguous().to(layer.param_device()))
         else:
-            dense = _to_torch(rows.numpy(), lazy.qtype, (n, lazy.shape[1]))
+            dense = lazy.narrow(0, start, n)   # dequantized (the loader may have them cached)
             if shard is not None:
                 dense = dense[:, shard[0]:shard[0] + shard[1]]
             part = (None, dense.to(layer.params_dtype, copy=True).to(layer.param_device()))
