@@ -110,7 +110,8 @@ def test_every_option_field_is_a_flag_and_an_llm_keyword():
     through EngineConfig.from_kwargs (what LLM(**kwargs) calls) with a non-default value."""
     special = {"device": ("cpu", "cpu"), "dtype": ("float32", "float32"),
                "load_format": ("dummy", "dummy"), "chat_template": ("t.jinja", "t.jinja"),
-               "kv_cache_memory": ("2KiB", 2048), "gemv_config": ("8,512,4,3", (8, 512, 4, 3))}
+               "kv_cache_memory": ("2KiB", 2048), "gemv_config": ("8,512,4,3", (8, 512, 4, 3)),
+               "qgemv_config": ("16,256,4,2", (16, 256, 4, 2))}
     p = build_parser()
     seen = set()
     for group, cls in config_groups():
@@ -122,6 +123,9 @@ def test_every_option_field_is_a_flag_and_an_llm_keyword():
             if f.name in special:
                 text, value = special[f.name]
                 argv = [flag, text]
+            elif f.metadata.get("choices"):       # a non-default choice (e.g. fp8)
+                value = next(c for c in f.metadata["choices"] if c not in (default, "auto"))
+                text, argv = value, [flag, value]
             elif isinstance(default, bool) or f.name == "async_scheduling":
                 value = not default
                 argv = [flag if value else flag.replace("--", "--no-", 1)]
@@ -130,7 +134,8 @@ def test_every_option_field_is_a_flag_and_an_llm_keyword():
                 argv = [flag, str(value)]
             cfg = config_from_args(p.parse_args(["run", "m", *argv]))
             assert getattr(getattr(cfg, group) if group else cfg, f.name) == value, f.name
-            kw = EngineConfig.from_kwargs(**{f.name: text if f.name in special else value})
+            kw = EngineConfig.from_kwargs(**{f.name: text if f.name in special or
+                                             f.metadata.get("choices") else value})
             assert getattr(getattr(kw, group) if group else kw, f.name) == value, f.name
             seen.add(f.name)
     assert {"max_model_len", "threads", "tensor_parallel_size", "pdl", "disable_symm_mem"} <= seen
