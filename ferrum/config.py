@@ -183,6 +183,7 @@ def resolve_dtype(dtype, device: str):
 def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
     """`auto` -> the model dtype; `fp8` / `fp8_e4m3` -> torch.float8_e4m3fn. Raises
     InvalidRequestError otherwise."""
+    import torch  # as in resolve_dtype: the CLI parser is built without torch
     if kv_cache_dtype == "auto":
         return dtype
     if kv_cache_dtype in ("fp8", "fp8_e4m3"):
