@@ -327,3 +327,20 @@ def test_tp_fault_inside_rank0s_forward_breaks_the_executor_with_the_reason(fold
     assert "injected fault" in llm.engine.health()
     assert all(p.poll() is not None for p in ex.procs)
     llm.shutdown()
+
+
+def test_run_says_a_failed_reply_failed(folder, reference):
+    """`ferrum run` (its stream loop) must not print a failed request's partial text as if it
+    were the answer: it raises RequestFailedError (the CLI prints it and exits 1), and the
+    engine answers the next prompt."""
+    import io
+
+    from ferrum.entrypoints.run import stream
+    from ferrum.errors import RequestFailedError
+    with LLM(folder, progress=False, max_model_len=256) as llm:
+        poison(llm.engine.executor.runner.model)
+        with pytest.raises(RequestFailedError, match="injected fault"):
+            stream(llm.engine, [POISON, 3], greedy(4), out=io.StringIO(), stats=False)
+        drained(llm.engine)
+        out = llm.generate([PROMPTS["b"]], greedy(12), use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == reference["b"]

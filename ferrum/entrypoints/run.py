@@ -19,7 +19,7 @@ import threading
 import time
 
 from ferrum.entrypoints.args import config_from_args
-from ferrum.errors import InvalidRequestError
+from ferrum.errors import InvalidRequestError, RequestFailedError
 from ferrum.sampling_params import SamplingParams
 
 CHAT_HELP = """commands:
@@ -56,12 +56,13 @@ def stream(engine, prompt_ids: list[int], params: SamplingParams, out=None,
     """Generate and write the text to `out` (default stdout) as it comes. Returns (text,
     interrupted): Ctrl-C aborts the request at the next step boundary, frees its KV blocks
     and returns what was generated so far. With `stats`, prints tokens, TTFT and decode
-    tokens/s to stderr."""
+    tokens/s to stderr. Raises RequestFailedError when the engine failed the request (a step
+    running it raised; its blocks are freed): the text written so far is not an answer."""
     out = out or sys.stdout
     rid = engine.add_request(None, None, params, prompt_token_ids=prompt_ids)
     t0 = time.perf_counter()
     first = None
-    text, n, interrupted = "", 0, False
+    text, n, interrupted, error = "", 0, False, None
     with sigint_flag() as hit:
         try:
             while engine.has_unfinished_requests():
@@ -76,12 +77,16 @@ def stream(engine, prompt_ids: list[int], params: SamplingParams, out=None,
                     out.write(c.delta_text)
                     out.flush()
                     text, n = c.text, len(c.token_ids)
+                    error = o.error or error
         except BaseException:
             engine.abort_request(rid)
             raise
     t1 = time.perf_counter()
     out.write("\n")
     out.flush()
+    if error is not None:
+        raise RequestFailedError(f"the request failed in the engine after {n} tokens "
+                                 f"(the text above is incomplete): {error}")
     if stats and n:
         decode = (n - 1) / (t1 - first) if n > 1 and t1 > first else float("nan")
         print(f"[{n} tokens in {t1 - t0:.2f} s; TTFT {1000 * (first - t0):.0f} ms, "
@@ -207,7 +212,8 @@ class Chat:
         try:
             ids = self.engine.tokenizer.apply_chat_template(self.messages)
             answer, interrupted = stream(self.engine, ids, self.params, stats=self.verbose)
-        except InvalidRequestError as e:  # e.g. conversation longer than max_model_len
+        except (InvalidRequestError, RequestFailedError) as e:
+            # too long for the context, or the engine failed the reply: drop the turn
             self.say(f"ferrum: error: {e}")
             self.messages.pop()
             return
