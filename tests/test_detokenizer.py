@@ -204,3 +204,22 @@ def test_streaming_matches_one_shot_decode(prompt, text):
         assert tail == "" and not any("\ufffd" in d for d in deltas)
         full = tok.hf.decode(prompt_ids + ids)
         assert "".join(deltas) == full[len(tok.hf.decode(prompt_ids)):]
+
+
+def test_prompt_ending_inside_a_character():
+    """A token-id prompt cut inside a character: the output that completes it starts with the
+    whole character (not U+FFFD and a stray byte); one that does not complete it starts with
+    its own text, the prompt's orphan bytes dropped."""
+    for tok in (byte_level(), byte_fallback()):
+        ok, emoji, rest = tok.encode("ok"), tok.encode("😀"), tok.encode(" yes")
+        prompt = ok + emoji[:-1]              # the emoji's last byte is in the output
+        whole = tok.hf.decode(ok + emoji + rest)
+        from_emoji = whole[whole.index("😀"):]
+        deltas, tail = stream(tok, prompt, emoji[-1:] + rest)
+        assert "".join(deltas) + tail == from_emoji, tok
+        deltas, tail = stream(tok, prompt, rest)
+        assert "".join(deltas) + tail == from_emoji.removeprefix("😀"), tok
+    tok = byte_level()   # (byte fallback decodes every byte of an invalid run to U+FFFD)
+    prompt = tok.encode("ok") + tok.encode("😀")[:-1]
+    deltas, tail = stream(tok, prompt, tok.encode("\ufffd yes"))
+    assert "".join(deltas) + tail == "\ufffd yes"            # a genuine U+FFFD stays

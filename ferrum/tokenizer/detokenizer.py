@@ -83,6 +83,23 @@ class IncrementalDetokenizer:
         self._num_context = len(self._ids)      # context + pending = _ids
         self._context_text: str | None = None   # decode(context), cached
         self.text = ""
+        # A token-id prompt may end inside a character: its leading bytes wait in the UTF-8
+        # decoder (or, windowed, their tokens wait as pending), so the output's first character
+        # comes out whole; if the output never completes it, those bytes are dropped.
+        self._prompt_partial = 0
+        if self._bytes is not None and (self._direct or self._track_bytes):
+            for token_id in prompt_ids[-_CONTEXT:]:
+                self._feed(token_id)
+            self._prompt_partial = len(self._utf8.getstate()[0])
+            if not self._prompt_partial:
+                self._utf8.reset()
+            elif not self._direct:
+                left = self._prompt_partial   # move the partial character's tokens to pending
+                while left > 0 and self._num_context > 0:
+                    self._num_context -= 1
+                    token_id = self._ids[self._num_context]
+                    if not (skip_special_tokens and token_id in self._bytes.special_ids):
+                        left -= len(self._bytes.piece_bytes(token_id))
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -100,7 +117,7 @@ class IncrementalDetokenizer:
         """Append one generated token id; return the newly completed text (may be "")."""
         token_id = int(token_id)
         if self._direct:
-            delta = self._feed(token_id)
+            delta = self._drop_orphan_prompt_bytes(self._feed(token_id))
             self.text += delta
             return delta
         if self._bytes is not None and self.skip_special_tokens and token_id in self._bytes.special_ids:
@@ -119,10 +136,21 @@ class IncrementalDetokenizer:
                 return ""   # perhaps an incomplete character: wait (bounded)
         return self._emit(window_text)
 
+    def _drop_orphan_prompt_bytes(self, delta: str) -> str:
+        """The first text after a prompt that ended inside a character: when the output did
+        not complete that character, its bytes decoded to U+FFFD (one, or one per byte for
+        byte-fallback decoders), which belong to the prompt, not the output."""
+        if self._prompt_partial and delta:
+            if delta.startswith(_REPLACEMENT):
+                n = 1 if self._direct else self._prompt_partial
+                delta = delta[:n].lstrip(_REPLACEMENT) + delta[n:]
+            self._prompt_partial = 0
+        return delta
+
     def _emit(self, window_text: str) -> str:
         if self._context_text is None:
             self._context_text = self._decode(self._ids[:self._num_context])
-        delta = window_text[len(self._context_text):]
+        delta = self._drop_orphan_prompt_bytes(window_text[len(self._context_text):])
         # The tokens just emitted (at most _MAX_PENDING) are the next ones' context: they start
         # at a character boundary (ByteFallback decodes a run of byte tokens all or nothing).
         self._ids = self._ids[self._num_context:]
