@@ -114,11 +114,6 @@ class AsyncLLMEngine:
         """Token ids are in [0, vocab_size)."""
         return self.engine.vocab_size
 
-    @property
-    def is_dead(self) -> bool:
-        """True once the step loop has stopped (a broken executor, or shutdown)."""
-        return self._dead is not None
-
     # ---- asyncio side ---------------------------------------------------------------------------
     async def add_request(self, request_id: str | None, prompt: str | None,
                           params: SamplingParams | None = None,

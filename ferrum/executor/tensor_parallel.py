@@ -272,15 +272,6 @@ class TensorParallelExecutor(ExecutorBase):
         if self.workers is not None:
             self.workers.kill()
 
-    def measure_control_overhead(self, batch: int, blocks_per_seq: int, iters: int = 200) -> float:
-        """Seconds per step that rank 0 spends sending a decode step's inputs (token ids and
-        block tables of `batch` sequences) to the other ranks."""
-        payload = ("ping", list(range(batch)), [(list(range(blocks_per_seq)), 100)] * batch)
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            self._run(payload, lambda: None)
-        return (time.perf_counter() - t0) / iters
-
     def inject_fault(self, message: str) -> None:
         """Test hook: make every worker rank raise `message` on its next step."""
         self._send(("raise", message))

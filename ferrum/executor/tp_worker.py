@@ -47,8 +47,6 @@ def worker_loop(runner, recv, block_size: int, step_done=None) -> None:
             runner.allocate_kv_cache(msg[1], msg[2])
         elif op == "call":  # generic runner method (warmup, CUDA graph capture, ...)
             getattr(runner, msg[1])(*msg[2])
-        elif op == "ping":  # carries a payload, does nothing: measures the control channel
-            pass
         elif op == "raise":  # fault-injection hook used by tests
             raise RuntimeError(msg[1])
         if step_done is not None:
