@@ -147,12 +147,11 @@ class ExecutorCapabilities:
 
 @dataclass
 class ExecutorStatus:
-    """Live numbers. KV block counts are the executor's pool; `running_sequences` are the
-    sequences whose caches the executor touched and that were not yet released."""
+    """Live numbers. `running_sequences` are the sequences whose caches the executor touched
+    and that were not yet released. KV block counts are not here: the block manager owns the
+    pool and the engine's status reports it (`LLMEngine.status()`: kv_blocks_total / free,
+    kv_cache_usage)."""
 
-    num_kv_blocks: int
-    kv_blocks_used: int
-    kv_blocks_free: int
     running_sequences: int
     prefill_steps: int
     decode_steps: int
@@ -183,7 +182,7 @@ class ModelExecutor(Protocol):
         """Static limits and memory requirements (valid after construction)."""
 
     def status(self) -> ExecutorStatus:
-        """Live numbers (KV blocks, live sequences, step and token counters)."""
+        """Live numbers (live sequences, step and token counters)."""
 
     def health(self) -> str | None:
         """None while steps can run; else why not (a dead or out-of-step TP rank, a device

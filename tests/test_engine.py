@@ -91,7 +91,6 @@ class Watch:
             # preempted or finished sequence must have been released.
             live = {s.seq_id for s in self.sched.running}
             assert st.running_sequences <= len(live), (st.running_sequences, len(live))
-            assert st.kv_blocks_used <= self.bm.num_blocks - self.bm.num_free_blocks
             return outs
 
         self.sched.schedule = schedule
@@ -101,7 +100,7 @@ class Watch:
         st = self.ex.status()
         assert not self.eng.requests and not self.sched.running and not self.sched.waiting
         assert self.bm.num_free_blocks == self.free0, f"leaked {self.free0 - self.bm.num_free_blocks} blocks"
-        assert st.running_sequences == 0 and st.kv_blocks_used == 0
+        assert st.running_sequences == 0
 
 
 def tokens(outs) -> list[list[int]]:

@@ -121,10 +121,8 @@ class ExecutorBase:
             cuda_graphs=getattr(self, "cuda_graphs", False), memory=self.memory)
 
     def status(self) -> ExecutorStatus:
-        """Live numbers: KV blocks referenced by live sequences' tables (the executor's own
-        view; the block manager's counts are the engine's), live sequences, step counters."""
-        used = len({b for h in self._live.values() for b in h.block_table})
-        return ExecutorStatus(self.num_blocks, used, self.num_blocks - used, len(self._live), **self._steps)
+        """Live numbers: sequences not yet released, step and token counters."""
+        return ExecutorStatus(len(self._live), **self._steps)
 
     def warmup(self) -> None:
         """Nothing to prepare by default (CPU); CUDA executors capture graphs here."""
