@@ -10,6 +10,8 @@ kernels; on CPU a dequantized `weight`, after which the layer runs unquantized (
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 from torch import nn
 
@@ -34,26 +36,28 @@ def new_param(shape: tuple[int, ...], dtype: torch.dtype, fill: float | None = N
     return nn.Parameter(t, requires_grad=False)
 
 
-class LinearMethod:
+class LinearMethod(ABC):
     """Base of every linear method. `out_sizes` are the output features per rank of each
     stacked sub-matrix (one entry unless the layer is merged: q/k/v, gate/up)."""
 
     name = "unquantized"
 
+    @abstractmethod
     def create_weights(self, layer: nn.Module, in_features: int, out_sizes: list[int],
                        dtype: torch.dtype) -> None:
-        raise NotImplementedError
+        """Register this format's parameters on `layer`, each tagged by `shard_spec`, for
+        `in_features` inputs and `sum(out_sizes)` outputs per rank; `dtype` is the model's."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Checkpoint layout -> the layout `apply` reads. Default: nothing to do."""
 
+    @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x: [T, in_features_per_rank] -> [T, out_features_per_rank] in x's dtype."""
-        raise NotImplementedError
 
+    @abstractmethod
     def init_dummy(self, layer: nn.Module, gen: torch.Generator) -> None:
         """Random weights of this format (for `dummy:` models)."""
-        raise NotImplementedError
 
 
 class UnquantizedLinearMethod(LinearMethod):
@@ -84,16 +88,17 @@ def dequantized_on_cpu(layer: nn.Module, weight: torch.Tensor, packed: list[str]
     layer.quant_method = UnquantizedLinearMethod()
 
 
-class QuantConfig:
+class QuantConfig(ABC):
     """A checkpoint's quantization format. `name` is what errors and logs say;
     `linear_method()` gives the method of each quantized linear layer (embeddings, norms and
     the LM head stay in the model dtype)."""
 
     name = "none"
 
+    @abstractmethod
     def linear_method(self) -> LinearMethod:
-        raise NotImplementedError
+        """A new method object for one quantized linear layer."""
 
+    @abstractmethod
     def weight_bits(self) -> float:
         """Bytes-per-parameter x 8 of a quantized linear weight, scales included (memory sizing)."""
-        raise NotImplementedError
