@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from ferrum.engine.stop_checker import SequenceOutputState
+from ferrum.engine.output_state import SequenceOutputState
 from ferrum.entrypoints.openai.logprobs import (TokenFormatter, chat_logprobs, completion_logprobs,
                                                 ready_tokens, token_texts)
 from ferrum.sampling_params import SamplingParams

@@ -24,7 +24,7 @@ from ferrum.config import EngineConfig, resolve_max_model_len
 from ferrum.engine.block_manager import BlockManager
 from ferrum.engine.scheduler import Scheduler
 from ferrum.engine.sequence import Request, Sequence, SequenceStatus
-from ferrum.engine.stop_checker import SequenceOutputState
+from ferrum.engine.output_state import SequenceOutputState
 from ferrum.errors import (CacheConfigError, InvalidRequestError, OutOfKvCacheError, QueueFullError,
                            check_prompt_len)
 from ferrum.executor.base import is_device_fault

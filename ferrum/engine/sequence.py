@@ -34,7 +34,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
         self.num_cached_tokens = 0          # prefix-cache hit at first scheduling
-        self.output_state = None            # ferrum.engine.stop_checker state, set by the engine
+        self.output_state = None            # ferrum.engine.output_state.SequenceOutputState, set by the engine
         seed = request.params.seed
         self.generator = None if seed is None else torch.Generator(device).manual_seed(seed + index)
         self.logprobs: list[dict[int, float]] = []

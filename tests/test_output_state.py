@@ -2,7 +2,7 @@
 explicit byte strings (so a test chooses exactly where token boundaries fall)."""
 import pytest
 
-from ferrum.engine.stop_checker import SequenceOutputState
+from ferrum.engine.output_state import SequenceOutputState
 from ferrum.sampling_params import SamplingParams
 
 EOS = 0
