@@ -169,11 +169,11 @@ class AsyncLLMEngine:
             self._cmds.put(cmd)
 
     def _dead_error(self) -> EngineDeadError:
-        e = self._dead
-        if isinstance(e, EngineDeadError):
-            return EngineDeadError(str(e))
-        err = EngineDeadError(f"the engine loop failed: {type(e).__name__}: {e}")
-        err.__cause__ = e
+        cause = self._dead
+        if isinstance(cause, EngineDeadError):
+            return EngineDeadError(str(cause))
+        err = EngineDeadError(f"the engine loop failed: {type(cause).__name__}: {cause}")
+        err.__cause__ = cause
         return err
 
     def status(self) -> dict:
@@ -181,14 +181,14 @@ class AsyncLLMEngine:
         thread after every step and whenever it goes idle (LLMEngine.status() itself must not
         run concurrently with a step), plus `healthy` (bool) and `error` (str, once dead).
         Thread-safe."""
-        s = dict(self._status)
+        status = dict(self._status)
         broken = self._executor_broken()   # the root cause, when the loop died of it
         if broken is None and self._dead is not None:
             broken = self._dead_error()
-        s["healthy"] = broken is None
+        status["healthy"] = broken is None
         if broken is not None:
-            s["error"] = str(broken)
-        return s
+            status["error"] = str(broken)
+        return status
 
     def _executor_broken(self) -> str | None:
         """Why the executor can run no more steps, asked now (thread-safe), or None."""
@@ -207,11 +207,11 @@ class AsyncLLMEngine:
 
     # ---- engine thread ------------------------------------------------------------------------
     def _snapshot(self) -> dict:
-        s = dict(self.engine.status())
-        ex = s.get("executor")
+        status = dict(self.engine.status())
+        ex = status.get("executor")
         if dataclasses.is_dataclass(ex):
-            s["executor"] = dataclasses.asdict(ex)
-        return s
+            status["executor"] = dataclasses.asdict(ex)
+        return status
 
     def _run(self) -> None:
         try:
