@@ -82,7 +82,7 @@ class ModelRunner:
         # CPU fp32, one process: linears run on numpy's BLAS (ferrum/ops/cpu_blas.py)
         self.tp = get_tp()
         self.cpu_blas = self.device.type == "cpu" and dtype == torch.float32 and self.tp.size == 1
-        self.block_size = 16
+        self.block_size = 0   # set with the pool by allocate_kv_cache (CacheConfig.block_size)
         self.num_blocks = 0
         self.graphs = None
 
