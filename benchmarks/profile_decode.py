@@ -12,6 +12,9 @@ Sections:
 - engine: the full engine at batch 1 and 256: wall time per decode step against the GPU time
   of the same step's graph replay, i.e. the host's share of the step (incl. the TP protocol),
   plus a kernel table at TP=1 batch 1.
+- prefill: where the time to first token goes at batch 1 for 128 / 1k / 8k-token prompts:
+  host time in scheduling, the prefill launch and sampling, against the GPU's kernel time,
+  kernel and launch counts and host syncs (`sec_prefill`).
 """
 from __future__ import annotations
 
@@ -27,44 +30,9 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-
-
-def cfg_path(name):
-    return name if os.path.isfile(name) else os.path.join(HERE, "configs", f"{name}.json")
-
-
-def dump(out, name, data):
-    os.makedirs(out, exist_ok=True)
-    data = {"command": " ".join([sys.executable] + sys.argv), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "torch": torch.__version__, **data}
-    with open(os.path.join(out, f"{name}.json"), "w") as f:
-        json.dump(data, f, indent=1)
-    print(f"== {name}: {json.dumps(data)[:2500]}", flush=True)
-
-
-def _graph_time_ms(fn, iters=20, reps=5):
-    """Median over reps of (one CUDA graph of `iters` calls of fn) / iters, in ms."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(iters):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) / iters)
-    return sorted(ts)[len(ts) // 2]
+from ferrum.benchmarks.common import config_path as cfg_path, run_sections, save_section  # noqa: E402
+from ferrum.benchmarks.mbu import cuda_graph_time_ms  # noqa: E402
+from ferrum.benchmarks.sweep import decode_step_times, graph_replay_ms  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,7 +59,7 @@ def sec_gemv(args):
                 torch.nn.functional.linear(x, w)
         nbytes = N * K * 2 * copies
         row = {"N": N, "K": K, "MB": N * K * 2 / 2**20}
-        ms = _graph_time_ms(run_cublas, iters=4)
+        ms = cuda_graph_time_ms(run_cublas, iters=4)
         row["cublas_us"] = 1000 * ms / copies
         row["cublas_TBs"] = nbytes / (ms / 1000) / 1e12
         ref = torch.nn.functional.linear(x, ws[0]).float()
@@ -105,7 +73,7 @@ def sec_gemv(args):
                 def run_triton(cfg=cfg, ws=ws, x=x):
                     for w in ws:
                         gemv.gemv(x, w, config=cfg)
-                ms = _graph_time_ms(run_triton, iters=4)
+                ms = cuda_graph_time_ms(run_triton, iters=4)
             except Exception as e:  # a config that does not compile/fit: report, go on
                 row[f"triton{cfg}"] = f"{type(e).__name__}: {e}"[:200]
                 continue
@@ -118,7 +86,7 @@ def sec_gemv(args):
         print(name, {k: v for k, v in row.items() if not k.startswith("triton[")}, flush=True)
         del ws
         torch.cuda.empty_cache()
-    dump(args.out, "profile_gemv", {"shapes": res})
+    save_section(args, "profile_gemv", {"shapes": res})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,7 +202,7 @@ def sec_replay(args):
                 p.join(timeout=60)
             res["runs"][f"tp{tp}_gemv{gemv_flag}"] = sorted(outs, key=lambda o: o["rank"])
     os.environ.pop("FERRUM_TRITON_GEMV", None)
-    dump(args.out, f"profile_replay_{args.model}", res)
+    save_section(args, f"profile_replay_{args.model}", res)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,13 +210,13 @@ def sec_engine(args):
     """Host share of a decode step (issue item: host time < 10% of the step at batch 1 and 256).
 
     For each TP size and batch B: B prompts of 128 tokens decode `--steps` tokens through the
-    full engine (LLM engine.step: schedule, send to workers, graph replay, sample, outputs).
-    Over the steps with no prefill, step_ms is the wall time per step; the graph replay of the
-    same batch size on the last step's inputs, back to back on every rank, is the GPU time;
-    host_ms = step_ms - replay_ms is what the GPU waits for the host. Each TP size runs with
-    async scheduling off and on (`--async-modes`): with it on, the host prepares step n+1
-    while the GPU runs step n, so host_ms is only the part the overlap does not hide. At TP=1,
-    batch 1, a torch.profiler kernel table of one replay is saved too."""
+    full engine (`ferrum.benchmarks.sweep.decode_step_times`: schedule, send to workers, graph
+    replay, sample, outputs); step_ms is the mean wall time of the decode-only steps; the
+    graph replay of the same batch size on the last step's inputs, back to back on every rank,
+    is the GPU time; host_ms = step_ms - replay_ms is what the GPU waits for the host. Each TP
+    size runs with async scheduling off and on (`--async-modes`). At TP=1, batch 1, a
+    torch.profiler kernel table of one replay is saved too. (`ferrum bench sweep` gives the
+    same host share over a whole batch sweep.)"""
     from ferrum import LLM, SamplingParams
     res = {"model": args.model, "prompt_len": 128, "steps": args.steps, "runs": {}}
     for tp, mode in [(tp, m) for tp in args.tp for m in args.async_modes]:
@@ -260,41 +228,23 @@ def sec_engine(args):
                   max_num_batched_tokens=8192, async_scheduling=mode == "on")
         eng, ex = llm.engine, llm.engine.executor
         runner_call = (lambda m, *a: ex.call_all(m, *a)) if tp > 1 else (lambda m, *a: getattr(ex.runner, m)(*a))
-        prefills = [0]
-        f = ex.prefill
-
-        def counted(*a, **k):
-            prefills[0] += 1
-            return f(*a, **k)
-        ex.prefill = counted
         llm.generate([[5] * 128] * 4, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         for B in args.engine_batches:
             sp = SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True)
-            for i in range(B):
-                eng.add_request(None, None, sp, prompt_token_ids=[(7 + i) % 1000 + 10] * 128)
-            times = []
-            while eng.has_unfinished_requests():
-                n0 = prefills[0]
-                t = time.perf_counter()
-                eng.step(final_only=True)  # as LLM.generate runs it
-                dt = time.perf_counter() - t
-                if prefills[0] == n0:
-                    times.append(dt)
-            times = times[2:-2]  # drop the edges (first decode after prefill, last partial)
+            times = decode_step_times(eng, [[(7 + i) % 1000 + 10] * 128 for i in range(B)], sp)
             step_ms = 1000 * sum(times) / len(times)
-            prof = 5 if (tp == 1 and B == 1 and mode == args.async_modes[-1]) else 0
-            st = runner_call("graph_replay_stats", B, 50, prof)
             row = {"batch": B, "async_scheduling": mode, "decode_steps_timed": len(times), "step_ms": step_ms,
                    "tokens_per_s": B / step_ms * 1000, "symm_mem": getattr(ex, "symm_mem", None)}
-            if st is not None:
-                row.update(replay_ms=st["replay_ms"], host_ms=step_ms - st["replay_ms"],
-                           host_share=1 - st["replay_ms"] / step_ms)
-                if "kernels" in st:
-                    cats = {}
-                    for k, v in st["kernels"].items():
-                        cats[_category(k)] = cats.get(_category(k), 0.0) + v["us_per_step"]
-                    row["kernel_categories_us"] = dict(sorted(cats.items(), key=lambda kv: -kv[1]))
-                    row["kernels"] = dict(sorted(st["kernels"].items(), key=lambda kv: -kv[1]["us_per_step"])[:30])
+            replay = graph_replay_ms(ex, B)
+            if replay is not None:
+                row.update(replay_ms=replay, host_ms=step_ms - replay, host_share=1 - replay / step_ms)
+            if tp == 1 and B == 1 and mode == args.async_modes[-1] and replay is not None:
+                st = runner_call("graph_replay_stats", B, 50, 5)
+                cats = {}
+                for k, v in st["kernels"].items():
+                    cats[_category(k)] = cats.get(_category(k), 0.0) + v["us_per_step"]
+                row["kernel_categories_us"] = dict(sorted(cats.items(), key=lambda kv: -kv[1]))
+                row["kernels"] = dict(sorted(st["kernels"].items(), key=lambda kv: -kv[1]["us_per_step"])[:30])
             res["runs"][f"tp{tp}_b{B}_async_{mode}"] = row
             print(f"tp{tp} B={B} async {mode}", {k: v for k, v in row.items() if k != "kernels"}, flush=True)
         llm.shutdown()
@@ -303,12 +253,128 @@ def sec_engine(args):
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    dump(args.out, f"profile_engine_{os.path.basename(args.model).removesuffix('.json')}", res)
+    save_section(args, f"profile_engine_{os.path.basename(args.model).removesuffix('.json')}", res)
+
+
+# ---------------------------------------------------------------------------------------------
+_SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense",
+             "cudaMemcpy")   # cudaMemcpy (not ...Async) blocks the host
+_LAUNCH_OPS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch")
+
+
+def _host_split(eng):
+    """Wrap the engine's scheduler, executor prefill and sampler to add up the host time each
+    call takes (a launch returns before the GPU finishes unless something syncs). Returns
+    (dict of seconds, unwrap)."""
+    acc = {"schedule": 0.0, "prefill_call": 0.0, "sampler_call": 0.0}
+    orig = {"schedule": eng.scheduler.schedule, "prefill_call": eng.executor.prefill,
+            "sampler_call": eng.sampler.__call__}
+
+    def timed(key):
+        fn = orig[key]
+
+        def call(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[key] += time.perf_counter() - t
+        return call
+    eng.scheduler.schedule, eng.executor.prefill = timed("schedule"), timed("prefill_call")
+    sampler = eng.sampler
+    eng.sampler = timed("sampler_call")
+
+    def unwrap():
+        eng.scheduler.schedule, eng.executor.prefill, eng.sampler = orig["schedule"], orig["prefill_call"], sampler
+    return acc, unwrap
+
+
+def sec_prefill(args):
+    """Where the time to first token goes at batch 1 (issue 16 item 1), per prompt length
+    (`--prompt-lens`) and TP size: one engine, cold prompts (no prefix-cache hit).
+
+    - ttft_ms: wall time of `generate([prompt], max_tokens=1)` (median of `--repeats`), and the
+      host time inside it spent in scheduling, in the executor's prefill call (a launch: it
+      returns before the GPU is done unless something syncs) and in the sampler call;
+    - gpu_busy_ms: kernel time of one such call under torch.profiler (TP=1), by category, with
+      the number of kernels, of launch API calls and of host syncs (stream/device/event
+      synchronize, `.item()` and blocking copies); when gpu_busy_ms is far below ttft_ms the GPU
+      waited for the host;
+    - prefill_graph: whether the prefill ran as a captured CUDA graph (`--prefill-graphs`)."""
+    from ferrum import LLM, SamplingParams
+    from torch.profiler import ProfilerActivity, profile
+    res = {"model": args.model, "prompt_lens": args.prompt_lens, "runs": {}}
+    longest = max(args.prompt_lens)
+    for tp in args.tp:
+        if args.device == "cuda" and tp > torch.cuda.device_count():
+            continue
+        llm = LLM(f"dummy:{cfg_path(args.model)}", progress=False, tensor_parallel_size=tp, dtype="bfloat16",
+                  device=args.device, max_num_seqs=8, max_model_len=min(8192, longest + 64),
+                  max_num_batched_tokens=max(8192, longest))
+        eng = llm.engine
+        vocab = eng.vocab_size
+        sp1 = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        llm.generate([[11] * 64], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        for P in args.prompt_lens:
+            gen = torch.Generator().manual_seed(P)
+
+            def prompt():
+                return torch.randint(10, vocab - 10, (P,), generator=gen).tolist()
+            llm.generate([prompt()], sp1, use_tqdm=False)  # warm-up (Triton compiles, cuBLAS plans)
+            walls, splits = [], []
+            for _ in range(args.repeats):
+                acc, unwrap = _host_split(eng)
+                if args.device == "cuda":
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                llm.generate([prompt()], sp1, use_tqdm=False)
+                if args.device == "cuda":
+                    torch.cuda.synchronize()
+                walls.append(1e3 * (time.perf_counter() - t))
+                unwrap()
+                splits.append({k: 1e3 * v for k, v in acc.items()})
+            order = sorted(range(len(walls)), key=walls.__getitem__)
+            mid = order[len(order) // 2]
+            row = {"ttft_ms_median": walls[mid], "ttft_ms_all": walls, "host_ms_of_median_run": splits[mid]}
+            if tp == 1:
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+                with profile(activities=acts) as prof:
+                    llm.generate([prompt()], sp1, use_tqdm=False)
+                    if args.device == "cuda":
+                        torch.cuda.synchronize()
+                cats, n_kernels, gpu_us, launches, syncs, cpu_ops = {}, 0, 0.0, 0, {}, []
+                for e in prof.key_averages():
+                    dev_t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+                    if e.key in _LAUNCH_OPS:
+                        launches += e.count
+                    if e.key in _SYNC_OPS:
+                        syncs[e.key] = e.count
+                    if dev_t and getattr(e, "device_type", None) is not None and str(e.device_type).endswith("CUDA"):
+                        n_kernels += e.count
+                        gpu_us += dev_t
+                        c = _category(e.key)
+                        cats[c] = cats.get(c, 0.0) + dev_t
+                    elif e.self_cpu_time_total:
+                        cpu_ops.append((e.key, e.self_cpu_time_total, e.count))
+                cpu_ops.sort(key=lambda x: -x[1])
+                row.update(gpu_busy_ms=gpu_us / 1e3, kernels=n_kernels, launch_calls=launches, host_syncs=syncs,
+                           kernel_categories_us=dict(sorted(cats.items(), key=lambda kv: -kv[1])),
+                           top_cpu_ops_us=[{"op": k, "self_us": round(t), "calls": n} for k, t, n in cpu_ops[:20]])
+            row["prefill_graph"] = getattr(getattr(eng.executor, "runner", None), "prefill_graphs", None) is not None
+            res["runs"][f"tp{tp}_p{P}"] = row
+            print(f"tp{tp} P={P}", {k: v for k, v in row.items() if k != "top_cpu_ops_us"}, flush=True)
+        llm.shutdown()
+        del llm, eng
+        import gc
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    save_section(args, f"profile_prefill_{os.path.basename(args.model).removesuffix('.json')}", res)
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("sections", nargs="+", choices=["gemv", "replay", "engine"])
+    p.add_argument("sections", nargs="+", choices=["gemv", "replay", "engine", "prefill"])
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     p.add_argument("--model", default="llama3-8b")
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
@@ -319,11 +385,11 @@ def main():
     p.add_argument("--engine-batches", type=int, nargs="+", default=[1, 256])
     p.add_argument("--async-modes", nargs="+", default=["off", "on"], choices=["off", "on"],
                    help="engine section: async scheduling off / on")
+    p.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 1024, 8000], help="prefill section")
+    p.add_argument("--repeats", type=int, default=5, help="prefill section: timed runs per length")
     p.add_argument("--gemv-modes", nargs="+", default=["0", "1"], help="FERRUM_TRITON_GEMV values to compare")
     args = p.parse_args()
-    from h200_suite import run_sections  # benchmarks/ is sys.path[0] when run as a script
     run_sections(args, globals())
-
 
 if __name__ == "__main__":
     main()

@@ -29,9 +29,11 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from h200_suite import (ROOFLINE, bytes_per_step, free, make_llm, rand_prompts, run_sections,  # noqa: E402
-                        save)
+sys.path.insert(0, os.path.dirname(HERE))
+from ferrum.benchmarks.common import (dummy_llm as make_llm, random_prompts, release_llm as free,  # noqa: E402
+                                      run_sections, save_section as save)
+from ferrum.benchmarks.mbu import (engine_bytes_per_step, mbu_columns, measure_roofline_gbs,  # noqa: E402
+                                   spec_bandwidth_gbs)
 
 FORMATS = {"bf16": None, "fp8": "fp8", "awq": "awq", "gptq": "gptq", "gguf_q4_k": "gguf_q4_k"}
 SPEEDUP_KEY = {"fp8": "fp8", "awq": "w4a16", "gptq": "gptq", "gguf_q4_k": "gguf_q4_k"}
@@ -62,9 +64,20 @@ def batch1(llm, prompt_len: int, new_tokens: int) -> dict:
     t1 = min(run(1) for _ in range(3))
     tn = min(run(new_tokens) for _ in range(3))
     tps = (new_tokens - 1) / (tn - t1)
-    b = bytes_per_step(llm, prompt_len + new_tokens // 2)
+    b = engine_bytes_per_step(llm.engine, prompt_len + new_tokens // 2)
     return {"ttft_ms": 1e3 * t1, "decode_tok_s": tps, f"e2e_{new_tokens}_s": tn,
-            "bytes_per_step": b, "mbu_vs_4.35TBs": b * tps / ROOFLINE}
+            "bytes_per_step": b, **mbu_columns(b, 1 / tps, *_bandwidths())}
+
+
+_BANDWIDTHS: list = []
+
+
+def _bandwidths() -> tuple[float | None, float]:
+    """(spec GB/s, measured GEMV roofline GB/s) of the GPU, measured once per process
+    (`ferrum.benchmarks.mbu`)."""
+    if not _BANDWIDTHS:
+        _BANDWIDTHS.extend([spec_bandwidth_gbs("cuda")[0], measure_roofline_gbs("cuda")[0]])
+    return tuple(_BANDWIDTHS)
 
 
 def sec_latency(args):
@@ -86,7 +99,7 @@ def sec_throughput(args):
         kv = args.throughput_kv if fmt != "bf16" else "auto"
         llm = make_llm("llama3-8b", 1, max_num_seqs=256, max_model_len=P + G + 16, max_num_batched_tokens=8192,
                        quantization=FORMATS[fmt], kv_cache_dtype=kv)
-        prompts = rand_prompts(n, P, P, llm.engine.vocab_size, 3)
+        prompts = random_prompts(n, P, llm.engine.vocab_size, 3)
         llm.generate(prompts[:8], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=G, ignore_eos=True), use_tqdm=True)

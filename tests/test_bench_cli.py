@@ -24,3 +24,156 @@ def test_bench_latency_and_throughput_cli(tmp_path):
         assert r["output_tokens"] == thr["total_output_tokens"]
         assert r["timeline"][-1][1] == thr["total_output_tokens"]  # every token counted
     assert thr["batched"]["max_running_sequences"] == 4 and thr["sequential"]["max_running_sequences"] == 1
+
+
+# ---- the one harness: MBU, records, peers side by side, TTFT, sweep ----------------------------
+import os  # noqa: E402
+import textwrap  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+def test_spec_bandwidth_table_matches_device_names():
+    from ferrum.benchmarks.mbu import spec_for_name
+    assert spec_for_name("NVIDIA H200") == 4800.0
+    assert spec_for_name("NVIDIA H200 NVL") == 4800.0
+    assert spec_for_name("NVIDIA GH200 480GB") is None          # not the H200: no guess
+    assert spec_for_name("NVIDIA H100 80GB HBM3") == 3350.0
+    assert spec_for_name("NVIDIA H100 PCIe") == 2000.0
+    assert spec_for_name("NVIDIA A100-SXM4-80GB") == 2039.0
+    assert spec_for_name("NVIDIA A100 80GB PCIe") == 1935.0
+    assert spec_for_name("NVIDIA A100-SXM4-40GB") == 1555.0
+    assert spec_for_name("NVIDIA L40S") == 864.0
+    assert spec_for_name("Some Future GPU") is None
+
+
+def test_mbu_definition():
+    """Bytes per step = weights - untied input embedding + context x KV bytes per token; MBU
+    over the spec and over the roofline are the same read rate over two denominators."""
+    from ferrum.benchmarks.mbu import decode_bytes_per_step, mbu_columns, spec_bandwidth_gbs
+    from ferrum.config import ModelConfig
+    from ferrum.executor.memory import compute_memory_requirements
+    import torch
+    cfg = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                      "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+                                      "num_hidden_layers": 32, "num_attention_heads": 32,
+                                      "num_key_value_heads": 8, "max_position_embeddings": 8192})
+    mem = compute_memory_requirements(cfg, torch.bfloat16, 1)
+    w = decode_bytes_per_step(mem, cfg, torch.bfloat16)
+    assert w == mem.param_bytes - 128256 * 4096 * 2
+    assert 14.9e9 < w < 15.1e9                      # GUIDE section 7: ~15.0 GB per step
+    assert decode_bytes_per_step(mem, cfg, torch.bfloat16, 1000) - w == 1000 * 32 * 2 * 8 * 128 * 2
+    cols = mbu_columns(w, w / 4.0e12, 4800.0, 4350.0)   # a step reading at 4.0 TB/s
+    assert cols["read_gbs"] == pytest.approx(4000.0)
+    assert cols["mbu"] == pytest.approx(4000 / 4800) and cols["mbu_vs_roofline"] == pytest.approx(4000 / 4350)
+    assert mbu_columns(w, 1.0, None, None)["mbu"] is None
+    assert spec_bandwidth_gbs("cpu")[0] is None and spec_bandwidth_gbs("cpu", 100.0)[0] == 100.0
+
+
+def _fake_peers(folder) -> str:
+    """A peers folder whose drivers print what vLLM's and gpt-fast's print, leave a child
+    process behind (as vLLM leaves its workers), and echo the environment they were given."""
+    os.makedirs(os.path.join(folder, "gptfast"), exist_ok=True)
+    leave_child = 'import subprocess, sys; subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])\n'
+    with open(os.path.join(folder, "vllm_bench.py"), "w") as f:
+        f.write(leave_child + textwrap.dedent("""
+            import json, os, sys
+            if os.environ.get("FAIL_PEER"):
+                raise SystemExit("peer failed on purpose")
+            print("VLLMPEER", json.dumps({"section": sys.argv[1], "tp": int(sys.argv[2]), "ttft_ms": 4.0,
+                  "decode_tok_s": 10.0, "output_tok_s": 20.0, "vb_p": os.environ.get("VB_P"),
+                  "marker": os.environ.get("PEER_MARKER"), "configs": os.environ.get("PEER_CONFIGS")}))
+            """))
+    with open(os.path.join(folder, "gptfast", "peer_bench.py"), "w") as f:
+        f.write(textwrap.dedent("""
+            import json, os
+            print("GPTFAST", json.dumps({"best_decode_tok_s": 5.0, "P": os.environ["GF_P"], "N": os.environ["GF_N"]}))
+            """))
+    return folder
+
+
+def _children_left() -> int:
+    """Processes still running the fake peers' stray child."""
+    import subprocess
+    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return sum("time.sleep(300)" in line and "-c" in line for line in out.splitlines())
+
+
+def test_latency_with_peers_ratios_record_and_cleanup(tmp_path):
+    """Peers run as subprocesses with their own environment (--peer-env reaches them, not
+    ferrum), their process group is killed, ratios are ferrum over peer, and the record holds
+    the command, commit, versions and environment."""
+    folder = make_tiny_model(str(tmp_path / "m"), "llama", layers=2, vocab=300, max_pos=512)
+    peers = _fake_peers(str(tmp_path / "peers"))
+    before = _children_left()
+    out = tmp_path / "lat.json"
+    assert main(["bench", "latency", folder, "--input-len", "16", "--output-len", "8", "--num-iters", "1",
+                 "--no-hf", "--threads", "1", "--peers", "vllm", "gpt-fast", "--peers-dir", peers,
+                 "--peer-env", "PEER_MARKER=hello", "--out", str(out)]) == 0
+    assert _children_left() == before
+    assert "PEER_MARKER" not in os.environ
+    lat = json.loads(out.read_text())
+    vllm = lat["peers"]["vllm_tp1"]
+    assert vllm["marker"] == "hello" and vllm["vb_p"] == "16" and vllm["configs"].endswith(os.path.join("benchmarks", "configs"))
+    assert lat["peers"]["gpt_fast_tp1"]["P"] == "16" and lat["peers"]["gpt_fast_tp1"]["N"] == "8"
+    ours = lat["ferrum"]["decode_tok_s"]
+    assert lat["ratios"]["tp1"]["decode_tok_s_vs_vllm"] == pytest.approx(ours / 10.0)
+    assert lat["ratios"]["tp1"]["decode_tok_s_vs_gpt_fast"] == pytest.approx(ours / 5.0)
+    assert lat["command"].startswith("ferrum bench latency") and "git_commit" in lat
+    assert lat["software"]["torch"] and "python" in lat["software"]
+    assert isinstance(lat["environment"], dict)
+    assert lat["bandwidth"]["spec_gbs"] is None and lat["bandwidth"]["roofline_gbs"] > 0   # CPU
+    assert 0 < lat["ferrum"]["mbu_vs_roofline"] <= 1.0 and lat["ferrum"]["mbu"] is None
+
+
+def test_failing_peer_is_reported_not_fatal(tmp_path, monkeypatch):
+    folder = make_tiny_model(str(tmp_path / "m"), "llama", layers=2, vocab=300, max_pos=512)
+    peers = _fake_peers(str(tmp_path / "peers"))
+    out = tmp_path / "thr.json"
+    monkeypatch.setenv("FAIL_PEER", "1")
+    assert main(["bench", "throughput", folder, "--num-prompts", "3", "--threads", "1", "--no-sequential",
+                 "--peers", "vllm", "--peers-dir", peers, "--out", str(out)]) == 0
+    thr = json.loads(out.read_text())
+    assert "peer failed on purpose" in thr["peers"]["vllm"]["log_tail"]
+    assert thr["ratios"]["output_tok_s_vs_vllm"] is None
+    split = thr["batched"]["step_time_split"]
+    assert split["prefill"]["prefill_tokens"] == thr["total_input_tokens"]
+    assert split["decode"]["steps"] + split["prefill"]["steps"] == thr["batched"]["steps"]
+
+
+def test_ttft_cached_mode_hits_the_prefix_cache(tmp_path):
+    """`cached` repeats one prompt as vLLM's driver does: only the last block is computed;
+    `cold` computes every prompt token."""
+    folder = make_tiny_model(str(tmp_path / "m"), "llama", layers=2, vocab=300, max_pos=512)
+    out = tmp_path / "ttft.json"
+    assert main(["bench", "ttft", folder, "--prompt-lens", "40", "64", "--num-iters", "2", "--threads", "1",
+                 "--out", str(out)]) == 0
+    ttft = json.loads(out.read_text())
+    for P, computed in ((40, 8), (64, 16)):           # block size 16; the last token is never cached
+        row = ttft["ferrum"][str(P)]
+        assert row["cached"]["computed_tokens"] == [computed] * 2
+        assert row["cold"]["computed_tokens"] == [P] * 2
+        assert row["cold"]["ttft_ms_best"] > 0
+
+
+def test_nanovllm_workload_is_the_peer_drivers():
+    """The same prompts, lengths and sampling as `vllm_bench.py nanovllm` (random.Random(0))."""
+    import random
+    from ferrum.benchmarks.throughput import nanovllm_workload
+    prompts, params, in_lens, out_lens = nanovllm_workload()
+    rng = random.Random(0)
+    assert prompts == [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(256)]
+    assert out_lens == [rng.randint(100, 1024) for _ in range(256)]
+    assert all(p.temperature == 0.6 and p.ignore_eos and p.max_tokens == n for p, n in zip(params, out_lens))
+
+
+def test_sweep_cli(tmp_path):
+    folder = make_tiny_model(str(tmp_path / "m"), "llama", layers=2, vocab=300, max_pos=512)
+    out = tmp_path / "sweep.json"
+    assert main(["bench", "sweep", folder, "--batch-sizes", "1", "3", "--input-len", "8", "--output-len", "12",
+                 "--threads", "1", "--temperature", "0.5", "--out", str(out)]) == 0
+    sweep = json.loads(out.read_text())
+    assert [p["batch"] for p in sweep["points"]] == [1, 3]
+    for p in sweep["points"]:
+        assert p["decode_tok_s"] > 0 and p["sampler_ms"] > 0 and p["replay_ms"] is None   # CPU: no graphs
+        assert p["steps_timed"] > 0

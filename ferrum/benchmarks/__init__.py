@@ -1,9 +1,12 @@
-"""Benchmarks behind `ferrum bench`: latency (batch-1 prefill/decode vs HF transformers),
-throughput (offline batch vs one-at-a-time), serve (HTTP load against a running server).
+"""Benchmarks behind `ferrum bench`: latency (batch-1 prefill/decode vs HF transformers and the
+peers), ttft (time to first token over prompt lengths), throughput (offline batch vs
+one-at-a-time, or the nano-vllm workload), sweep (decode over batch sizes, host share per
+step), serve (HTTP load against a running server). One MBU definition (`mbu`), one way to run
+peers (`peers`).
 Each module defines `add_parser(subparsers, add_engine_args)` and `main(args) -> int`."""
 import importlib
 
-_BENCHES = ("latency", "throughput", "serve")
+_BENCHES = ("latency", "ttft", "throughput", "sweep", "serve")
 
 
 class _SubparsersWithDefaults:

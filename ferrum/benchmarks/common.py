@@ -1,8 +1,8 @@
-"""Shared pieces of `ferrum bench latency | throughput`: the record of where and how a
-benchmark ran (command, date, hardware, load and the other busy processes), memory read
-bandwidth for MBU, random token-id prompts, thread setup, and loading the same weights into HF
-transformers for a baseline. (torch is imported inside the functions that use it, so that
-building the CLI parser does not load it.)"""
+"""Shared pieces of `ferrum bench`: the record of where and how a benchmark ran (command, date,
+commit, hardware, load and the other busy processes, software versions, environment), random
+token-id prompts, thread setup, and loading the same weights into HF transformers for a
+baseline. (MBU: `mbu`; peers: `peers`. torch is imported inside the functions that use it, so
+that building the CLI parser does not load it.)"""
 from __future__ import annotations
 
 import datetime
@@ -38,6 +38,14 @@ def setup_threads(threads: int | None) -> int:
     _LOAD_AT_START = load_average()
     _BUSY_AT_START = busy_processes()
     return set_threads(threads, warn=False)
+
+
+def sync_device(device: str) -> None:
+    """Wait for the device's queued work (CUDA; nothing to wait for on CPU), before reading a
+    clock."""
+    if device.startswith("cuda"):
+        import torch
+        torch.cuda.synchronize()
 
 
 def cpu_model() -> str:
@@ -125,32 +133,59 @@ def load_note(device: str, busy_at_end: list[dict]) -> str | None:
 
 
 def hardware(device: str) -> dict:
-    """CPU model / cores / threads, GPU name, versions, and the load average now."""
+    """CPU model / cores / threads, GPU name and count, and the load average now (versions:
+    `software_versions`)."""
     import torch
     hw = {"cpu": cpu_model(), "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
           "device": device, "load_average_1_5_15min_at_start": _LOAD_AT_START,
-          "load_average_1_5_15min_at_end": load_average(),
-          "python": platform.python_version(), "torch": torch.__version__}
+          "load_average_1_5_15min_at_end": load_average()}
     if device == "cpu":
         hw["load_note"] = ("load average above the core count means other jobs shared the cores "
                            "during the run (CPU numbers are then pessimistic and noisy)")
     if device.startswith("cuda") and torch.cuda.is_available():
         hw["gpu"] = torch.cuda.get_device_name(torch.device(device))
         hw["gpu_count"] = torch.cuda.device_count()
-    try:
-        import transformers
-        hw["transformers"] = transformers.__version__
-    except ImportError:
-        pass
     return hw
 
 
+# Environment variables that change what a run measures: ferrum's switches, NCCL / symmetric
+# memory / NVSHMEM settings, the visible devices, thread counts, and the peers' switches.
+_ENV_PREFIXES = ("FERRUM_", "NCCL_", "TORCH_SYMM_MEM", "NVSHMEM_", "CUDA_VISIBLE_DEVICES",
+                 "CUDA_LAUNCH_BLOCKING", "TRITON_", "OMP_NUM_THREADS", "VLLM_", "PYTORCH_")
+
+
+def environment_vars() -> dict[str, str]:
+    """The set environment variables whose names start with one of `_ENV_PREFIXES`, sorted."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES)}
+
+
+def software_versions() -> dict:
+    """Versions that change the figures: python, torch, CUDA (torch's build), NCCL, triton,
+    transformers; a missing package is left out."""
+    import torch
+    v = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    if torch.cuda.is_available():
+        try:
+            v["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:   # a build without NCCL
+            pass
+    for name in ("triton", "transformers"):
+        try:
+            v[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    return v
+
+
 def record(kind: str, args, device: str, results: dict) -> dict:
-    """The JSON record: exact command, UTC date, git commit, hardware (with load), results."""
-    argv = getattr(args, "_argv", None) or sys.argv[1:]
-    return {"benchmark": kind, "command": "ferrum " + " ".join(argv),
+    """The JSON record: exact command, UTC date, git commit, hardware (with load), software
+    versions, the environment variables that matter (`environment_vars`), results."""
+    argv = getattr(args, "_argv", None)   # set by the CLI; a script's record quotes its own argv
+    command = "ferrum " + " ".join(argv) if argv is not None else " ".join([sys.executable] + sys.argv)
+    return {"benchmark": kind, "command": command,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "git_commit": git_commit(), "hardware": hardware(device), **results}
+            "git_commit": git_commit(), "hardware": hardware(device), "software": software_versions(),
+            "environment": environment_vars(), **results}
 
 
 def write_json(path: str | None, rec: dict) -> None:
@@ -162,36 +197,6 @@ def write_json(path: str | None, rec: dict) -> None:
         json.dump(rec, f, indent=2)
         f.write("\n")
     print(f"wrote {path}")
-
-
-def measure_read_bandwidth(device: str, nbytes: int, reps: int = 3) -> float:
-    """Memory read bandwidth in GB/s (1e9 bytes/s): best of `reps` reductions (torch.sum) over
-    a float32 buffer of `nbytes`, the size of the weights a decode step reads, so both see the
-    same cache level. Uses the current torch threads."""
-    import torch
-    buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    buf.sum()
-    sync()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        buf.sum()
-        sync()
-        best = min(best, time.perf_counter() - t)
-    return buf.numel() * 4 / best / 1e9
-
-
-def decode_weight_bytes(mem, cfg, dtype: torch.dtype) -> int:
-    """Weight bytes one rank reads per decode step: `MemoryRequirements.param_bytes` minus the
-    input-embedding table when it is not tied to the LM head (a lookup reads only the batch's
-    rows; a tied table is read in full by the LM head)."""
-    import torch
-    if cfg.tie_word_embeddings:
-        return mem.param_bytes
-    e = torch.finfo(dtype).bits // 8
-    rows = -(-cfg.vocab_size // mem.tensor_parallel_size)
-    return mem.param_bytes - rows * cfg.hidden_size * e
 
 
 def random_prompts(n: int, lengths: list[int] | int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -265,6 +270,53 @@ def llm_from_config(config):
     return llm
 
 
-def fmt_ratio(a: float | None, b: float | None) -> str:
-    """a / b as "1.23x", "n/a" when either is missing or zero."""
-    return f"{a / b:.2f}x" if a and b else "n/a"
+# ---- helpers of the GPU scripts in benchmarks/ (profile_decode.py, quant_bench.py) ---------------
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                           "benchmarks", "configs")
+
+
+def config_path(name: str) -> str:
+    """`name` if it is a file, else the checkout's benchmarks/configs/<name>.json (the real
+    configs the GPU runs load with dummy weights)."""
+    return name if os.path.isfile(name) else os.path.join(CONFIGS_DIR, f"{name}.json")
+
+
+def dummy_llm(name: str, tp: int = 1, **kw):
+    """An offline LLM over random bf16 weights of config `name` (`config_path`), TP size tp;
+    kw: more engine options (max_num_seqs, max_model_len, quantization, ...)."""
+    from ferrum.entrypoints.llm import LLM
+    print(f"  [{time.strftime('%H:%M:%S')}] building {name} tp={tp} {kw}", flush=True)
+    return LLM(f"dummy:{config_path(name)}", progress=False, tensor_parallel_size=tp, dtype="bfloat16", **kw)
+
+
+def release_llm(llm) -> None:
+    """Shut an LLM down and hand its cached CUDA memory back (the next engine or a peer needs it)."""
+    from ferrum.benchmarks.peers import free_cuda_cache
+    llm.shutdown()
+    free_cuda_cache()
+
+
+def save_section(args, name: str, data: dict) -> None:
+    """Write `record(name, ...)` of data to <args.out>/<name>.json and print its start."""
+    import torch
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    os.makedirs(args.out, exist_ok=True)
+    write_json(os.path.join(args.out, f"{name}.json"), record(name, args, device, data))
+    print(f"== {name}: {json.dumps(data)[:2500]}", flush=True)
+
+
+def run_sections(args, namespace: dict, on_error=None) -> None:
+    """Run `namespace["sec_<name>"](args)` for each of args.sections, timing each; a section
+    that raises is reported (and passed to on_error(name, exc)) and the others still run, so a
+    long GPU call returns every figure it could make."""
+    for name in args.sections:
+        t = time.perf_counter()
+        print(f"[{time.strftime('%H:%M:%S')}] {name} ...", flush=True)
+        try:
+            namespace[f"sec_{name}"](args)
+        except Exception as e:
+            import traceback
+            traceback.print_exc()
+            if on_error is not None:
+                on_error(name, e)
+        print(f"[{name} took {time.perf_counter() - t:.1f} s]", flush=True)

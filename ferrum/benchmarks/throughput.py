@@ -10,7 +10,15 @@ request generates exactly its output length.
   output tok/s = generated tokens / wall seconds; the ratio is batched / sequential.
 The prefix cache is cleared before each phase (the prompts are random, so it only matters for
 the repeat). The JSON keeps a timeline of each phase, (seconds, generated tokens, running
-sequences) at up to 100 steps; `--plot FILE.png` draws it (needs matplotlib).
+sequences) at up to 100 steps (`--plot FILE.png` draws it, needs matplotlib), and the batched
+phase's wall time split into steps that ran a prefill chunk and decode-only steps.
+
+`--workload nanovllm` is nano-vllm's bench.py workload, exactly as the vLLM peer driver builds
+it: 256 prompts of ids uniform in [0, 10000] with lengths uniform in [100, 1024], output lengths
+uniform in [100, 1024], temperature 0.6, EOS ignored (no sequential phase). With `--peers vllm`
+the driver (`vllm_bench.py throughput` or `nanovllm`) runs after ferrum; its throughput
+section is 1000 prompts x (1000 in, 1000 out), so the ratio `output_tok_s_vs_vllm` is only
+written when ferrum ran that same shape (or the nanovllm workload).
 """
 from __future__ import annotations
 
@@ -19,6 +27,7 @@ import time
 
 from ferrum.benchmarks.common import (add_common_args, llm_from_config, random_prompts, record,
                                       setup_threads, write_json)
+from ferrum.benchmarks.peers import add_peer_args, ratio, run_vllm
 
 
 def add_parser(subparsers, add_engine_args) -> None:
@@ -33,20 +42,71 @@ def add_parser(subparsers, add_engine_args) -> None:
     p.add_argument("--no-sequential", dest="sequential", action="store_false",
                    help="skip the one-at-a-time baseline")
     p.add_argument("--plot", default=None, help="PNG: generated tokens over time, batched vs sequential (default: no plot)")
+    p.add_argument("--workload", default="random", choices=["random", "nanovllm"],
+                   help="random: the length flags above; nanovllm: nano-vllm's bench workload (see above)")
+    add_peer_args(p)
     add_common_args(p)
     p.set_defaults(func=main)
 
 
 def workload(args, vocab: int):
     """Random prompts and greedy SamplingParams (ignore_eos, max_tokens drawn from
-    args.output_len) from args.seed: (prompts, params, input lengths, output lengths)."""
+    args.output_len) from args.seed, or nano-vllm's workload: (prompts, params, input lengths,
+    output lengths)."""
     from ferrum import SamplingParams
+    if args.workload == "nanovllm":
+        return nanovllm_workload()
     rng = random.Random(args.seed)
     in_lens = [rng.randint(*args.input_len) for _ in range(args.num_prompts)]
     out_lens = [rng.randint(*args.output_len) for _ in range(args.num_prompts)]
     prompts = random_prompts(args.num_prompts, in_lens, vocab, args.seed + 1)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
     return prompts, params, in_lens, out_lens
+
+
+def nanovllm_workload():
+    """nano-vllm's bench.py workload as `vllm_bench.py nanovllm` draws it (random.Random(0)):
+    (prompts, params, input lengths, output lengths)."""
+    from ferrum import SamplingParams
+    rng = random.Random(0)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(256)]
+    out_lens = [rng.randint(100, 1024) for _ in range(256)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
+    return prompts, params, [len(p) for p in prompts], out_lens
+
+
+def time_steps_by_kind(eng) -> dict:
+    """Wrap eng.step (and the executor's prefill / decode) to add up wall time per kind of
+    step: "prefill" (it ran a prefill chunk, possibly with decodes) or "decode" (decodes only),
+    with the prefill tokens and decode rows they ran. Returns the dict it fills in; `unwrap`
+    in it restores the originals."""
+    split = {kind: {"steps": 0, "s": 0.0, "prefill_tokens": 0, "decode_rows": 0} for kind in ("prefill", "decode")}
+    ex, step, prefill, decode = eng.executor, eng.step, eng.executor.prefill, eng.executor.decode
+    now = {"prefill": 0, "decode": 0}
+
+    def counted_prefill(inp):
+        now["prefill"] += sum(map(len, inp.token_ids))
+        return prefill(inp)
+
+    def counted_decode(inp):
+        now["decode"] += len(inp.token_ids)
+        return decode(inp)
+
+    def timed(*a, **k):
+        now["prefill"] = now["decode"] = 0
+        t = time.perf_counter()
+        out = step(*a, **k)
+        row = split["prefill" if now["prefill"] else "decode"]
+        row["steps"] += 1
+        row["s"] += time.perf_counter() - t
+        row["prefill_tokens"] += now["prefill"]
+        row["decode_rows"] += now["decode"]
+        return out
+
+    def unwrap():
+        ex.prefill, ex.decode, eng.step = prefill, decode, step
+    ex.prefill, ex.decode, eng.step = counted_prefill, counted_decode, timed
+    return split, unwrap
 
 
 class _Timeline:
@@ -140,25 +200,32 @@ def main(args) -> int:
         return 2
     expected = sum(out_lens)
     device = str(eng.executor.info().device)
-    print(f"model {eng.model_name} on {device}, {threads} threads: {args.num_prompts} prompts, "
-          f"input {sum(in_lens)} tokens ({args.input_len[0]}-{args.input_len[1]}), "
-          f"output {expected} tokens ({args.output_len[0]}-{args.output_len[1]})")
+    print(f"model {eng.model_name} on {device}, {threads} threads: {len(prompts)} prompts ({args.workload}), "
+          f"input {sum(in_lens)} tokens ({min(in_lens)}-{max(in_lens)}), "
+          f"output {expected} tokens ({min(out_lens)}-{max(out_lens)})")
     timeline = _Timeline(eng)
     # Warm-up: one short request, so neither phase pays for first-call setup.
     from ferrum import SamplingParams
     llm.generate([prompts[0][:8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
 
     _reset_prefix_cache(eng)
+    split, unwrap = time_steps_by_kind(eng)
+    before = eng.status()
     batched = _phase("batched", lambda: llm.generate(prompts, params, use_tqdm=False), timeline, expected)
+    unwrap()
+    after = eng.status()
+    batched["step_time_split"] = split
+    batched.update({k: after[key] - before[key] for k, key in (("preemptions", "num_preemptions"),
+                                                               ("steps", "steps"), ("overlapped_steps", "overlapped_steps"))})
     sequential = None
-    if args.sequential:
+    if args.sequential and args.workload == "random":
         _reset_prefix_cache(eng)
         sequential = _phase("sequential", lambda: [llm.generate([p], sp, use_tqdm=False)[0]
                                                    for p, sp in zip(prompts, params)], timeline, expected)
         print(f"batched / sequential output throughput: "
               f"{batched['output_tok_s'] / sequential['output_tok_s']:.2f}x")
-    res = {"model": eng.model_name, "num_prompts": args.num_prompts,
-           "input_len_range": args.input_len, "output_len_range": args.output_len,
+    res = {"model": eng.model_name, "workload": args.workload, "num_prompts": len(prompts),
+           "input_len_range": [min(in_lens), max(in_lens)], "output_len_range": [min(out_lens), max(out_lens)],
            "total_input_tokens": sum(in_lens), "total_output_tokens": expected,
            "engine": {"max_num_seqs": eng.config.scheduler.max_num_seqs,
                       "max_num_batched_tokens": eng.config.scheduler.max_num_batched_tokens,
@@ -167,8 +234,20 @@ def main(args) -> int:
            "batched": batched, "sequential": sequential,
            "ratio_batched_over_sequential": (batched["output_tok_s"] / sequential["output_tok_s"])
            if sequential else None}
-    if args.plot:
-        _plot(args.plot, res, f"{eng.model_name} {device}: {args.num_prompts} prompts")
-    write_json(args.out, record("throughput", args, device, res))
     eng.shutdown()
+    if "vllm" in (args.peers or ()):
+        # vllm_bench.py's throughput section: 1000 x (1000 in, 1000 out), greedy
+        same = args.workload == "nanovllm" or (args.num_prompts == 1000 and args.input_len == [1000, 1000]
+                                               and args.output_len == [1000, 1000])
+        section = "nanovllm" if args.workload == "nanovllm" else "throughput"
+        peer = run_vllm(args, section, eng.config.parallel.tensor_parallel_size)
+        res["peers"] = {"vllm": peer}
+        res["ratios"] = {"output_tok_s_vs_vllm": ratio(batched["output_tok_s"], peer.get("output_tok_s"))
+                         if same else None}
+        if not same:
+            print("note: vLLM's driver ran 1000 x (1000 in, 1000 out), a different workload: no ratio")
+        print(f"vLLM {section}: {peer.get('output_tok_s')} output tok/s; ratios {res['ratios']}")
+    if args.plot:
+        _plot(args.plot, res, f"{eng.model_name} {device}: {len(prompts)} prompts")
+    write_json(args.out, record("throughput", args, device, res))
     return 0

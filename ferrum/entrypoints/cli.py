@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run `ferrum <command>` with `argv` (default: sys.argv[1:]); returns the exit status:
     0, 1 for a ferrum error (printed on one stderr line), 130 when interrupted."""
     args = build_parser().parse_args(argv)
+    args._argv = list(sys.argv[1:] if argv is None else argv)   # benchmark records quote the command
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     if _is_torchrun_worker() and hasattr(args, "tensor_parallel_size"):
