@@ -28,6 +28,8 @@ class AttentionMetadata:
     cu_seqlens_q: [B+1] int64 on the device, prefix sums of query_lens (prefill).
     decode_plan: filled by the torch backend's first layer of a decode step, reused by the
         others (`ferrum.ops.attention_torch`).
+    csr_plan: the same for the torch backend's batched decode (`attention_torch._csr_plan`),
+        a dict by (heads, KV heads).
     """
 
     is_prefill: bool
@@ -39,6 +41,7 @@ class AttentionMetadata:
     context_lens: list[int] | None = None
     cu_seqlens_q: torch.Tensor | None = None
     decode_plan: tuple | None = None
+    csr_plan: dict | None = None
 
 
 @dataclass

@@ -232,6 +232,7 @@ def test_logit_bias_errors_name_every_bad_key():
     assert "[6, 9, 70000]" in info.value.args[0] and info.value.param == "logit_bias"
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_matches_cpu_and_seeds_hold():
     gen = torch.Generator().manual_seed(1)

@@ -578,3 +578,41 @@ def test_torch_decode_reads_consecutive_blocks_in_place():
         assert (md.decode_plan[3] is not None) == runs
         padded = AttentionMetadata(False, md.slot_mapping, bt, md.seq_lens, md.max_seq_len)
         torch.testing.assert_close(got, tb.decode_attention(q, cache, padded, 0.25), atol=1e-6, rtol=1e-5)
+
+
+def test_torch_batched_decode_reads_pages_in_place():
+    """From CSR_MIN_BATCH sequences on, CPU float32 decode runs the sparse in-place path: equal
+    to float64 attention over each sequence's own blocks (scattered, shared, GQA groups of 3,
+    lengths crossing block boundaries), one plan per step for every layer, and no K/V copy."""
+    from ferrum.forward_context import AttentionMetadata
+    from ferrum.ops import attention_torch as tb
+    gen = torch.Generator().manual_seed(11)
+    bs, Hkv, H, D = 4, 2, 6, 16
+    cache = torch.randn(2, 64, bs, Hkv, D, generator=gen)
+    lens = [0, 3, 4, 17, 9, 30]        # context before this step (+1 token each)
+    tables = [[5], [9, 2], [40, 41], [7, 1, 33, 12, 60], [3, 9, 8], [20, 21, 22, 23, 24, 25, 26, 27]]
+    M = max(map(len, tables))
+    bt = torch.tensor([t + [0] * (M - len(t)) for t in tables])
+    q = torch.randn(len(lens), H, D, generator=gen)
+    md = AttentionMetadata(False, torch.zeros(len(lens), dtype=torch.int64), bt,
+                           torch.tensor([n + 1 for n in lens]), max(lens) + 1, [1] * len(lens), lens)
+    assert len(lens) >= tb.CSR_MIN_BATCH
+    copies = []
+    real_index_select = torch.Tensor.index_select
+    try:   # the in-place path must not gather K/V blocks
+        torch.Tensor.index_select = lambda self, *a, **k: copies.append(a) or real_index_select(self, *a, **k)
+        got = tb.decode_attention(q, cache, md, 0.3)
+        again = tb.decode_attention(q, cache, md, 0.3)    # the next layer reuses the plan
+    finally:
+        torch.Tensor.index_select = real_index_select
+    assert not copies and md.decode_plan is None and len(md.csr_plan) == 1
+    torch.testing.assert_close(got, again, atol=0, rtol=0)
+    for i, (n, table) in enumerate(zip(lens, tables)):
+        slots = [table[p // bs] * bs + p % bs for p in range(n + 1)]
+        k = cache[0].reshape(-1, Hkv, D)[slots].double()          # [n+1, Hkv, D]
+        v = cache[1].reshape(-1, Hkv, D)[slots].double()
+        kh = k.repeat_interleave(H // Hkv, dim=1).transpose(0, 1)  # [H, n+1, D]
+        vh = v.repeat_interleave(H // Hkv, dim=1).transpose(0, 1)
+        w = (torch.einsum("hd,hnd->hn", q[i].double(), kh) * 0.3).softmax(-1)
+        ref = torch.einsum("hn,hnd->hd", w, vh)
+        torch.testing.assert_close(got[i].double(), ref, atol=2e-6, rtol=1e-5)

@@ -9,6 +9,8 @@ v_scale ([1] float32 tensors) and multiplied back in float32 when read.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -125,19 +127,80 @@ def _decode_plan(attn_metadata: AttentionMetadata, block_size: int):
     return plan
 
 
+# Batched decode reads the cache in place through sparse kernels from this many sequences on:
+# at 1 sequence the single in-place SDPA is faster, from 4 on the two sparse kernels beat a
+# gather plus one SDPA per sequence (2-core CPU, SmolLM2 shapes: figures in
+# benchmarks/results/README.md).
+CSR_MIN_BATCH = 4
+# torch warns once that sparse CSR is "beta"; the two kernels used here are long-standing
+warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+
+
+def _csr_plan(attn_metadata: AttentionMetadata, block_size: int, num_heads: int, num_kv_heads: int):
+    """Per step, shared by the layers (memoised in `attn_metadata.csr_plan`): the attention
+    pattern of a decode batch as a CSR matrix over the cache. Row r = i * H + h is sequence i's
+    query head h; its entries are the key positions 0 .. n_i - 1 of sequence i (n_i = context
+    + 1), in order; the column of position p is the row of the cache
+    viewed as [num_blocks * block_size * Hkv, D] that holds K (or V) of p for h's KV head:
+    (block_table[i][p // block_size] * block_size + p % block_size) * Hkv + h // (H / Hkv).
+    Returns (crow [B*H+1], col [nnz], row_len [B*H], row_of [nnz]), int64."""
+    key = (num_heads, num_kv_heads)
+    plans = attn_metadata.csr_plan
+    if plans is None:
+        plans = attn_metadata.csr_plan = {}
+    if key not in plans:
+        bt = attn_metadata.block_tables
+        row_len = (torch.tensor(attn_metadata.context_lens, dtype=torch.int64) + 1).repeat_interleave(num_heads)
+        crow = torch.zeros(row_len.numel() + 1, dtype=torch.int64)
+        torch.cumsum(row_len, 0, out=crow[1:])
+        nnz = int(crow[-1])
+        row_of = torch.repeat_interleave(torch.arange(row_len.numel()), row_len, output_size=nnz)
+        seq = row_of // num_heads
+        pos = torch.arange(nnz) - crow[:-1][row_of]
+        slot = bt[seq, pos // block_size] * block_size + pos % block_size
+        col = slot * num_kv_heads + (row_of % num_heads) // (num_heads // num_kv_heads)
+        plans[key] = (crow, col, row_len, row_of)
+    return plans[key]
+
+
+def _decode_csr(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+    """Decode attention for a batch read in place from the paged cache (float32, CPU): scores
+    = one sampled dense-dense product (q against exactly the cached K rows each head attends
+    to, the CSR pattern of `_csr_plan`), a softmax per row over the sparse values, and the
+    output = one weighted embedding-bag sum of the V rows. No K/V copy, no Python loop over
+    the sequences. q [B, H, D] -> [B, H, D]."""
+    B, H, D = q.shape
+    _, _, bs, hkv, _ = kv_cache.shape
+    crow, col, row_len, row_of = _csr_plan(attn_metadata, bs, H, hkv)
+    k_rows, v_rows = kv_cache[0].view(-1, D), kv_cache[1].view(-1, D)
+    # zeros, not empty: sampled_addmm computes beta * values + ..., and 0 * NaN garbage is NaN
+    pattern = torch.sparse_csr_tensor(crow, col, torch.zeros(col.numel(), dtype=q.dtype),
+                                      size=(B * H, k_rows.shape[0]), check_invariants=False)
+    s = torch.sparse.sampled_addmm(pattern, q.reshape(B * H, D), k_rows.t(), beta=0.0, alpha=scale).values()
+    p = (s - torch.segment_reduce(s, "max", lengths=row_len)[row_of]).exp_()
+    o = F.embedding_bag(col, v_rows, crow[:-1], mode="sum", per_sample_weights=p)
+    return (o / torch.segment_reduce(p, "sum", lengths=row_len)[:, None]).view(B, H, D)
+
+
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
                      scale: float, k_scale: torch.Tensor | None = None,
                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Paged decode attention: q [B, H, D], one token per sequence -> new [B, H, D] in q's
     dtype (K/V cast to it; an FP8 cache times k_scale / v_scale).
 
-    With Python context lengths in `attn_metadata` (the model runner's eager decode): K/V read
-    in place when every sequence's blocks are consecutive, else one `index_select` of exactly
-    the blocks in use; then one unmasked SDPA per sequence over its own length. Otherwise (no
+    With Python context lengths in `attn_metadata` (the model runner's eager decode): a float32
+    batch of >= CSR_MIN_BATCH sequences on CPU reads K/V in place through two sparse kernels
+    (`_decode_csr`); smaller batches read K/V in place when every sequence's blocks are
+    consecutive, else one `index_select` of exactly the blocks in use, then one unmasked SDPA
+    per sequence over its own length. Otherwise (no
     host lengths, as under CUDA-graph capture): one batched SDPA over the block tables padded
     to the longest, positions >= seq_len masked out; on CPU that padded form costs several
     times more (gathering the padding, advanced indexing)."""
     if attn_metadata.context_lens is not None:
+        if (len(attn_metadata.context_lens) >= CSR_MIN_BATCH and q.dtype == kv_cache.dtype == torch.float32
+                and q.device.type == "cpu"):
+            return _decode_csr(q, kv_cache, attn_metadata, scale)
         lens, blocks, starts, runs = _decode_plan(attn_metadata, kv_cache.shape[2])
         if runs is not None:
             # Consecutive blocks (the usual case for a lone sequence): read them in place; a
