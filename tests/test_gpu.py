@@ -43,6 +43,18 @@ def _hf_greedy_logits(folder, prompt, steps):
     return ref, ids[0, len(prompt):].tolist(), bf16
 
 
+def _teacher_forced_logits(llm, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """Logits [len(tokens), V] float32 of the executor's prefill of `prompt` and of each decode
+    step fed tokens[:-1] (one sequence in blocks 1, 2, ...)."""
+    from ferrum.interfaces import DecodeInput, KvCacheHandle, PrefillInput
+    ex = llm.engine.executor
+    h = KvCacheHandle("x", list(range(1, 2 + (len(prompt) + len(tokens)) // 16)), 0, 16)
+    rows = [ex.prefill(PrefillInput([prompt], [h])).logits[0]]
+    for t in tokens[:-1]:
+        rows.append(ex.decode(DecodeInput([t], [h])).logits[0])
+    return torch.stack(rows).float()
+
+
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_logits_match_hf(tiny, eager, dtype):
@@ -52,20 +64,13 @@ def test_logits_match_hf(tiny, eager, dtype):
     prompt = _prompts(1)[0]
     steps = 12
     ref, ref_tokens, hf_bf16 = _hf_greedy_logits(tiny, prompt, steps)
-    from ferrum.interfaces import DecodeInput, KvCacheHandle, PrefillInput
     with LLM(tiny, progress=False, dtype=dtype, device="cuda", enforce_eager=eager, max_num_seqs=8,
              max_model_len=1024) as llm:
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True),
                            use_tqdm=False)[0].outputs[0].token_ids
         if dtype == "float32":
             assert out == ref_tokens
-        # logits of the prefill and of each decode step, fed HF's greedy tokens
-        ex = llm.engine.executor
-        h = KvCacheHandle("x", list(range(1, 2 + (len(prompt) + steps) // 16)), 0, 16)
-        rows = [ex.prefill(PrefillInput([prompt], [h])).logits[0]]
-        for t in ref_tokens[:-1]:
-            rows.append(ex.decode(DecodeInput([t], [h])).logits[0])
-        got = torch.stack(rows).float()
+        got = _teacher_forced_logits(llm, prompt, ref_tokens)
     diff = (got - ref).abs().max().item()
     hf_diff = (hf_bf16 - ref).abs().max().item()
     print(f"[gpu] {tiny.split('/')[-1]} {dtype} eager={eager} max|diff| vs HF fp32 = {diff:.3e} "
@@ -234,7 +239,6 @@ def test_bf16_logits_at_llama3_8b_shapes_within_hf_bf16_error(tmp_path):
     against float32 on the same weights, prefill and 16 teacher-forced decode steps. Its max
     logit error is at most 2x that of HF transformers' own bf16 forward; its greedy token
     equals the float32 one wherever the float32 top-2 margin exceeds twice ferrum's error."""
-    from ferrum.interfaces import DecodeInput, KvCacheHandle, PrefillInput
     config = _llama3_8b_layers(tmp_path)
     steps = 16
     prompt = torch.randint(10, 128000, (200,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -248,13 +252,7 @@ def test_bf16_logits_at_llama3_8b_shapes_within_hf_bf16_error(tmp_path):
             ref = hf(ids).logits[0, len(prompt) - 1:-1].float()              # [steps, V]
             hf_bf16 = hf.to(torch.bfloat16)(ids).logits[0, len(prompt) - 1:-1].float()
         del hf
-        tokens = ids[0, len(prompt):].tolist()
-        ex = llm.engine.executor
-        h = KvCacheHandle("x", list(range(1, 2 + (len(prompt) + steps) // 16)), 0, 16)
-        rows = [ex.prefill(PrefillInput([prompt], [h])).logits[0]]
-        for t in tokens[:-1]:
-            rows.append(ex.decode(DecodeInput([t], [h])).logits[0])
-        got = torch.stack(rows).float()
+        got = _teacher_forced_logits(llm, prompt, ids[0, len(prompt):].tolist())
     err, hf_err = (got - ref).abs().max().item(), (hf_bf16 - ref).abs().max().item()
     print(f"[gpu] Llama-3-8B shapes bf16: ferrum max|logit err| {err:.3e}, HF bf16 {hf_err:.3e}")
     assert err <= 2 * hf_err, f"ferrum bf16 error {err:.3e} > 2x HF bf16's {hf_err:.3e}"
