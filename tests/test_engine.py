@@ -429,3 +429,21 @@ def test_smollm2_greedy_matches_hf(smol, smollm2_gguf_path):
             ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None,
                               pad_token_id=0)
         assert out.outputs[0].token_ids == ref[0, len(ids):].tolist()
+
+
+def test_async_launches_no_step_for_sequences_that_length_finishes(folder, reference):
+    """Async scheduling launches the next decode before reading the in-flight tokens, but not
+    when those tokens surely end every running sequence (max_tokens reached): with
+    max_tokens=1 (a TTFT measurement) each request is one prefill step, no wasted decode step
+    that the next request would wait behind; longer requests still overlap, tokens unchanged."""
+    prompts, params = workload()
+    llm = make_llm(folder, async_scheduling=True)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    for p in prompts[:5]:
+        llm.generate([p], one, use_tqdm=False)
+    assert llm.engine.stats["steps"] == 5 and llm.engine.stats["overlapped_steps"] == 0
+    outs = [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts[:8], params[:8])]
+    assert [o.outputs[0].token_ids for o in outs] == reference[:8]
+    assert llm.engine.stats["overlapped_steps"] > 0
+    wasted = sum(max(0, len(o.outputs[0].token_ids) - 1) for o in outs)   # decode steps needed
+    assert llm.engine.stats["steps"] - 5 <= len(outs) + wasted + sum(1 for o in outs if o.outputs[0].finish_reason == "stop")

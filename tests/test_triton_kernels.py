@@ -378,6 +378,61 @@ def check_gemv(device: str) -> None:
             _assert_close(got, ref, dtype, f"gemv {dtype} N={N} K={K} bias={bias} cfg={cfg}")
 
 
+def check_prefill_graph(device: str) -> None:
+    """A single sequence's prefill through the padded static buffers of the prefill CUDA graphs
+    (captured and replayed on CUDA; run directly, uncaptured, in the interpreter): the logits
+    and K/V of the eager prefill, for a fresh prompt padded 23 -> 32 rows and for a chunk after
+    23 cached tokens (10 -> 16), with no slot outside the sequence written."""
+    import json
+    import tempfile
+    from ferrum.distributed.parallel_state import init_tensor_parallel
+    from ferrum.executor.model_runner import ModelRunner
+    from ferrum.executor.prefill_graph import PrefillCudaGraphs, PrefillGraphInputs
+    from ferrum.interfaces import KvCacheHandle
+    from ferrum.model_store import resolve_model
+    from ferrum.ops import attention_triton
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 128,
+           "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "max_position_embeddings": 256, "rms_norm_eps": 1e-5}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(cfg, f)
+    init_tensor_parallel(0, 1, None)
+    runners = []
+    for _ in range(2):   # the same dummy weights (seed 0), each with its own NaN-poisoned cache
+        r = ModelRunner(resolve_model(f"dummy:{f.name}"), device, torch.float32, "dummy", 0, progress=False)
+        r.allocate_kv_cache(12, 16)
+        for layer in r.attn_layers:
+            layer.kv_cache.fill_(float("nan"))
+        r.attn_backend = attention_triton
+        runners.append(r)
+    ref, run = runners
+    M = 16
+    if device == "cuda":
+        graphs = PrefillCudaGraphs(run, [16, 32, 64], M)
+
+        def prefill(ids, h):
+            return graphs.run(ids, h)
+    else:
+        inputs = PrefillGraphInputs(run, 64, M)
+
+        def prefill(ids, h):
+            bucket = 32 if len(ids) > 16 else 16
+            inputs.fill(ids, h, bucket)
+            return inputs.forward(bucket)
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 256, (33,), generator=gen).tolist()
+    table = [7, 2, 9]
+    for lo, hi in ((0, 23), (23, 33)):
+        h = KvCacheHandle("s", table, lo, 16)
+        want = ref.prefill([ids[lo:hi]], [h])
+        got = prefill(ids[lo:hi], h)
+        _assert_close(got, want, torch.float32, f"prefill graph logits, tokens {lo}..{hi}")
+        for a, b in zip(ref.attn_layers, run.attn_layers):
+            assert torch.equal(a.kv_cache.isnan(), b.kv_cache.isnan()), "a padded row wrote the cache"
+            _assert_close(torch.nan_to_num(b.kv_cache), torch.nan_to_num(a.kv_cache), torch.float32,
+                          f"prefill graph K/V, tokens {lo}..{hi}")
+
+
 def check_sm90_compile(device: str) -> None:
     """Compile the default configurations for sm_90 (H100/H200) without a GPU (Triton's bundled
     ptxas) and assert no register spills and shared memory within the 227 KB an sm_90 block
@@ -455,7 +510,7 @@ interp = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 
 @interp
 @pytest.mark.parametrize("check", ["check_write_kv", "check_decode", "check_prefill", "check_attention_layer",
-                                   "check_fused_ops", "check_gemv"])
+                                   "check_fused_ops", "check_gemv", "check_prefill_graph"])
 def test_kernel_in_interpreter(check):
     _run_interpreted(check)
 
@@ -495,7 +550,7 @@ def test_ops_run_torch_code_on_cpu():
 
 
 @pytest.mark.parametrize("check", ["check_write_kv", "check_decode", "check_prefill", "check_attention_layer",
-                                   "check_fused_ops", "check_gemv"])
+                                   "check_fused_ops", "check_gemv", "check_prefill_graph"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUDA + triton")
 def test_kernel_on_gpu(check):

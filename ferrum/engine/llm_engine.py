@@ -299,18 +299,25 @@ class LLMEngine:
         scheduler will neither admit (no waiting request, or no free sequence slot) nor
         preempt (enough free blocks). A sequence that the in-flight token finishes gets one
         wasted row (as in vLLM); its position is still < max_model_len, since a running
-        sequence holds at most max_model_len tokens."""
+        sequence holds at most max_model_len tokens. When the in-flight tokens surely end
+        every running sequence (max_tokens or max_model_len reached, known without their
+        values), the step would be all waste, which the next request would wait behind (a
+        max_tokens=1 request, as a TTFT measurement sends): process them first instead."""
         in_flight, scheduler = self._in_flight, self.scheduler
         if not in_flight.overlappable or (scheduler.waiting and len(scheduler.running)
                                           < self.config.scheduler.max_num_seqs):
             return False
         bs = self.block_size
         new_blocks = 0
+        ending = 0
         for s in scheduler.running:
             if s.token_ids[-1] != PLACEHOLDER:
                 return False
             new_blocks += s.num_computed_tokens % bs == 0
-        return new_blocks <= self.block_manager.num_free_blocks
+            max_tokens = s.request.params.max_tokens
+            ending += ((max_tokens is not None and len(s.token_ids) - s.num_prompt_tokens >= max_tokens)
+                       or len(s.token_ids) >= self.max_model_len)
+        return ending < len(scheduler.running) and new_blocks <= self.block_manager.num_free_blocks
 
     def _launch(self, sched) -> "StepInFlight":
         """Run the step's forward passes and the sampler; returns without waiting for the
@@ -336,7 +343,11 @@ class LLMEngine:
             out = self.executor.prefill(PrefillInput(chunks, self._handles(seqs)))
             if any(completes):
                 idx = [i for i, c in enumerate(completes) if c]
-                logits_parts.append(out.logits[idx] if len(idx) < len(seqs) else out.logits)
+                if len(idx) < len(seqs):   # an index list would be copied to the device blocking
+                    rows = torch.tensor(idx).to(out.logits.device, non_blocking=True)
+                    logits_parts.append(out.logits.index_select(0, rows))
+                else:
+                    logits_parts.append(out.logits)
                 sample_seqs += [seqs[i] for i in idx]
         bs = self.block_size
         commits = []

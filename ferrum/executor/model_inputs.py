@@ -43,13 +43,15 @@ def prepare_prefill(token_ids: list[list[int]], kv: list[KvCacheHandle], block_s
     cu = torch.zeros(len(kv) + 1, dtype=torch.int64)
     cu[1:] = torch.cumsum(torch.tensor(qlens), 0)
     pos = starts[seq_idx] + torch.arange(cu[-1].item()) - cu[:-1][seq_idx]
+    # every copy non_blocking: a blocking host-to-device copy waits for the whole stream (on
+    # CUDA, a decode step still running under async scheduling, or this forward's own kernels)
     attn_metadata = AttentionMetadata(
         is_prefill=True,
         slot_mapping=slot_mapping(bt, seq_idx, pos, block_size).to(device, non_blocking=True),
         block_tables=bt.to(device, non_blocking=True),
-        seq_lens=torch.tensor([c + q for c, q in zip(ctx, qlens)], dtype=torch.int32).to(device),
+        seq_lens=torch.tensor([c + q for c, q in zip(ctx, qlens)], dtype=torch.int32).to(device, non_blocking=True),
         max_seq_len=max(c + q for c, q in zip(ctx, qlens)),
-        query_lens=qlens, context_lens=ctx, cu_seqlens_q=cu.to(device))
+        query_lens=qlens, context_lens=ctx, cu_seqlens_q=cu.to(device, non_blocking=True))
     ids = torch.tensor([t for seq in token_ids for t in seq], dtype=torch.int64).to(device, non_blocking=True)
     return ids, pos, attn_metadata, cu
 

@@ -13,6 +13,7 @@ from ferrum.distributed.parallel_state import get_tp
 from ferrum.executor.cuda_graph import DecodeCudaGraphs, graph_batch_sizes
 from ferrum.executor.memory import compute_memory_requirements
 from ferrum.executor.model_inputs import prepare_decode, prepare_prefill, take_prev_sampled
+from ferrum.executor.prefill_graph import PrefillCudaGraphs, prefill_graph_buckets
 from ferrum.forward_context import forward_context
 from ferrum.interfaces import KvCacheHandle
 from ferrum.layers.attention import Attention
@@ -85,6 +86,7 @@ class ModelRunner:
         self.block_size = 0   # set with the pool by allocate_kv_cache (CacheConfig.block_size)
         self.num_blocks = 0
         self.graphs = None
+        self.prefill_graphs = None
 
     def memory_requirements(self, tp: int):
         """MemoryRequirements per rank of this model: its quantization and KV cache dtype."""
@@ -93,7 +95,7 @@ class ModelRunner:
 
     def release(self) -> None:
         """Drop graphs, KV cache and weights so the device memory is free at once."""
-        self.graphs = None
+        self.graphs = self.prefill_graphs = None
         for layer in self.attn_layers:
             layer.kv_cache = torch.empty(0)
         self.attn_layers = []
@@ -103,10 +105,16 @@ class ModelRunner:
             gc.collect()
             torch.cuda.empty_cache()
 
-    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Capture decode graphs for batch sizes up to max_num_seqs (all TP ranks together)."""
-        self.graphs = DecodeCudaGraphs(self, graph_batch_sizes(max_num_seqs),
-                                       -(-max_model_len // self.block_size))
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int,
+                            max_prefill_tokens: int | None = None) -> None:
+        """Capture decode graphs for batch sizes up to max_num_seqs and, with the Triton
+        attention backend, single-sequence prefill graphs for chunks of up to
+        max_prefill_tokens (the step's token budget; `prefill_graph`) (all TP ranks together)."""
+        blocks = -(-max_model_len // self.block_size)
+        self.graphs = DecodeCudaGraphs(self, graph_batch_sizes(max_num_seqs), blocks)
+        buckets = prefill_graph_buckets(min(max_prefill_tokens or max_model_len, max_model_len))
+        if self.attn_backend is attention_triton and buckets:
+            self.prefill_graphs = PrefillCudaGraphs(self, buckets, blocks, pool=self.graphs.pool)
 
     def graph_replay_stats(self, bs: int, iters: int = 50, profile_steps: int = 0) -> dict | None:
         """See DecodeCudaGraphs.replay_stats; None without graphs (eager / CPU)."""
@@ -140,12 +148,14 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, token_ids: list[list[int]], kv: list[KvCacheHandle]) -> torch.Tensor | None:
         """Returns logits [num_seqs, vocab] float32 of each chunk's last token (TP rank 0;
-        None on other ranks)."""
+        None on other ranks). One sequence's short chunk replays a prefill CUDA graph."""
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run(token_ids):
+            return self.prefill_graphs.run(token_ids[0], kv[0])
         dev = self.device
         ids, pos, attn_metadata, cu = prepare_prefill(token_ids, kv, self.block_size, dev)
         with forward_context(attn_metadata, self.attn_backend), cpu_blas_forward(self.cpu_blas):
             hidden = self.model(ids, pos.to(dev, non_blocking=True))
-            last = (cu[1:] - 1).to(dev)
+            last = (cu[1:] - 1).to(dev, non_blocking=True)   # blocking, it would wait for the forward
             logits = self.model.compute_logits(hidden[last])
         return None if logits is None else logits.float()
 

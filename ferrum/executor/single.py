@@ -39,9 +39,10 @@ class SingleDeviceExecutor(ExecutorBase):
         return self.runner.decode(inp.token_ids, inp.kv, inp.prev_sampled, inp.prev_rows)
 
     def warmup(self) -> None:
-        """On CUDA: capture decode CUDA graphs (unless --enforce-eager)."""
+        """On CUDA: capture decode and short-prefill CUDA graphs (unless --enforce-eager)."""
         if self.runner.device.type == "cuda" and not self.config.enforce_eager:
-            self.runner.capture_cuda_graphs(self.config.scheduler.max_num_seqs, self.max_model_len)
+            s = self.config.scheduler
+            self.runner.capture_cuda_graphs(s.max_num_seqs, self.max_model_len, s.max_num_batched_tokens)
             self.cuda_graphs = True
 
     def shutdown(self) -> None:

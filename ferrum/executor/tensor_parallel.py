@@ -216,7 +216,8 @@ class TensorParallelExecutor(ExecutorBase):
 
     def warmup(self) -> None:
         """On CUDA: one-shot symmetric-memory all-reduce for small messages (if it works
-        here), then decode CUDA graphs captured on every rank with the collectives inside."""
+        here), then decode and short-prefill CUDA graphs captured on every rank with the
+        collectives inside."""
         if not self.rank_device.startswith("cuda"):
             return
         from ferrum.distributed import symm_mem
@@ -226,7 +227,8 @@ class TensorParallelExecutor(ExecutorBase):
                      "all-reduces use NCCL")
         self.symm_mem = self.call_all("enable_symm_mem_all_reduce", allowed)
         if not self.config.enforce_eager:
-            self.call_all("capture_cuda_graphs", self.config.scheduler.max_num_seqs, self.max_model_len)
+            s = self.config.scheduler
+            self.call_all("capture_cuda_graphs", s.max_num_seqs, self.max_model_len, s.max_num_batched_tokens)
             self.cuda_graphs = True
 
     # ---- faults -------------------------------------------------------------------------------

@@ -84,7 +84,7 @@ class SamplingMetadata:
     penalties does nothing but argmax. Shapes: [B, 1] for per-row scalars (they broadcast over
     V), [B, V] for per-token data.
 
-    greedy:             [B] bool, rows that take the argmax.
+    greedy:             [B] bool, rows that take the argmax (`any_greedy`: whether any does).
     temperature:        [B, 1] float32 (1.0 on greedy rows); None when all rows are greedy.
     top_k:              [B, 1] int64, V where disabled; None when no row uses it.
     top_p, min_p:       [B, 1] float32 (1.0 / 0.0 where disabled); None when unused.
@@ -113,6 +113,7 @@ class SamplingMetadata:
     logit_bias: torch.Tensor | None = None
     min_tokens_rows: torch.Tensor | None = None
     min_tokens_cols: torch.Tensor | None = None
+    any_greedy: bool = True   # build() sets it; True is the safe default (rows checked)
 
     @property
     def max_num_logprobs(self) -> int | None:
@@ -143,7 +144,7 @@ class SamplingMetadata:
         greedy = [p.greedy for p in params]
         md = cls(vocab_size=vocab_size,
                  greedy=_to_device(greedy, torch.bool, device),
-                 all_greedy=all(greedy), generators=list(generators),
+                 all_greedy=all(greedy), any_greedy=any(greedy), generators=list(generators),
                  num_logprobs=[p.logprobs for p in params])
 
         if not md.all_greedy:
@@ -258,6 +259,8 @@ def sampling_probs(processed: torch.Tensor, md: SamplingMetadata) -> torch.Tenso
         threshold = md.min_p * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
+    if not md.any_greedy:   # no row to overwrite: skip a [B, V] one-hot and a [B, V] select
+        return probs
     one_hot = torch.nn.functional.one_hot(processed.argmax(-1), md.vocab_size).float()
     return torch.where(md.greedy.unsqueeze(1), one_hot, probs)
 
