@@ -19,8 +19,6 @@ Sections:
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import socket
 import sys
