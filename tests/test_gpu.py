@@ -216,7 +216,8 @@ def _hf_from_ferrum(llm, config_path: str):
     import transformers
     model = llm.engine.executor.runner.model
     cfg = transformers.LlamaConfig.from_json_file(config_path)
-    hf = transformers.LlamaForCausalLM(cfg).to("cuda", torch.float32).eval()
+    with torch.device("cuda"):   # initialised on the GPU: a CPU init of 1.6B weights takes a while
+        hf = transformers.LlamaForCausalLM(cfg).to(torch.float32).eval()
     sd = {}
     q_size = cfg.num_attention_heads * 128
     kv_size = cfg.num_key_value_heads * 128

@@ -69,13 +69,15 @@ def load_average() -> list[float] | None:
 
 
 def git_commit() -> str | None:
-    """The short commit of ferrum's checkout, None outside git."""
+    """The short commit of ferrum's checkout; outside git (a copied tree, e.g. on a GPU
+    machine) $FERRUM_GIT_COMMIT; else None."""
     try:
         here = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
-                              text=True, timeout=5).stdout.strip() or None
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
+                                text=True, timeout=5).stdout.strip()
     except Exception:
-        return None
+        commit = ""
+    return commit or os.environ.get("FERRUM_GIT_COMMIT") or None
 
 
 def _proc_text(pid: int, name: str) -> str:
