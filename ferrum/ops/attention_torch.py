@@ -150,15 +150,22 @@ def _csr_plan(attn_metadata: AttentionMetadata, block_size: int, num_heads: int,
         plans = attn_metadata.csr_plan = {}
     if key not in plans:
         bt = attn_metadata.block_tables
-        row_len = (torch.tensor(attn_metadata.context_lens, dtype=torch.int64) + 1).repeat_interleave(num_heads)
-        crow = torch.zeros(row_len.numel() + 1, dtype=torch.int64)
+        n = torch.tensor(attn_metadata.context_lens, dtype=torch.int64) + 1       # keys per sequence
+        B = n.numel()
+        # per token (sum(n) of them): its cache slot; divisions here, not per entry (x H)
+        tok_start = torch.cumsum(n, 0) - n
+        seq_of_tok = torch.repeat_interleave(torch.arange(B), n)
+        pos = torch.arange(seq_of_tok.numel()) - tok_start[seq_of_tok]
+        slot = bt[seq_of_tok, pos // block_size] * block_size + pos % block_size
+        # per entry: row r = i * H + h lists sequence i's tokens in order
+        row_len = n.repeat_interleave(num_heads)
+        crow = torch.zeros(B * num_heads + 1, dtype=torch.int64)
         torch.cumsum(row_len, 0, out=crow[1:])
         nnz = int(crow[-1])
-        row_of = torch.repeat_interleave(torch.arange(row_len.numel()), row_len, output_size=nnz)
-        seq = row_of // num_heads
-        pos = torch.arange(nnz) - crow[:-1][row_of]
-        slot = bt[seq, pos // block_size] * block_size + pos % block_size
-        col = slot * num_kv_heads + (row_of % num_heads) // (num_heads // num_kv_heads)
+        row_of = torch.repeat_interleave(torch.arange(B * num_heads), row_len, output_size=nnz)
+        tok = (tok_start.repeat_interleave(num_heads) - crow[:-1])[row_of] + torch.arange(nnz)
+        kv_head = torch.arange(num_heads).repeat(B) // (num_heads // num_kv_heads)   # per row
+        col = slot[tok] * num_kv_heads + kv_head[row_of]
         plans[key] = (crow, col, row_len, row_of)
     return plans[key]
 
