@@ -94,12 +94,12 @@ class PrefillGraphInputs:
     def forward(self, bucket: int) -> torch.Tensor | None:
         """The model over the first `bucket` rows; logits [1, vocab] float32 of the chunk's
         last real token (None on TP ranks > 0)."""
-        md = AttentionMetadata(is_prefill=True, slot_mapping=self.slot_mapping[:bucket],
+        metadata = AttentionMetadata(is_prefill=True, slot_mapping=self.slot_mapping[:bucket],
                                block_tables=self.block_tables, seq_lens=self.seq_lens,
                                max_seq_len=self.max_blocks * self.runner.block_size,
                                query_lens=[bucket], cu_seqlens_q=self.cu_seqlens_q)
         model = self.runner.model
-        with forward_context(md, self.runner.attn_backend):
+        with forward_context(metadata, self.runner.attn_backend):
             hidden = model(self.input_ids[:bucket], self.positions[:bucket])
             logits = model.compute_logits(hidden.index_select(0, self.last))
         return None if logits is None else logits.float()
