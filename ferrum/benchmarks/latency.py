@@ -20,7 +20,7 @@ that changes in machine load hit both; on CUDA HF runs after ferrum's engine is 
 KV pool holds the memory HF needs). `--tp-sizes 1 2` runs ferrum at each TP size in turn
 (`tp2_speedup`). Peers: vLLM's driver (`vllm_bench.py latency`: 128-token prompt by default,
 512 tokens, best of 3) and gpt-fast's (`peer_bench.py`, top-k 200 sampling, best of 3), at each
-TP size; ratios `decode_tok_s_vs_<peer>` are ferrum's median over the peer's best (> 1: ferrum
+TP size (or those of `--peer-tp-sizes`); ratios `decode_tok_s_vs_<peer>` are ferrum's median over the peer's best (> 1: ferrum
 ahead). Reported: median, min and max over --num-iters after one warm-up iteration of each.
 """
 from __future__ import annotations
@@ -44,6 +44,8 @@ def add_parser(subparsers, add_engine_args) -> None:
     p.add_argument("--num-iters", type=int, default=3, help="timed iterations (after one warm-up)")
     p.add_argument("--tp-sizes", type=int, nargs="+", default=None,
                    help="run ferrum at each of these TP sizes in turn (default: the -tp size)")
+    p.add_argument("--peer-tp-sizes", type=int, nargs="+", default=None,
+                   help="TP sizes (of --tp-sizes) the peers run at, each a peer start (default: all of --tp-sizes)")
     p.add_argument("--spec-bandwidth-gbs", type=float, default=None,
                    help="memory bandwidth for the headline MBU (default: the device's spec sheet, "
                         "ferrum.benchmarks.mbu; none on CPU)")
@@ -211,7 +213,9 @@ def main(args) -> int:
     if 1 in runs and 2 in runs:
         ratios["tp2_speedup"] = runs[2][0]["decode_tok_s"] / runs[1][0]["decode_tok_s"]
     res["peers"] = {}
-    for tp in tp_sizes:
+    if args.peers:   # ferrum's figures first: a peer run cut short at a time limit keeps them
+        write_json(args.out, record("latency", args, device, {**res, "ratios": ratios, "peers": "pending"}))
+    for tp in [tp for tp in tp_sizes if tp in (args.peer_tp_sizes or tp_sizes)]:
         row = ratios.setdefault(f"tp{tp}", {})
         ours = runs[tp][0]["decode_tok_s"]
         if "vllm" in (args.peers or ()):

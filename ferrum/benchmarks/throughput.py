@@ -236,6 +236,8 @@ def main(args) -> int:
            if sequential else None}
     eng.shutdown()
     if "vllm" in (args.peers or ()):
+        # ferrum's figures first: a peer run cut short at a time limit keeps them
+        write_json(args.out, record("throughput", args, device, {**res, "peers": "pending"}))
         # vllm_bench.py's throughput section: 1000 x (1000 in, 1000 out), greedy
         same = args.workload == "nanovllm" or (args.num_prompts == 1000 and args.input_len == [1000, 1000]
                                                and args.output_len == [1000, 1000])

@@ -122,6 +122,8 @@ def main(args) -> int:
     eng.shutdown()
     del llm, eng
     if "vllm" in (args.peers or ()):
+        # ferrum's figures first: a peer run cut short at a time limit keeps them
+        write_json(args.out, record("ttft", args, device, {**res, "vllm": "pending"}))
         res["vllm"], res["ratios"] = {}, {}
         for P in args.prompt_lens:
             res["vllm"][str(P)] = {m: run_vllm(args, "latency", 1, P, prefix_caching=m == "cached")

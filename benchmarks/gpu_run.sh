@@ -1,0 +1,197 @@
+#!/usr/bin/env bash
+# Issue 16's GPU run: the -m gpu tests, then ferrum against vLLM and gpt-fast through
+# `ferrum bench` (one harness), on an H200 machine, every log and JSON under $OUT.
+#
+#   OUT=DIR [PEERS_DIR=.peers] [VLLM_SITE=/tmp/vsite] [FERRUM_GIT_COMMIT=sha] \
+#       bash benchmarks/gpu_run.sh SECTION...
+#
+# Sections, run in the order given, each under its own time limit (LIMIT_<section> seconds
+# overrides it); a section that fails or runs out of time is recorded and the next one runs:
+#   tests     (a) pytest -m gpu -rA over tests/test_gpu.py, test_sampler.py,
+#             test_triton_kernels.py, test_quant_kernels.py                     limit 240 s
+#   latency   (b) Llama-3-8B (dummy bf16) batch 1, 128 in / 512 out: decode tok/s, TTFT, MBU
+#             (spec 4.8 TB/s and the measured GEMV roofline), vLLM and gpt-fast side by side   300 s
+#   ttft      (c) TTFT at 128 / 1024 / 8000-token prompts, cached and cold, vLLM cold        300 s
+#   nanovllm  (d) nano-vllm's workload on Qwen3-0.6B (dummy bf16) vs vLLM                  240 s
+#   tp2       (e) Llama-3-8B batch 1 at TP=1 and TP=2 (tp2_speedup), vLLM at TP=2; skipped
+#             with fewer than 2 GPUs                                                     240 s
+# Groups: `bench` = latency ttft nanovllm tp2; `all` = tests + bench. Planned as two commands
+# of <= 9 min: `tests latency` and `ttft nanovllm` (+ `tp2` on a 2-GPU machine).
+#
+# Peers: PEERS_DIR holds copies of ../shared/peers/vllm_bench.py and gptfast/ (untracked,
+# carried); vLLM unpacked into VLLM_SITE beforehand (../shared/peers/README.md). A peer that
+# is missing is left out of that section and said so; ferrum's figures still come.
+# Extra wheels (e.g. gguf, for the GGUF kernel test's reference decoder): *.whl in WHEELS
+# (default .whl) are installed to /tmp/site first. Outside git (a copied tree) the records name
+# $FERRUM_GIT_COMMIT.
+#
+# Files under $OUT: <section>.log per section (with a header: date, commit, command, hardware,
+# versions), <section>.json per benchmark, tests.xml (JUnit), summary.txt; if more than 8
+# files result, the logs are packed into logs.tar.gz (the device tool returns at most 8).
+#
+# Dry run on a CPU (tiny models, fake peers; what tests/test_gpu_run.py does):
+#   DEVICE=cpu LLAMA=tiny_llama.json SMALL=tiny_qwen3.json LAT_OUT_LEN=16 PEERS_DIR=fake VLLM_SITE=fake
+#   TTFT_LENS="16 64" FORCE_TP2=1 OUT=/tmp/o bash benchmarks/gpu_run.sh all
+set -u -o pipefail
+SCRIPT_ARGS="$*"
+cd "$(dirname "$0")/.."
+: "${OUT:?set OUT to the folder for the logs and JSON}"
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+DEVICE=${DEVICE:-cuda}
+PEERS_DIR=${PEERS_DIR:-.peers}
+VLLM_SITE=${VLLM_SITE:-/tmp/vsite}
+WHEELS=${WHEELS:-.whl}
+LLAMA=${LLAMA:-benchmarks/configs/llama3-8b.json}
+SMALL=${SMALL:-benchmarks/configs/qwen3-0.6b.json}
+LAT_IN_LEN=${LAT_IN_LEN:-128}
+LAT_OUT_LEN=${LAT_OUT_LEN:-512}
+TTFT_LENS=${TTFT_LENS:-128 1024 8000}
+export PYTHONUNBUFFERED=1
+# NVLink multicast stays off on the shared H200 hosts (KINDS.md), in every process we start
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+FERRUM_GIT_COMMIT=${FERRUM_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export FERRUM_GIT_COMMIT
+
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        "$WHEELS"/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+FERRUM=("$PY" -m ferrum.entrypoints.cli)
+UNIGNORE_INT='import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])'
+
+sections=()
+for s in "${@:-all}"; do
+    case $s in
+        all) sections+=(tests latency ttft nanovllm tp2) ;;
+        bench) sections+=(latency ttft nanovllm tp2) ;;
+        tests|latency|ttft|nanovllm|tp2) sections+=("$s") ;;
+        *) echo "unknown section $s (tests latency ttft nanovllm tp2 | bench | all)" >&2; exit 2 ;;
+    esac
+done
+
+# Peers present on this machine: vLLM needs its driver and its unpacked site, gpt-fast its driver.
+peers=()
+peer_flags=()
+if [[ -f $PEERS_DIR/vllm_bench.py && -d $VLLM_SITE ]]; then peers+=(vllm); fi
+if [[ -f $PEERS_DIR/gptfast/peer_bench.py ]]; then peers+=(gpt-fast); fi
+peer_flags=(--peers-dir "$PEERS_DIR" --peer-env "PYTHONPATH=$VLLM_SITE" --peer-env VLLM_USE_FLASHINFER_SAMPLER=0)
+has_peer() { [[ " ${peers[*]} " == *" $1 "* ]]; }
+# the peers of $@ that are here, as `--peers ...` (nothing when none is)
+peers_of() {
+    local here=()
+    for p in "$@"; do has_peer "$p" && here+=("$p"); done
+    ((${#here[@]})) && echo "--peers ${here[*]}"
+}
+
+ngpus=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+
+header() {   # $1: section, $2...: its command
+    local sec=$1; shift
+    echo "== section $sec, $(date -u +%FT%TZ), commit $FERRUM_GIT_COMMIT"
+    echo "== command: $*"
+    echo "== script: benchmarks/gpu_run.sh $SCRIPT_ARGS (OUT=$OUT PEERS_DIR=$PEERS_DIR VLLM_SITE=$VLLM_SITE DEVICE=$DEVICE)"
+    echo "== peers here: ${peers[*]:-none}; GPUs: $ngpus"
+    "$PY" - "$DEVICE" <<'EOF' 2>&1
+import json, subprocess, sys
+from ferrum.benchmarks.common import environment_vars, hardware, software_versions
+dev = sys.argv[1]
+try:
+    gpus = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout.strip()
+except (OSError, subprocess.SubprocessError):
+    gpus = None
+print("== info:", json.dumps({"hardware": hardware(dev), "software": software_versions(),
+                             "environment": environment_vars(), "nvidia_smi_L": gpus}))
+EOF
+}
+
+# Kill what a section left on the GPU (vLLM workers outlive their driver; the machine is ours alone).
+free_gpu() {
+    command -v nvidia-smi >/dev/null || return 0
+    local pids
+    pids=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' ')
+    if [[ -n $pids ]]; then
+        echo "== killing processes left on the GPU: $pids"
+        kill -9 $pids 2>/dev/null
+        sleep 3
+    fi
+}
+
+declare -A LIMIT=([tests]=240 [latency]=300 [ttft]=300 [nanovllm]=240 [tp2]=240)
+summary=$OUT/summary.txt
+echo "gpu_run.sh ${sections[*]} at commit $FERRUM_GIT_COMMIT, $(date -u +%FT%TZ), device $DEVICE, $ngpus GPU(s), peers: ${peers[*]:-none}" >>"$summary"
+
+run_section() {   # $1: section, $2...: command; SIGINT at the limit (pytest and the peers' clean-up act on it)
+    local sec=$1; shift
+    local var=LIMIT_$sec limit=${LIMIT[$sec]}
+    limit=${!var:-$limit}
+    local log=$OUT/$sec.log t0=$SECONDS rc
+    { header "$sec" "$@"; echo "== limit ${limit} s"; } >"$log"
+    echo "[$(date -u +%T)] $sec (limit ${limit} s): $*"
+    # SIGINT at the limit: pytest prints its summary, `ferrum bench` kills its peer's process
+    # group. A job started in the background inherits SIGINT ignored, and Python then ignores
+    # it too: reset it to the default before exec, so Python installs its handler.
+    timeout -s INT -k 30 "$limit" "$PY" -c "$UNIGNORE_INT" "$@" >>"$log" 2>&1
+    rc=$?
+    free_gpu >>"$log" 2>&1
+    local how="exit $rc"
+    ((rc == 124 || rc == 137)) && how="TIMED OUT after ${limit} s (exit $rc)"
+    echo "$sec: $how, $((SECONDS - t0)) s" | tee -a "$summary"
+    tail -n 25 "$log"
+}
+
+for sec in "${sections[@]}"; do
+    case $sec in
+    tests)
+        tests=(tests/test_gpu.py tests/test_sampler.py tests/test_triton_kernels.py tests/test_quant_kernels.py)
+        extra=()
+        "$PY" -c "import pytest_timeout" 2>/dev/null && extra+=(--timeout 150)
+        if ! "$PY" -c "import gguf" 2>/dev/null; then
+            # its reference decoder is the gguf package: carry its wheel in $WHEELS to run it
+            extra+=(--deselect "tests/test_quant_kernels.py::test_kernel_on_gpu[check_gguf_gemv]")
+            echo "tests: check_gguf_gemv deselected (no gguf package here; carry its wheel in $WHEELS)" | tee -a "$summary"
+        fi
+        run_section tests "$PY" -m pytest -m gpu -rA -v --durations=25 -p no:cacheprovider \
+            --junitxml="$OUT/tests.xml" "${extra[@]}" "${tests[@]}"
+        ;;
+    latency)
+        # shellcheck disable=SC2046
+        run_section latency "${FERRUM[@]}" bench latency "$LLAMA" --load-format dummy --dtype bfloat16 \
+            --device "$DEVICE" --max-num-seqs 8 --max-model-len $((LAT_IN_LEN + LAT_OUT_LEN + 16)) \
+            --input-len "$LAT_IN_LEN" --output-len "$LAT_OUT_LEN" --num-iters 3 --no-hf \
+            $(peers_of vllm gpt-fast) "${peer_flags[@]}" --peer-timeout 200 --out "$OUT/latency.json"
+        ;;
+    ttft)
+        # shellcheck disable=SC2086,SC2046
+        run_section ttft "${FERRUM[@]}" bench ttft "$LLAMA" --load-format dummy --dtype bfloat16 \
+            --device "$DEVICE" --max-num-seqs 8 --prompt-lens $TTFT_LENS --modes cached cold \
+            --vllm-modes cold --num-iters 5 $(peers_of vllm) "${peer_flags[@]}" --peer-timeout 120 \
+            --out "$OUT/ttft.json"
+        ;;
+    nanovllm)
+        # shellcheck disable=SC2046
+        run_section nanovllm "${FERRUM[@]}" bench throughput "$SMALL" --load-format dummy --dtype bfloat16 \
+            --device "$DEVICE" --max-num-seqs 256 --max-model-len 4096 --max-num-batched-tokens 16384 \
+            --workload nanovllm $(peers_of vllm) "${peer_flags[@]}" --peer-timeout 180 --out "$OUT/nanovllm.json"
+        ;;
+    tp2)
+        if ((ngpus < 2)) && [[ -z ${FORCE_TP2:-} ]]; then
+            echo "tp2: skipped, $ngpus GPU(s) visible" | tee -a "$summary"
+            continue
+        fi
+        # shellcheck disable=SC2046
+        run_section tp2 "${FERRUM[@]}" bench latency "$LLAMA" --load-format dummy --dtype bfloat16 \
+            --device "$DEVICE" --max-num-seqs 8 --max-model-len $((LAT_IN_LEN + LAT_OUT_LEN + 16)) \
+            --input-len "$LAT_IN_LEN" --output-len "$LAT_OUT_LEN" --num-iters 3 --no-hf --tp-sizes 1 2 \
+            --peer-tp-sizes 2 $(peers_of vllm) "${peer_flags[@]}" --peer-timeout 200 --out "$OUT/tp2.json"
+        ;;
+    esac
+done
+
+# the device tool returns at most 8 files: pack the logs when there are more
+if (($(find "$OUT" -maxdepth 1 -type f | wc -l) > 8)); then
+    (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.xml 2>/dev/null && rm -f ./*.log ./*.xml)
+    echo "packed the logs into $OUT/logs.tar.gz" | tee -a "$summary"
+fi
+cat "$summary"

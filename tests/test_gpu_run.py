@@ -1,0 +1,94 @@
+"""benchmarks/gpu_run.sh, the issue-16 GPU run, dry-run on CPU: tiny dummy models, fake peer
+drivers that check what they are handed (vLLM's site on PYTHONPATH, the NVLink-multicast
+switches, vLLM's prefix cache off in TTFT's cold mode), so a typo in a flag fails here and not on
+the GPU machine; a section cut at its time limit is recorded and the next one still runs."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TINY = {"vocab_size": 12000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 1024,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def _fake_peers(tmp) -> tuple[str, str]:
+    """(peers folder, vLLM site folder): drivers printing the peers' result lines."""
+    peers, site = tmp / "peers", tmp / "vsite"
+    (peers / "gptfast").mkdir(parents=True)
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text(textwrap.dedent("""
+        calls = []
+        class LLM:
+            def __init__(self, *a, **k):
+                calls.append(k)
+        """))
+    (peers / "vllm_bench.py").write_text(textwrap.dedent(f"""
+        import json, os, sys, time
+        sec, tp = sys.argv[1], int(sys.argv[2])
+        assert os.environ["PYTHONPATH"] == {str(site)!r}
+        assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "0" and os.environ["NCCL_NVLS_ENABLE"] == "0"
+        import vllm
+        vllm.LLM("m", load_format="dummy")
+        time.sleep(float(os.environ.get("FAKE_PEER_SLEEP", 0)))
+        out = {{"section": sec, "tp": tp, "llm_kwargs": vllm.calls, "ttft_ms": 1.0, "decode_tok_s": 100.0,
+               "output_tok_s": 100.0, "prompt_len": int(os.environ.get("VB_P", 128))}}
+        print("VLLMPEER", json.dumps(out), flush=True)
+        """))
+    (peers / "gptfast" / "peer_bench.py").write_text(textwrap.dedent(f"""
+        import json, os
+        assert os.environ["PYTHONPATH"] == {str(site)!r}
+        print("GPTFAST", json.dumps({{"best_decode_tok_s": 50.0, "P": int(os.environ["GF_P"])}}), flush=True)
+        """))
+    return str(peers), str(site)
+
+
+def _run(tmp, sections: list[str], **env) -> tuple[subprocess.CompletedProcess, str]:
+    llama = tmp / "llama.json"
+    llama.write_text(json.dumps({**TINY, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    peers, site = _fake_peers(tmp)
+    out = tmp / "out"
+    full_env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "DEVICE": "cpu", "LLAMA": str(llama),
+                "PEERS_DIR": peers, "VLLM_SITE": site, "LAT_IN_LEN": "32", "LAT_OUT_LEN": "8",
+                "TTFT_LENS": "16 40", "FORCE_TP2": "1", "FERRUM_GIT_COMMIT": "test123", **env}
+    proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_run.sh"), *sections], env=full_env,
+                          capture_output=True, text=True, timeout=900)
+    return proc, str(out)
+
+
+def test_gpu_run_sections_dry_run_on_cpu(tmp_path):
+    proc, out = _run(tmp_path, ["ttft", "tp2"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = open(os.path.join(out, "summary.txt")).read()
+    for sec in ("ttft", "tp2"):
+        assert f"{sec}: exit 0" in summary, summary
+    ttft = json.load(open(os.path.join(out, "ttft.json")))
+    assert set(ttft["ferrum"]) == {"16", "40"}
+    for p in ("16", "40"):
+        cold = ttft["vllm"][p]["cold"]
+        assert cold["prompt_len"] == int(p) and cold["llm_kwargs"] == [{"load_format": "dummy",
+                                                                        "enable_prefix_caching": False}]
+        assert ttft["ratios"][p]["ttft_cold_vs_vllm"] > 0
+    tp2 = json.load(open(os.path.join(out, "tp2.json")))
+    assert tp2["environment"]["FERRUM_GIT_COMMIT"] == "test123" and tp2["environment"]["NCCL_NVLS_ENABLE"] == "0"
+    assert tp2["ratios"]["tp2_speedup"] > 0 and set(tp2["peers"]) == {"vllm_tp2"}
+    assert tp2["ratios"]["tp2"]["decode_tok_s_vs_vllm"] > 0 and "tp1" not in tp2["ratios"]   # no peer at TP=1
+    assert "== command:" in open(os.path.join(out, "tp2.log")).read()
+
+
+def test_gpu_run_section_over_its_limit_keeps_ferrum_figures_and_goes_on(tmp_path):
+    """The latency section's vLLM run outlasts the section's limit: SIGINT ends it (no peer left),
+    ferrum's own figures are on disk, the summary says so, and the next section runs."""
+    proc, out = _run(tmp_path, ["latency", "tests"], FAKE_PEER_SLEEP="600", LIMIT_latency="60")
+    summary = open(os.path.join(out, "summary.txt")).read()
+    assert "latency: TIMED OUT after 60 s" in summary, summary + proc.stdout + proc.stderr
+    lat = json.load(open(os.path.join(out, "latency.json")))
+    assert lat["peers"] == "pending" and lat["ferrum"]["decode_tok_s"] > 0
+    assert "tests: exit 0" in summary    # pytest -m gpu: collected, all skipped on CPU
+    found = subprocess.run(["pgrep", "-f", str(tmp_path / "peers")], capture_output=True, text=True).stdout
+    assert not found.strip(), f"peer processes left: {found}"
