@@ -8,9 +8,9 @@
 # Sections, run in the order given, each under its own time limit (LIMIT_<section> seconds
 # overrides it); a section that fails or runs out of time is recorded and the next one runs:
 #   tests     (a) pytest -m gpu -rA over tests/test_gpu.py, test_sampler.py,
-#             test_triton_kernels.py, test_quant_kernels.py                     limit 240 s
+#             test_triton_kernels.py, test_quant_kernels.py                     limit 210 s
 #   latency   (b) Llama-3-8B (dummy bf16) batch 1, 128 in / 512 out: decode tok/s, TTFT, MBU
-#             (spec 4.8 TB/s and the measured GEMV roofline), vLLM and gpt-fast side by side   300 s
+#             (spec 4.8 TB/s and the measured GEMV roofline), vLLM and gpt-fast side by side   330 s
 #   ttft      (c) TTFT at 128 / 1024 / 8000-token prompts, cached and cold, vLLM cold        300 s
 #   nanovllm  (d) nano-vllm's workload on Qwen3-0.6B (dummy bf16) vs vLLM                  240 s
 #   tp2       (e) Llama-3-8B batch 1 at TP=1 and TP=2 (tp2_speedup), vLLM at TP=2; skipped
@@ -118,7 +118,7 @@ free_gpu() {
     fi
 }
 
-declare -A LIMIT=([tests]=240 [latency]=300 [ttft]=300 [nanovllm]=240 [tp2]=240)
+declare -A LIMIT=([tests]=210 [latency]=330 [ttft]=300 [nanovllm]=240 [tp2]=240)
 summary=$OUT/summary.txt
 echo "gpu_run.sh ${sections[*]} at commit $FERRUM_GIT_COMMIT, $(date -u +%FT%TZ), device $DEVICE, $ngpus GPU(s), peers: ${peers[*]:-none}" >>"$summary"
 

@@ -88,7 +88,7 @@ def test_gpu_run_section_over_its_limit_keeps_ferrum_figures_and_goes_on(tmp_pat
     summary = open(os.path.join(out, "summary.txt")).read()
     assert "latency: TIMED OUT after 60 s" in summary, summary + proc.stdout + proc.stderr
     lat = json.load(open(os.path.join(out, "latency.json")))
-    assert lat["peers"] == "pending" and lat["ferrum"]["decode_tok_s"] > 0
+    assert lat["partial"] and lat["peers"] == {} and lat["ferrum"]["decode_tok_s"] > 0
     assert "tests: exit 0" in summary    # pytest -m gpu: collected, all skipped on CPU
     found = subprocess.run(["pgrep", "-f", str(tmp_path / "peers")], capture_output=True, text=True).stdout
     assert not found.strip(), f"peer processes left: {found}"

@@ -213,17 +213,21 @@ def main(args) -> int:
     if 1 in runs and 2 in runs:
         ratios["tp2_speedup"] = runs[2][0]["decode_tok_s"] / runs[1][0]["decode_tok_s"]
     res["peers"] = {}
-    if args.peers:   # ferrum's figures first: a peer run cut short at a time limit keeps them
-        write_json(args.out, record("latency", args, device, {**res, "ratios": ratios, "peers": "pending"}))
+
+    def save_partial():   # before and after each peer: a run cut short at a time limit keeps the rest
+        write_json(args.out, record("latency", args, device, {**res, "ratios": ratios,
+                                                              "partial": "peers still to run"}))
     for tp in [tp for tp in tp_sizes if tp in (args.peer_tp_sizes or tp_sizes)]:
         row = ratios.setdefault(f"tp{tp}", {})
         ours = runs[tp][0]["decode_tok_s"]
         if "vllm" in (args.peers or ()):
+            save_partial()
             if args.output_len != 512 or args.batch_size != 1:
                 print("note: vLLM's driver times batch 1 and 512 output tokens whatever --output-len says")
             peer = res["peers"][f"vllm_tp{tp}"] = run_vllm(args, "latency", tp, args.input_len)
             row["decode_tok_s_vs_vllm"] = ratio(ours, peer.get("decode_tok_s"))
         if "gpt-fast" in (args.peers or ()):
+            save_partial()
             peer = res["peers"][f"gpt_fast_tp{tp}"] = run_gpt_fast(args, tp, args.input_len, args.output_len)
             row["decode_tok_s_vs_gpt_fast"] = ratio(ours, peer.get("best_decode_tok_s"))
     res["ratios"] = ratios
