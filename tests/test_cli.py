@@ -57,7 +57,13 @@ def test_every_flag_has_help_that_shows_its_default():
             what = f"{name} {'/'.join(action.option_strings) or action.dest}"
             assert action.help, f"{what} has no help"
             shown = formatter._expand_help(action)
-            if action.default is not None and action.default is not argparse.SUPPRESS:
+            if action.default is argparse.SUPPRESS:
+                continue
+            if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+                # a switch: its default is "not given", never the dest's value (`--no-hf`
+                # stores False into hf=True: "(default: True)" would read as skipped)
+                assert "(default: not given)" in shown, f"{what}: {shown!r}"
+            elif action.default is not None and action.default is not argparse.SUPPRESS:
                 assert f"(default: {action.default})" in shown, f"{what}: {shown!r}"
             elif action.option_strings and action.default is None:
                 assert "(default" in shown, f"{what}: help must say what no value means"

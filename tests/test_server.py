@@ -8,6 +8,7 @@ LLM API on the same weights.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import socket
@@ -392,6 +393,14 @@ def test_bad_inputs(server):
     assert e["param"] == "messages"
     e = _err(_post(server, "/v1/completions", {**ok, "model": "gpt-4"}), 404)
     assert "gpt-4" in e["message"] and e["type"] == "not_found_error"
+    # a lone surrogate (JSON's "\ud800" escape) is not text any tokenizer encodes: 400, not 500
+    for path, body in [("/v1/completions", {**ok, "prompt": "\ud800 hi"}),
+                       ("/v1/chat/completions", {"model": MODEL, "max_tokens": 2, "messages": [
+                           {"role": "user", "content": "hi \udfff"}]}),
+                       ("/tokenize", {"model": MODEL, "prompt": "\ud800"})]:
+        e = _err(_post(server, path, content=json.dumps(body).encode()), 400)   # ASCII escapes
+        assert "surrogate" in e["message"] and e["type"] == "invalid_request_error", path
+    assert _post(server, "/v1/completions", ok).status_code == 200
 
 
 def test_errors_through_the_openai_client(client):

@@ -26,6 +26,9 @@ class HelpFormatter(argparse.HelpFormatter):
         if ("(default" in text or action.default in (None, argparse.SUPPRESS)
                 or not action.option_strings):
             return text
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            # `--no-hf` (store_false, default True) means: off unless given
+            return text + " (default: not given)"
         return text + " (default: %(default)s)"
 
 

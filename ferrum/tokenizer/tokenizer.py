@@ -79,6 +79,19 @@ _TYPED, _TYPED_END = "\ufdd0", "\ufdd1"     # wraps the index of a special-token
 _MARKUP, _MARKUP_END = "\ufdd2", "\ufdd3"   # spells a template's own special token (stand-in)
 
 
+def check_unicode(text: str) -> str:
+    """`text` if it is valid Unicode; raises InvalidRequestError (HTTP 400) for a lone UTF-16
+    surrogate (U+D800..U+DFFF, which JSON's `\\ud800` escape can carry), which no tokenizer
+    can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(
+            f"the text holds a lone surrogate U+{ord(text[e.start]):04X} at character {e.start}: "
+            "text must be valid Unicode (a surrogate pair's two halves together)") from None
+    return text
+
+
 class TemplateTextEncoder:
     """Encodes a chat template's rendering so that only the template's own markup yields
     special tokens: a special-token string inside any string the template was given (message
@@ -139,6 +152,7 @@ class TemplateTextEncoder:
 
     def encode(self, rendering: str) -> list[int]:
         """Token ids of a rendering of protected values (no BOS / EOS added)."""
+        check_unicode(rendering)
         if _TYPED not in rendering:   # nothing typed looked like a special token
             return self.hf.encode(rendering, add_special_tokens=False)
         if not hasattr(self.hf, "backend_tokenizer"):  # a slow (Python) tokenizer
@@ -223,8 +237,9 @@ class Tokenizer:
         return cls(hf, eos_token_ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; add_special_tokens adds BOS etc. as the tokenizer config says."""
-        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+        """Token ids of `text`; add_special_tokens adds BOS etc. as the tokenizer config says.
+        Raises InvalidRequestError for text that is not valid Unicode (a lone surrogate)."""
+        return self.hf.encode(check_unicode(text), add_special_tokens=add_special_tokens)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids` (invalid UTF-8 becomes U+FFFD); special tokens dropped unless asked."""
