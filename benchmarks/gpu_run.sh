@@ -7,7 +7,7 @@
 #
 # Sections, run in the order given, each under its own time limit (LIMIT_<section> seconds
 # overrides it); a section that fails or runs out of time is recorded and the next one runs:
-#   tests     (a) pytest -m gpu -rA over tests/test_gpu.py, test_sampler.py,
+#   tests     (a) pytest -m gpu -rA over $GPU_TESTS (default tests/test_gpu.py, test_sampler.py,
 #             test_triton_kernels.py, test_quant_kernels.py                     limit 210 s
 #   latency   (b) Llama-3-8B (dummy bf16) batch 1, 128 in / 512 out: decode tok/s, TTFT, MBU
 #             (spec 4.8 TB/s and the measured GEMV roofline), vLLM and gpt-fast side by side   330 s
@@ -144,7 +144,8 @@ run_section() {   # $1: section, $2...: command; SIGINT at the limit (pytest and
 for sec in "${sections[@]}"; do
     case $sec in
     tests)
-        tests=(tests/test_gpu.py tests/test_sampler.py tests/test_triton_kernels.py tests/test_quant_kernels.py)
+        # GPU_TESTS (space-separated files or test ids) replaces the default list
+        read -r -a tests <<<"${GPU_TESTS:-tests/test_gpu.py tests/test_sampler.py tests/test_triton_kernels.py tests/test_quant_kernels.py}"
         extra=()
         "$PY" -c "import pytest_timeout" 2>/dev/null && extra+=(--timeout 150)
         if ! "$PY" -c "import gguf" 2>/dev/null; then
