@@ -32,6 +32,12 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    # issue 17: mixtures of experts, Gemma 3, Phi-3 (fields in ModelConfig's last block)
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
 }
 
 
@@ -41,7 +47,12 @@ class ModelConfig:
 
     head_dim defaults to hidden_size // num_attention_heads. `attention_bias` is True for
     Qwen2 (bias on q/k/v). `qk_norm` is True for Qwen3 (RMSNorm on each head of q and k).
-    `rope_scaling` is the HF dict (only `{"rope_type": "llama3", ...}` is supported).
+    `rope_scaling` is the HF dict with its `rope_type` (llama3, linear, yarn, longrope; see
+    ferrum/layers/rotary_embedding.py), for the full-attention layers.
+
+    The last block (sliding window, mixture of experts, Gemma 3) is filled by `_family_fields`
+    from the HF keys of those families; its defaults describe a dense model that attends to
+    the whole context.
     """
 
     architecture: str
@@ -63,6 +74,47 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     quantization_config: dict | None = None   # HF `quantization_config` (ferrum/layers/quantization)
+
+    # ---- issue 17: sliding window, mixture of experts, Gemma 3 ---------------------------
+    # Sliding-window attention: in layer i with layer_types[i] == "sliding_attention" the query
+    # at position p sees keys k with p - sliding_window < k <= p (HF masking_utils
+    # `sliding_window_overlay`); "full_attention" layers see the whole context. layer_types is
+    # None when no layer slides.
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    rope_local_theta: float | None = None    # RoPE base of sliding layers (Gemma 3: 10,000)
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): layer i has a sparse MoE block when
+    # moe_layers[i] (else the dense MLP of intermediate_size). Router: softmax over the
+    # num_experts logits, the num_experts_per_tok largest kept, renormalised to sum 1 when
+    # norm_topk_prob (Mixtral's softmax over the top-k logits is the same numbers).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one always-on expert, sigmoid-gated
+    moe_layers: list[bool] | None = None
+    # Gemma 3: attention scale query_pre_attn_scalar ** -0.5 (else head_dim ** -0.5);
+    # final logits capped as c * tanh(logits / c) when final_logit_softcapping is set.
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
+    # The engine's context limit, set by the model runner (None: max_position_embeddings);
+    # LongRoPE picks its long or short factors by it.
+    max_model_len: int | None = None
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether layer `layer` attends through the sliding window."""
+        return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window when every layer slides (then K/V older than it is never read again and
+        its blocks can be freed), else None."""
+        if self.layer_types and all(t == "sliding_attention" for t in self.layer_types):
+            return self.sliding_window
+        return None
+
+    def is_moe(self, layer: int) -> bool:
+        return self.moe_layers is not None and self.moe_layers[layer]
 
     @property
     def family(self) -> str:
@@ -93,19 +145,8 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"unsupported architecture {archs or getattr(hf, 'model_type', None)!r}; "
                 f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-        window = getattr(hf, "sliding_window", None)
-        if window and getattr(hf, "use_sliding_window", True) and window < hf.max_position_embeddings:
-            raise UnsupportedModelError(f"sliding-window attention (window {window}) is not supported")
-        act = getattr(hf, "hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only 'silu')")
-        # transformers >= 5 keeps rope_theta and the scaling in `rope_parameters`; 4.x has
-        # `rope_theta` and `rope_scaling`.
-        rp = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
-        rtype = rp.get("rope_type", rp.get("type", "default"))
-        if rtype not in ("llama3", "default"):
-            raise UnsupportedModelError(f"rope_scaling type {rtype!r} is not supported (supported: llama3)")
         family = SUPPORTED_ARCHITECTURES[arch]
+        extra = _family_fields(hf, arch)
         n_heads = hf.num_attention_heads
         return cls(
             architecture=arch,
@@ -118,29 +159,137 @@ class ModelConfig:
             head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // n_heads,
             max_position_embeddings=hf.max_position_embeddings,
             rms_norm_eps=hf.rms_norm_eps,
-            rope_theta=rp.get("rope_theta", getattr(hf, "rope_theta", 10000.0)),
-            rope_scaling=dict(rp) if rtype == "llama3" else None,
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            attention_bias=bool(getattr(hf, "attention_bias", family == "qwen2")),
-            qk_norm=family == "qwen3",
-            hidden_act=act,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", family == "gemma3")),
+            attention_bias=bool(getattr(hf, "attention_bias", getattr(
+                hf, "qkv_bias", family in ("qwen2", "qwen2_moe")))),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_id=_id_list(getattr(hf, "eos_token_id", None)),
             quantization_config=_as_dict(getattr(hf, "quantization_config", None)),
+            **extra,
         )
 
-    def num_params(self) -> int:
-        """Parameter count (embedding counted once if tied)."""
-        h, i, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
+    def mlp_params(self, layer: int, active: bool = False) -> int:
+        """Parameters of layer `layer`'s MLP: the dense gate/up/down, or for an MoE layer the
+        router, every expert (or, with `active`, the num_experts_per_tok experts one token
+        reads) and the shared expert with its gate."""
+        h = self.hidden_size
+        if not self.is_moe(layer):
+            return 3 * h * self.intermediate_size
+        n = self.num_experts_per_tok if active else self.num_experts
+        p = h * self.num_experts + n * 3 * h * self.moe_intermediate_size
+        if self.shared_expert_intermediate_size:
+            p += 3 * h * self.shared_expert_intermediate_size + h
+        return p
+
+    def num_params(self, active: bool = False) -> int:
+        """Parameter count (embedding counted once if tied). `active`: what one token reads
+        in a decode step (only its num_experts_per_tok experts of each MoE layer)."""
+        h, L = self.hidden_size, self.num_hidden_layers
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        per_layer = h * (q + 2 * kv) + q * h + (4 if self.family == "gemma3" else 2) * h
         if self.attention_bias:
             per_layer += q + 2 * kv
         if self.qk_norm:
             per_layer += 2 * self.head_dim
         emb = self.vocab_size * h
-        return L * per_layer + emb * (1 if self.tie_word_embeddings else 2) + h
+        mlp = sum(self.mlp_params(i, active) for i in range(L))
+        return L * per_layer + mlp + emb * (1 if self.tie_word_embeddings else 2) + h
+
+
+# ---- issue 17: family fields (sliding window, rope scaling, MoE, Gemma 3) -------------------
+# Read from transformers' own config class for the model type, which normalises each family's
+# conventions (rope_scaling vs rope_parameters, per-layer-type rope, layer_types derived from
+# use_sliding_window / max_window_layers / sliding_window_pattern, Phi-3's "su").
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn", "longrope")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
+def _rope_fields(params: dict, arch: str, where: str) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling or None) from one HF `rope_parameters` dict."""
+    params = dict(params or {})
+    rtype = params.get("rope_type", params.get("type", "default"))
+    if arch == "Phi3ForCausalLM" and rtype in ("su", "yarn"):  # Phi-3's names for LongRoPE
+        rtype = "longrope"
+    if rtype not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(f"rope scaling type {rtype!r} ({where}) is not supported; "
+                                    f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise UnsupportedModelError(f"partial rotary embedding (partial_rotary_factor "
+                                    f"{params['partial_rotary_factor']}) is not supported")
+    theta = float(params.get("rope_theta", 10000.0))
+    if rtype == "default":
+        return theta, None
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type", "partial_rotary_factor")}
+    scaling["rope_type"] = rtype
+    return theta, scaling
+
+
+def _family_fields(hf, arch: str) -> dict[str, Any]:
+    """ModelConfig's rope, activation, sliding-window, MoE and Gemma 3 fields from a
+    transformers `PretrainedConfig` of architecture `arch`. Raises UnsupportedModelError for a
+    rope type, activation or option not implemented."""
+    if arch == "Gemma3ForCausalLM" and getattr(hf, "model_type", None) == "gemma3":
+        # the multimodal Gemma 3 config (text_config inside); only the text model is supported
+        raise UnsupportedModelError("Gemma 3 with a vision tower (model_type 'gemma3') is not "
+                                    "supported; use a text-only Gemma3ForCausalLM checkpoint")
+    L = hf.num_hidden_layers
+    out: dict[str, Any] = {}
+    # transformers >= 5 keeps rope_theta and the scaling in `rope_parameters`; 4.x has
+    # `rope_theta` and `rope_scaling`.
+    rp = getattr(hf, "rope_parameters", None) or {
+        **(getattr(hf, "rope_scaling", None) or {}),
+        "rope_theta": getattr(hf, "rope_theta", 10000.0)}
+    if "full_attention" in rp:  # per layer type (Gemma 3)
+        out["rope_theta"], out["rope_scaling"] = _rope_fields(rp["full_attention"], arch, "full attention")
+        local_theta, local_scaling = _rope_fields(rp.get("sliding_attention") or {}, arch,
+                                                  "sliding attention")
+        if local_scaling is not None:
+            raise UnsupportedModelError("rope scaling on sliding-window layers is not supported")
+        out["rope_local_theta"] = local_theta
+    else:
+        out["rope_theta"], out["rope_scaling"] = _rope_fields(rp, arch, "rope_parameters")
+    if out["rope_scaling"] and out["rope_scaling"]["rope_type"] in ("yarn", "longrope"):
+        out["rope_scaling"].setdefault("original_max_position_embeddings",
+                                       getattr(hf, "original_max_position_embeddings", None)
+                                       or hf.max_position_embeddings)
+    act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise UnsupportedModelError(f"activation {act!r} is not supported; supported: "
+                                    f"{', '.join(SUPPORTED_ACTIVATIONS)}")
+    out["hidden_act"] = act
+
+    window = getattr(hf, "sliding_window", None) or None
+    types = getattr(hf, "layer_types", None)
+    if window and types is None:  # Mistral, Mixtral, Phi-3, Qwen3-MoE: every layer slides
+        types = ["sliding_attention"] * L
+    if window and types and window < hf.max_position_embeddings and "sliding_attention" in types:
+        out["sliding_window"], out["layer_types"] = int(window), list(types)
+        if out.get("rope_local_theta") is None:
+            out["rope_local_theta"] = out["rope_theta"]
+    if getattr(hf, "attn_logit_softcapping", None):
+        raise UnsupportedModelError("attention logit soft-capping (attn_logit_softcapping) is "
+                                    "not supported")
+    if arch == "Gemma3ForCausalLM":
+        out["query_pre_attn_scalar"] = float(hf.query_pre_attn_scalar)
+        out["final_logit_softcapping"] = hf.final_logit_softcapping
+
+    experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None) or 0
+    if experts:
+        out["num_experts"] = int(experts)
+        out["num_experts_per_tok"] = int(hf.num_experts_per_tok)
+        if arch == "MixtralForCausalLM":  # every layer sparse, experts of intermediate_size
+            out["moe_intermediate_size"] = hf.intermediate_size
+            out["moe_layers"] = [True] * L
+        else:  # Qwen2-MoE / Qwen3-MoE (modeling_qwen3_moe.py Qwen3MoeDecoderLayer)
+            out["moe_intermediate_size"] = hf.moe_intermediate_size
+            out["norm_topk_prob"] = bool(hf.norm_topk_prob)
+            step, dense = hf.decoder_sparse_step, set(hf.mlp_only_layers or [])
+            out["moe_layers"] = [i not in dense and (i + 1) % step == 0 for i in range(L)]
+            out["shared_expert_intermediate_size"] = int(
+                getattr(hf, "shared_expert_intermediate_size", 0) or 0)
+    return out
 
 
 def _as_dict(value) -> dict | None:
@@ -328,6 +477,9 @@ class ParallelConfig:
                                    "the step fails")
     startup_timeout_s: float = option(600.0, "seconds spawned TP ranks may take to start "
                                       "(process up, model loaded, KV cache allocated)")
+    enable_expert_parallel: bool = option(
+        False, "MoE layers: whole experts per TP rank (num_experts / tp each, tokens gathered "
+        "and their outputs all-reduced) instead of every expert's FFN split over the ranks")
 
 
 def parse_gemv_config(text: str) -> tuple[int, int, int, int]:

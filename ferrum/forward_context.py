@@ -27,9 +27,9 @@ class AttentionMetadata:
         lists (prefill; eager decode too; None under CUDA graphs).
     cu_seqlens_q: [B+1] int64 on the device, prefix sums of query_lens (prefill).
     decode_plan: filled by the torch backend's first layer of a decode step, reused by the
-        others (`ferrum.ops.attention_torch`).
+        others (`ferrum.ops.attention_torch`): a dict by sliding window (None: full attention).
     csr_plan: the same for the torch backend's batched decode (`attention_torch._csr_plan`),
-        a dict by (heads, KV heads).
+        a dict by (heads, KV heads, sliding window).
     """
 
     is_prefill: bool
@@ -40,7 +40,7 @@ class AttentionMetadata:
     query_lens: list[int] | None = None
     context_lens: list[int] | None = None
     cu_seqlens_q: torch.Tensor | None = None
-    decode_plan: tuple | None = None
+    decode_plan: dict | None = None
     csr_plan: dict | None = None
 
 

@@ -5,6 +5,13 @@ Covered shapes: Llama with GQA (untied), Llama with a single KV head (MQA), tied
 and llama3 rope scaling (original context 64, so prompts + decode run past it), Qwen2 (q/k/v
 bias, tied), Qwen3 (q/k norm, explicit head_dim != hidden / heads). Each check prints the max
 abs logits difference in its assertion message.
+
+Issue 17 families: Mistral with a 24-token sliding window (prompts of 37 and 70 tokens run
+past it, and chunked prefill crosses it), Mixtral (4 experts, top-2), Qwen2-MoE (shared
+expert, no top-k renormalisation), Qwen3-MoE (8 experts, one dense layer among MoE layers),
+Gemma 3 (local/global layers with different rope bases, q/k norm, GeGLU, 1 + w norms,
+query_pre_attn_scalar, final logit soft-capping), Phi-3 (fused qkv / gate_up checkpoint
+tensors, sliding window), YaRN and linear rope scaling; LongRoPE in its own test.
 """
 from __future__ import annotations
 
@@ -34,6 +41,23 @@ MODELS = {
     "qwen2-gqa-tied": dict(family="qwen2", num_heads=4, num_kv_heads=2, tie=True, seed=3),
     "qwen3-gqa-headdim32": dict(family="qwen3", num_heads=4, num_kv_heads=2, head_dim=32,
                                 tie=False, seed=4),
+    "mistral-swa24": dict(family="mistral", sliding_window=24, seed=5),
+    "mixtral-e4-top2": dict(family="mixtral", num_local_experts=4, num_experts_per_tok=2, seed=6),
+    "qwen2moe-shared-expert": dict(family="qwen2_moe", num_experts=4, num_experts_per_tok=2,
+                                   moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                   tie=True, seed=7),
+    "qwen3moe-e8-dense-layer": dict(family="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                                    moe_intermediate_size=32, norm_topk_prob=True, layers=3,
+                                    mlp_only_layers=[1], head_dim=32, seed=8),
+    "gemma3-local-global": dict(family="gemma3", layers=4, num_kv_heads=1, head_dim=32, tie=True,
+                                layer_types=["sliding_attention", "sliding_attention",
+                                             "full_attention", "sliding_attention"],
+                                sliding_window=20, query_pre_attn_scalar=24,
+                                rope_local_base_freq=500.0, final_logit_softcapping=30.0, seed=9),
+    "phi3-fused-swa32": dict(family="phi3", sliding_window=32, seed=10),
+    "llama-yarn4": dict(family="llama", rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                      "original_max_position_embeddings": 64}, seed=11),
+    "qwen2-linear2": dict(family="qwen2", rope_scaling={"rope_type": "linear", "factor": 2.0}, seed=12),
 }
 
 # Mixed prompt lengths: under one block, several blocks, and one past the llama3 original
@@ -60,8 +84,8 @@ def tiny(request, tmp_path_factory):
     hf = hf_model(folder)
     hf.generation_config.eos_token_id = None   # never stop early: compare all steps
     hf.generation_config.pad_token_id = 0
-    if "rope_scaling" in kw:  # make sure the reference really applies llama3 scaling
-        assert hf.model.rotary_emb.rope_type == "llama3"
+    if "rope_scaling" in kw:  # make sure the reference really applies the scaling
+        assert hf.model.rotary_emb.rope_type == kw["rope_scaling"]["rope_type"]
     return name, folder, hf
 
 

@@ -75,22 +75,32 @@ def _shim_interpreter() -> None:
     interp._ferrum_shim = True
 
 
-def _interp_main(name: str) -> None:
-    """Entry point of the interpreter subprocess: run check `name` on CPU."""
+def _interp_main(name: str, path: str = HERE) -> None:
+    """Entry point of the interpreter subprocess: run check `name` of the test module at
+    `path` (this one by default) on CPU."""
     torch.set_num_threads(1)
     if os.environ.get("TRITON_INTERPRET") == "1":
         _shim_interpreter()
-    globals()[name]("cpu")
+    if path == HERE:
+        check = globals()[name]
+    else:
+        spec = importlib.util.spec_from_file_location("_ferrum_checks", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        check = getattr(mod, name)
+    check("cpu")
     print(f"{name}: ok")
 
 
-def _run_interpreted(name: str, interpret: bool = True) -> str:
+def _run_interpreted(name: str, interpret: bool = True, path: str = HERE) -> str:
+    """Run check `name` (a function of the test module at `path` taking a device) in a
+    subprocess with TRITON_INTERPRET=1 (or 0: compile only) and FERRUM_FORCE_TRITON=1."""
     env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0", FERRUM_FORCE_TRITON="1",
                OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.dirname(HERE), env.get("PYTHONPATH", "")])
     code = ("import importlib.util as u\n"
             f"s = u.spec_from_file_location('_ferrum_tk', {HERE!r}); m = u.module_from_spec(s)\n"
-            f"s.loader.exec_module(m); m._interp_main({name!r})\n")
+            f"s.loader.exec_module(m); m._interp_main({name!r}, {path!r})\n")
     r = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, f"{name} failed:\n{r.stdout}\n{r.stderr[-6000:]}"
@@ -433,38 +443,43 @@ def check_prefill_graph(device: str) -> None:
                           f"prefill graph K/V, tokens {lo}..{hi}")
 
 
-def check_sm90_compile(device: str) -> None:
-    """Compile the default configurations for sm_90 (H100/H200) without a GPU (Triton's bundled
-    ptxas) and assert no register spills and shared memory within the 227 KB an sm_90 block
-    may use. Integer and pointer arguments carry the divisible-by-16 hint the JIT adds at run
-    time for such values (all strides are multiples of head_dim >= 32)."""
+def sm90_compile(fn, consts: dict, ptrs: dict, warps: int, stages: int, what: str) -> None:
+    """Compile Triton kernel `fn` for sm_90 (H100/H200) without a GPU (Triton's bundled ptxas)
+    and assert no register spills and shared memory within the 227 KB an sm_90 block may use.
+    consts: constexpr values; ptrs: pointer argument -> "*bf16" etc. (others are i32, or fp32
+    for qk_scale / eps). Integer and pointer arguments carry the divisible-by-16 hint the JIT
+    adds at run time for such values."""
     import subprocess as sp
     import tempfile
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    sig = {}
+    for n in fn.arg_names:
+        sig[n] = "constexpr" if n in consts else ptrs.get(n, "fp32" if n in ("qk_scale", "eps") else "i32")
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig[n] not in ("constexpr", "fp32")}
+    k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps, num_stages=stages))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        usage = sp.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    line = next(ln for ln in usage.splitlines() if "REG:" in ln)
+    print(f"sm_90 {what}: shared {k.metadata.shared} B, {line.split()[0]}, {line.split()[1]}")
+    assert "STACK:0 " in line + " ", f"{what}: register spills: {line}"
+    assert k.metadata.shared <= 227 * 1024, f"{what}: shared memory {k.metadata.shared}"
+
+
+def check_sm90_compile(device: str) -> None:
+    """The default configurations of the attention and fused-op kernels compile for sm_90
+    without spills (`sm90_compile`)."""
     from ferrum.ops import attention_triton as tb
     from ferrum.ops import activation, rms_norm, rotary
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     bf16, f32 = torch.bfloat16, torch.float32
     tname = {bf16: "bf16", f32: "fp32"}
-
-    def build(fn, consts, ptrs, warps, stages, what):
-        sig = {}
-        for n in fn.arg_names:
-            sig[n] = "constexpr" if n in consts else ptrs.get(n, "fp32" if n in ("qk_scale", "eps") else "i32")
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                 if sig[n] not in ("constexpr", "fp32")}
-        k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=warps, num_stages=stages))
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            usage = sp.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-        line = next(ln for ln in usage.splitlines() if "REG:" in ln)
-        print(f"sm_90 {what}: shared {k.metadata.shared} B, {line.split()[0]}, {line.split()[1]}")
-        assert "STACK:0 " in line + " ", f"{what}: register spills: {line}"
-        assert k.metadata.shared <= 227 * 1024, f"{what}: shared memory {k.metadata.shared}"
+    build = sm90_compile
 
     # (q dtype, head_dim, FP8 KV cache)
     for dtype, D, fp8 in ((bf16, 128, False), (bf16, 256, False), (f32, 128, False), (bf16, 128, True)):
@@ -630,7 +645,7 @@ def test_torch_decode_reads_consecutive_blocks_in_place():
         md = AttentionMetadata(False, torch.zeros(2, dtype=torch.int64), bt,
                                torch.tensor([n + 1 for n in lens]), max(lens) + 1, [1, 1], lens)
         got = tb.decode_attention(q, cache, md, 0.25)
-        assert (md.decode_plan[3] is not None) == runs
+        assert (md.decode_plan[None][0] is None) == runs  # blocks None: read in place
         padded = AttentionMetadata(False, md.slot_mapping, bt, md.seq_lens, md.max_seq_len)
         torch.testing.assert_close(got, tb.decode_attention(q, cache, padded, 0.25), atol=1e-6, rtol=1e-5)
 

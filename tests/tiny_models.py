@@ -10,14 +10,21 @@ FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
 }
 
 
 def make_tiny_model(folder: str, family: str = "llama", *, num_heads: int = 4, num_kv_heads: int = 2,
                     hidden: int = 64, layers: int = 2, vocab: int = 128, inter: int = 96,
                     tie: bool = False, head_dim: int | None = None, rope_scaling: dict | None = None,
-                    seed: int = 0, max_pos: int = 512) -> str:
-    """Writes a random HF model to `folder` and returns it. eos_token_id is 1."""
+                    seed: int = 0, max_pos: int = 512, **extra) -> str:
+    """Writes a random HF model to `folder` and returns it. eos_token_id is 1. `extra` goes to
+    the HF config as is (sliding_window, num_experts, ...)."""
     import transformers
     if os.path.exists(os.path.join(folder, "config.json")):
         return folder
@@ -30,6 +37,8 @@ def make_tiny_model(folder: str, family: str = "llama", *, num_heads: int = 4, n
         kw["head_dim"] = head_dim
     if rope_scaling is not None:
         kw["rope_scaling"] = rope_scaling
+    kw["pad_token_id"] = 0
+    kw.update(extra)
     cfg = cfg_cls(**kw)
     torch.manual_seed(seed)
     model = model_cls(cfg).to(torch.float32)

@@ -9,18 +9,23 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class _TPState:
+    """`expert_parallel`: MoE layers place whole experts on ranks (E / size each) instead of
+    splitting every expert's FFN; the TP group carries both (ParallelConfig.enable_expert_parallel)."""
+
     rank: int = 0
     size: int = 1
     group: "dist.ProcessGroup | None" = None
+    expert_parallel: bool = False
 
 
 _TP = _TPState()
 
 
-def init_tensor_parallel(rank: int, size: int, group=None) -> None:
-    """Make (rank, size, group) the TP state layers built from now on take (`get_tp`)."""
+def init_tensor_parallel(rank: int, size: int, group=None, expert_parallel: bool = False) -> None:
+    """Make (rank, size, group, expert_parallel) the TP state layers built from now on take
+    (`get_tp`)."""
     global _TP
-    _TP = _TPState(rank, size, group)
+    _TP = _TPState(rank, size, group, expert_parallel)
 
 
 def get_tp() -> _TPState:

@@ -19,6 +19,10 @@ Every block is in exactly one state:
 Per-step calls (`can_append`, `append_slots`, `commit_full_blocks`) cost O(new blocks), not
 O(sequence length): each sequence keeps its table, the chain hashes of its full blocks and
 how many of them are already committed.
+
+Sliding window (every layer attends to the last W positions only): `free_blocks_before`
+releases the blocks no query will read again and puts NULL_BLOCK (-1) in their table entries,
+so a long sequence holds about W / block_size blocks; positions keep their table index.
 """
 from __future__ import annotations
 
@@ -35,6 +39,9 @@ _ROOT = b""
 
 # How many waiting prompts keep their block hashes memoised between `can_allocate` calls.
 _MEMO_SIZE = 64
+
+# Table entry of a block released by `free_blocks_before` (outside every layer's window).
+NULL_BLOCK = -1
 
 
 def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
@@ -54,7 +61,7 @@ class _Seq:
     lazily, may run ahead of `num_committed`); blocks `[0, num_committed)` have been offered
     to the prefix cache, so `commit_full_blocks` only looks at blocks after them."""
 
-    __slots__ = ("block_table", "block_hashes", "num_committed", "num_cached_tokens")
+    __slots__ = ("block_table", "block_hashes", "num_committed", "num_cached_tokens", "num_released")
 
     def __init__(self, block_table: list[int], block_hashes: list[bytes], num_committed: int,
                  num_cached_tokens: int):
@@ -62,6 +69,7 @@ class _Seq:
         self.block_hashes = block_hashes
         self.num_committed = num_committed
         self.num_cached_tokens = num_cached_tokens
+        self.num_released = 0   # table entries [0, num_released) are NULL_BLOCK
 
 
 class BlockManager:
@@ -255,6 +263,8 @@ class BlockManager:
                 hashes.append(hash_block(hashes[i - 1] if i else _ROOT, token_ids[i * bs:(i + 1) * bs]))
             h = hashes[i]
             b = seq.block_table[i]
+            if b == NULL_BLOCK:  # released before its commit (sliding window): nothing to cache
+                continue
             registered = self._block_hash[b]
             if registered is not None:
                 # Shared through fork and already committed by the other holder.
@@ -286,10 +296,28 @@ class BlockManager:
                              f"{len(parent.block_table)}")
         shared = parent.block_table[:k]
         for b in shared:
-            self._ref_count[b] += 1  # parent holds them, so none is free or evictable
-        self._seqs[child_id] = _Seq(shared, parent.block_hashes[:k], min(parent.num_committed, k),
-                                    k * self.block_size)
+            if b != NULL_BLOCK:
+                self._ref_count[b] += 1  # parent holds them, so none is free or evictable
+        child = _Seq(shared, parent.block_hashes[:k], min(parent.num_committed, k), k * self.block_size)
+        child.num_released = min(parent.num_released, k)
+        self._seqs[child_id] = child
         return k * self.block_size
+
+    def free_blocks_before(self, seq_id: str, pos: int) -> int:
+        """Release the sequence's blocks that hold only positions < pos (sliding window: no
+        query of this or a later step reads them) and set their table entries to NULL_BLOCK.
+        Released blocks go where `free` puts them (evictable if cached, else free). Costs
+        O(newly released blocks). Returns how many were released."""
+        seq = self._seqs[seq_id]
+        end = min(max(0, pos) // self.block_size, len(seq.block_table))
+        table = seq.block_table
+        n = 0
+        for i in range(seq.num_released, end):
+            self._release(table[i])
+            table[i] = NULL_BLOCK
+            n += 1
+        seq.num_released = max(seq.num_released, end)
+        return n
 
     def free(self, seq_id: str) -> None:
         """Drop the sequence's block table: ref count -- on each block, in reverse table order.
@@ -302,13 +330,19 @@ class BlockManager:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return
-        for b in reversed(seq.block_table):
-            self._ref_count[b] -= 1
-            if self._ref_count[b] == 0:
-                if self._block_hash[b] is not None:
-                    self._evictable[b] = None
-                else:
-                    self._free.append(b)
+        for b in reversed(seq.block_table[seq.num_released:]):
+            self._release(b)
+
+    def _release(self, b: int) -> None:
+        """Ref count --; at 0 the block becomes evictable if it holds a cached prefix, else free."""
+        if b == NULL_BLOCK:  # shared by fork after the parent released it
+            return
+        self._ref_count[b] -= 1
+        if self._ref_count[b] == 0:
+            if self._block_hash[b] is not None:
+                self._evictable[b] = None
+            else:
+                self._free.append(b)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix and zero the hit statistics.
@@ -393,11 +427,15 @@ class BlockManager:
         n = self.num_blocks
         holders = [0] * n
         for seq_id, seq in self._seqs.items():
-            assert len(set(seq.block_table)) == len(seq.block_table), f"{seq_id}: block twice in table"
+            live = [b for b in seq.block_table if b != NULL_BLOCK]
+            assert len(set(live)) == len(live), f"{seq_id}: block twice in table"
+            assert all(b == NULL_BLOCK for b in seq.block_table[:seq.num_released]), seq_id
             assert 0 <= seq.num_committed <= len(seq.block_table), seq_id
             assert len(seq.block_hashes) >= seq.num_committed or not self.enable_prefix_caching, seq_id
             assert seq.num_cached_tokens % self.block_size == 0, seq_id
             for i, b in enumerate(seq.block_table):
+                if b == NULL_BLOCK:
+                    continue
                 assert 0 <= b < n, f"{seq_id}: block id {b} out of range"
                 holders[b] += 1
                 h = self._block_hash[b]

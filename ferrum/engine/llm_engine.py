@@ -86,7 +86,8 @@ class LLMEngine:
         resolve_max_model_len(source.config, config.scheduler.max_model_len)
         if config.parallel.tensor_parallel_size > 1:
             from ferrum.executor.tensor_parallel import validate_tp_sizes
-            validate_tp_sizes(source.config, config.parallel.tensor_parallel_size)
+            validate_tp_sizes(source.config, config.parallel.tensor_parallel_size,
+                              config.parallel.enable_expert_parallel)
         self.model_name = source.name
         self.model_config = source.config
         self.tokenizer = None
@@ -351,8 +352,14 @@ class LLMEngine:
                 sample_seqs += [seqs[i] for i in idx]
         bs = self.block_size
         commits = []
+        window = self.model_config.kv_window
         for c in sched.decodes + sched.prefills:
             s = c.seq
+            if window and not (s.index == 0 and s.request.params.n > 1 and not s.request.forked):
+                # This step's first query (position num_computed_tokens) and every later one see
+                # no key older than num_computed_tokens - window + 1: release blocks before it.
+                # (Not before n > 1 samples fork from this prompt: they still read it.)
+                self.block_manager.free_blocks_before(s.seq_id, s.num_computed_tokens - window + 1)
             s.num_computed_tokens += c.num_tokens
             metrics = s.request.metrics
             if metrics.first_scheduled_time is None:

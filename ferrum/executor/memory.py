@@ -27,14 +27,21 @@ def compute_memory_requirements(cfg: ModelConfig, dtype: torch.dtype, tp: int,
     q = cfg.num_attention_heads * D // tp
     kv_heads = max(1, cfg.num_key_value_heads // tp)
     kv = kv_heads * D
-    linear = h * (q + 2 * kv) + q * h + 3 * h * i // tp
+    linear = h * (q + 2 * kv) + q * h
+    # MoE: experts split (TP) or placed (EP) over the ranks; they stay in `dtype` when the
+    # rest is quantized (ferrum/layers/moe.py)
+    experts = sum(3 * h * cfg.moe_intermediate_size * cfg.num_experts
+                  for layer in range(L) if cfg.is_moe(layer)) // tp
+    mlp = sum(cfg.mlp_params(layer) for layer in range(L)) // tp - experts
     bias = q + 2 * kv if cfg.attention_bias else 0
     norms = L * 2 * h + h + (2 * D * L if cfg.qk_norm else 0)
     vocab_rows = -(-cfg.vocab_size // tp)
     emb = vocab_rows * h * (1 if cfg.tie_word_embeddings else 2)
-    linear_bytes = L * linear * (weight_bits / 8 if weight_bits else e)
+    linear_bytes = (L * linear + mlp) * (weight_bits / 8 if weight_bits else e) + experts * e
     param_bytes = int(linear_bytes + (L * bias + emb + norms) * e)
     kv_bytes_per_token = 2 * L * kv * kv_e
+    if cfg.num_experts:  # a token's k expert intermediates
+        i = max(i, cfg.num_experts_per_tok * cfg.moe_intermediate_size)
     act = (4 * h + q + 2 * kv + 2 * i // tp) * e + 4 * vocab_rows
     return MemoryRequirements(param_bytes, kv_bytes_per_token, act, tp)
 

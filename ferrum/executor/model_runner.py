@@ -4,6 +4,7 @@ backend, and runs one forward pass for a prefill batch or a decode batch (inputs
 single-device executor and by every rank of the tensor-parallel executor."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -56,8 +57,9 @@ class ModelRunner:
 
     def __init__(self, source: ModelSource, device: str, dtype: torch.dtype,
                  load_format: str = "auto", seed: int = 0, progress: bool = True,
-                 quantization: str | None = None, kv_cache_dtype: str = "auto"):
-        self.cfg: ModelConfig = source.config
+                 quantization: str | None = None, kv_cache_dtype: str = "auto",
+                 max_model_len: int | None = None):
+        self.cfg: ModelConfig = dataclasses.replace(source.config, max_model_len=max_model_len)
         self.device = torch.device(device)
         self.dtype = dtype
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)

@@ -25,7 +25,8 @@ class SingleDeviceExecutor(ExecutorBase):
         torch.manual_seed(config.seed)
         init_tensor_parallel(0, 1, None)  # layers built below see TP size 1
         self.runner = ModelRunner(source, self.device, self.dtype, config.load_format, config.seed, progress,
-                                  config.quantization, config.cache.kv_cache_dtype)
+                                  config.quantization, config.cache.kv_cache_dtype,
+                                  config.scheduler.max_model_len)
         self.memory = self.runner.memory_requirements(1)
         s = config.scheduler
         self.num_blocks = num_kv_blocks(self.memory, config.cache, self.device, self.max_model_len,

@@ -46,8 +46,9 @@ from ferrum.loader.base import ModelSource
 log = logging.getLogger("ferrum")
 
 
-def _tp_size_problem(cfg, tp: int) -> str | None:
-    """Why `tp` ranks cannot split this model's heads and MLP, or None when they can."""
+def _tp_size_problem(cfg, tp: int, expert_parallel: bool = False) -> str | None:
+    """Why `tp` ranks cannot split this model's heads and MLP, or None when they can (for MoE
+    layers: the experts under expert parallelism, each expert's FFN otherwise)."""
     kv = cfg.num_key_value_heads
     if tp < 1:
         return f"tensor_parallel_size must be >= 1, got {tp}"
@@ -55,17 +56,28 @@ def _tp_size_problem(cfg, tp: int) -> str | None:
         return f"num_attention_heads ({cfg.num_attention_heads}) is not divisible by tensor_parallel_size ({tp})"
     if kv % tp and tp % kv:
         return f"num_key_value_heads ({kv}) and tensor_parallel_size ({tp}) must divide one another"
-    if cfg.intermediate_size % tp:
+    if cfg.intermediate_size % tp and not all(cfg.is_moe(i) for i in range(cfg.num_hidden_layers)):
         return f"intermediate_size ({cfg.intermediate_size}) is not divisible by tensor_parallel_size ({tp})"
+    if cfg.num_experts and expert_parallel and cfg.num_experts % tp:
+        return (f"num_experts ({cfg.num_experts}) is not divisible by tensor_parallel_size ({tp}) "
+                "(expert parallel)")
+    if cfg.num_experts and not expert_parallel and cfg.moe_intermediate_size % tp:
+        return (f"moe_intermediate_size ({cfg.moe_intermediate_size}) is not divisible by "
+                f"tensor_parallel_size ({tp})")
+    if cfg.shared_expert_intermediate_size % tp:
+        return (f"shared_expert_intermediate_size ({cfg.shared_expert_intermediate_size}) is not "
+                f"divisible by tensor_parallel_size ({tp})")
     return None
 
 
-def validate_tp_sizes(cfg, tp: int) -> None:
+def validate_tp_sizes(cfg, tp: int, expert_parallel: bool = False) -> None:
     """Raise TensorParallelError naming the size that does not divide over `tp` ranks and
-    listing the tensor_parallel_size values that work for this model."""
-    problem = _tp_size_problem(cfg, tp)
+    listing the tensor_parallel_size values that work for this model (`expert_parallel`: as
+    ParallelConfig.enable_expert_parallel)."""
+    problem = _tp_size_problem(cfg, tp, expert_parallel)
     if problem:
-        ok = [n for n in range(1, cfg.num_attention_heads + 1) if _tp_size_problem(cfg, n) is None]
+        ok = [n for n in range(1, cfg.num_attention_heads + 1)
+              if _tp_size_problem(cfg, n, expert_parallel) is None]
         raise TensorParallelError(f"{problem}; sizes that divide this model: "
                                   f"{', '.join(map(str, ok))}")
 
@@ -78,7 +90,7 @@ class TensorParallelExecutor(ExecutorBase):
 
     def __init__(self, source: ModelSource, config: EngineConfig, progress: bool = True):
         super().__init__(source, config)
-        validate_tp_sizes(self.cfg, self.tp)
+        validate_tp_sizes(self.cfg, self.tp, config.parallel.enable_expert_parallel)
         self.workers: WorkerProcesses | None = None
         self.channel: ShmBroadcast | None = None
         self.store = None
@@ -113,7 +125,8 @@ class TensorParallelExecutor(ExecutorBase):
             raise TensorParallelError(f"torchrun started {world} ranks but tensor_parallel_size is {self.tp}")
         self.rank_device = rank_device(self.device, int(os.environ.get("LOCAL_RANK", 0)))
         _, self.control = init_distributed(0, self.tp, self.rank_device, None,
-                                           config.parallel.step_timeout_s)
+                                           config.parallel.step_timeout_s,
+                                           expert_parallel=config.parallel.enable_expert_parallel)
         self.runner = build_runner(config, self.rank_device, progress)
         self.memory = self.runner.memory_requirements(self.tp)
         self.num_blocks = agree_num_blocks(local_num_blocks(self.runner, config, self.rank_device),
@@ -134,7 +147,7 @@ class TensorParallelExecutor(ExecutorBase):
                                        self.channel, par.startup_timeout_s)
         self.workers.wait_phase("joined", "starting (importing ferrum, reading the config)")
         _, self.control = init_distributed(0, self.tp, self.rank_device, None, par.step_timeout_s,
-                                           store=self.store)
+                                           store=self.store, expert_parallel=par.enable_expert_parallel)
         pool = ThreadPoolExecutor(1, thread_name_prefix="ferrum-tp0-load")
         try:
             loading = pool.submit(self._build_runner, config, progress)

@@ -34,9 +34,10 @@ def rank_device(device: str, local_rank: int) -> str:
 
 
 def init_distributed(rank: int, world: int, device: str, init_method: str | None,
-                     step_timeout_s: float, store=None):
+                     step_timeout_s: float, store=None, expert_parallel: bool = False):
     """Creates the default process group (from `store`, else `init_method`, else the env://
-    variables torchrun sets) and returns (tp_group, control_group)."""
+    variables torchrun sets) and returns (tp_group, control_group). `expert_parallel`: MoE
+    layers built afterwards hold whole experts (ferrum/layers/moe.py)."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
@@ -47,7 +48,7 @@ def init_distributed(rank: int, world: int, device: str, init_method: str | None
     ranks = list(range(world))
     tp_group = dist.new_group(ranks, backend=backend, timeout=timedelta(seconds=step_timeout_s))
     control = dist.new_group(ranks, backend="gloo", timeout=CONTROL_TIMEOUT)
-    init_tensor_parallel(rank, world, tp_group)
+    init_tensor_parallel(rank, world, tp_group, expert_parallel)
     return tp_group, control
 
 
@@ -63,7 +64,7 @@ def build_runner(config: EngineConfig, device: str, progress: bool):
     source = resolve_model(config.model)
     dtype = resolve_dtype(config.dtype, device)
     return ModelRunner(source, device, dtype, config.load_format, config.seed, progress,
-                       config.quantization, config.cache.kv_cache_dtype)
+                       config.quantization, config.cache.kv_cache_dtype, config.scheduler.max_model_len)
 
 
 def local_num_blocks(runner, config: EngineConfig, device: str) -> int:

@@ -58,7 +58,8 @@ def run_spmd_worker(config: EngineConfig) -> None:
     shuts down. Every rank runs the same `ferrum` command; rank 0 runs the engine."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = rank_device(resolve_device(config.device), int(os.environ.get("LOCAL_RANK", 0)))
-    _, control = init_distributed(rank, world, device, None, config.parallel.step_timeout_s)
+    _, control = init_distributed(rank, world, device, None, config.parallel.step_timeout_s,
+                                  expert_parallel=config.parallel.enable_expert_parallel)
     runner = build_runner(config, device, progress=False)
     n = agree_num_blocks(local_num_blocks(runner, config, device), control)
     runner.allocate_kv_cache(n, config.cache.block_size)
@@ -87,7 +88,8 @@ def serve_rank(rank: int, world: int, store, channel_spec: str) -> None:
     device = rank_device(resolve_device(config.device), rank)
     # GPU hosts have cores to spare for polling; on CPU the ranks need them
     reader = ShmReader(channel_spec, spin_s=0.05 if device.startswith("cuda") else 0.0)
-    init_distributed(rank, world, device, None, config.parallel.step_timeout_s, store=store)
+    init_distributed(rank, world, device, None, config.parallel.step_timeout_s, store=store,
+                     expert_parallel=config.parallel.enable_expert_parallel)
     runner = build_runner(config, device, progress=False)
     store.set(f"num_blocks/{rank}", str(local_num_blocks(runner, config, device)).encode())
     store.wait(["num_blocks"])

@@ -7,16 +7,20 @@ import torch
 from torch import nn
 
 from ferrum.forward_context import get_forward_context
+from ferrum.ops import attention_torch
 
 
 class Attention(nn.Module):
     """Paged multi-head / grouped-query attention of one decoder layer (this rank's heads).
     `kv_cache` [2, num_blocks, block_size, num_kv_heads, head_dim] is bound by the model
-    runner (`ModelRunner.allocate_kv_cache`)."""
+    runner (`ModelRunner.allocate_kv_cache`). `sliding_window` W: each query sees only the last
+    W positions up to its own (Mistral, Gemma 3's local layers); None: the whole context."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.sliding_window = sliding_window
         self.kv_cache = torch.empty(0)
         # FP8 KV cache: K / V are stored divided by these per-layer scales (device tensors, so
         # a captured CUDA graph reads their current value); 1.0 as vLLM without calibration
@@ -32,10 +36,14 @@ class Attention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         fp8 = self.kv_cache.dtype == torch.float8_e4m3fn
-        scales = dict(k_scale=self.k_scale, v_scale=self.v_scale) if fp8 else {}
-        backend.write_kv(self.kv_cache, k, v, attn_metadata.slot_mapping, **scales)
+        kw = dict(k_scale=self.k_scale, v_scale=self.v_scale) if fp8 else {}
+        backend.write_kv(self.kv_cache, k, v, attn_metadata.slot_mapping, **kw)
+        if self.sliding_window:
+            kw["sliding_window"] = self.sliding_window
+            if not getattr(backend, "SLIDING_WINDOW", False):  # a backend without window kernels
+                backend = attention_torch
         if attn_metadata.is_prefill:
-            o = backend.prefill_attention(q, self.kv_cache, attn_metadata, self.scale, k, v, **scales)
+            o = backend.prefill_attention(q, self.kv_cache, attn_metadata, self.scale, k, v, **kw)
         else:
-            o = backend.decode_attention(q, self.kv_cache, attn_metadata, self.scale, **scales)
+            o = backend.decode_attention(q, self.kv_cache, attn_metadata, self.scale, **kw)
         return o.reshape(T, self.num_heads * self.head_dim)

@@ -103,6 +103,15 @@ class LinearBase(nn.Module):
         return self.quant_method.apply(self, x, self.bias)
 
 
+class ReplicatedLinear(LinearBase):
+    """The whole [out, in] weight on every rank (MoE routers: every rank routes every token);
+    LinearBase's default shards are the whole tensor."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 quant_config: QuantConfig | None = None):
+        super().__init__(in_features, [out_features], bias, quant_config)
+
+
 class ColumnParallelLinear(LinearBase):
     """y = x W^T with W split by output rows: rank r holds rows [r*out/tp, (r+1)*out/tp)."""
 
@@ -161,11 +170,15 @@ class QKVParallelLinear(LinearBase):
 
 
 class RowParallelLinear(LinearBase):
-    """y = all_reduce(x_r W_r^T) with W split by input columns; bias added once, after."""
+    """y = all_reduce(x_r W_r^T) with W split by input columns; bias added once, after.
+    With reduce_results=False the partial sum x_r W_r^T is returned (no bias allowed): the
+    caller adds it to other partial sums and all-reduces once (MoE shared expert)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 quant_config: QuantConfig | None = None):
+                 quant_config: QuantConfig | None = None, reduce_results: bool = True):
         self.in_per_rank = divide(in_features, get_tp().size, "input features")
+        assert reduce_results or not bias, "a partial sum cannot carry the bias"
+        self.reduce_results = reduce_results
         self.input_sharded = get_tp().size > 1
         super().__init__(self.in_per_rank, [out_features], bias, quant_config)
 
@@ -174,8 +187,12 @@ class RowParallelLinear(LinearBase):
         return self.tp.rank * n, n
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, in_features_per_rank] -> [T, out_features], summed over ranks."""
+        """x: [T, in_features / tp] (this rank's slice) -> [T, out_features], summed over the
+        TP ranks (one all-reduce), plus the bias; with reduce_results=False this rank's partial
+        sum only."""
         y = self.quant_method.apply(self, x, None)
+        if not self.reduce_results:
+            return y
         y = tensor_model_parallel_all_reduce(y, self.tp)
         if self.bias is not None:
             y = y + self.bias

@@ -37,6 +37,28 @@ class WeightSource(Protocol):
 
 
 @dataclass
+class RowSlice:
+    """Rows [start, start + length) of another LazyWeight, itself a LazyWeight (a fused
+    checkpoint tensor seen as its parts). Reads only those rows where the base can."""
+
+    base: LazyWeight
+    start: int
+    length: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.length, *self.base.shape[1:])
+
+    def load(self) -> torch.Tensor:
+        return self.base.narrow(0, self.start, self.length)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        if dim == 0:
+            return self.base.narrow(0, self.start + start, length)
+        return self.load().narrow(dim, start, length)
+
+
+@dataclass
 class ModelSource:
     """A resolved model: config, weights and what the tokenizer needs.
 

@@ -13,30 +13,44 @@ from ferrum.loader.base import WeightSource
 _SKIP = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
+def packed_target(name: str, mapping: dict) -> tuple[str, object]:
+    """(our parameter name, shard id) for checkpoint tensor `name` under a model's
+    `packed_modules_mapping` (`q_proj` -> (`qkv_proj`, "q"), ...); (name, None) if unpacked."""
+    for ckpt, (ours, sid) in mapping.items():
+        if f".{ckpt}." in name:
+            return name.replace(f".{ckpt}.", f".{ours}."), sid
+    return name, None
+
+
 def load_weights(model: nn.Module, source: WeightSource, progress: bool = True) -> None:
     """Raises WeightLoadError when a parameter is missing from the source, a shape differs,
-    or a file cannot be read. Unknown extra tensors are ignored (e.g. tied lm_head copies)."""
+    or a file cannot be read. Unknown extra tensors are ignored (e.g. tied lm_head copies).
+
+    A checkpoint name maps to (parameter, shard id) through the model's `map_weight_name(name)`
+    when it has one (MoE experts, renamed modules), else its `packed_modules_mapping`. A
+    model whose checkpoints store projections fused (Phi-3's qkv_proj) splits them first with
+    `split_fused_weight(name, lazy)` -> [(name, lazy)] (row slices under the unfused names).
+    A parameter with a `shard_ids` list must receive every one of them."""
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = getattr(model.config, "tie_word_embeddings", False)
     mapping = getattr(model, "packed_modules_mapping", {})
+    remap = getattr(model, "map_weight_name", None) or (lambda n: packed_target(n, mapping))
+    split = getattr(model, "split_fused_weight", None) or (lambda n, lazy: [(n, lazy)])
     loaded: set[str] = set()
     names = source.names()
-    for name in tqdm(names, desc="loading weights", unit="tensor", disable=not progress, leave=False):
-        if name.endswith(_SKIP) or (tied and name == "lm_head.weight"):
+    for full_name in tqdm(names, desc="loading weights", unit="tensor", disable=not progress, leave=False):
+        if full_name.endswith(_SKIP) or (tied and full_name == "lm_head.weight"):
             continue
-        target, shard = name, None
-        for ckpt, (ours, sid) in mapping.items():
-            if f".{ckpt}." in name:
-                target, shard = name.replace(f".{ckpt}.", f".{ours}."), sid
-                break
-        param = params.get(target)
-        if param is None:
-            continue
-        try:
-            param.weight_loader(param, source.get(name), shard)
-        except (WeightLoadError, TensorParallelError) as e:
-            raise type(e)(f"{name}: {e}") from e
-        loaded.add(target if shard is None else f"{target}:{shard}")
+        for name, lazy in split(full_name, source.get(full_name)):
+            target, shard = remap(name)
+            param = params.get(target)
+            if param is None:
+                continue
+            try:
+                param.weight_loader(param, lazy, shard)
+            except (WeightLoadError, TensorParallelError) as e:
+                raise type(e)(f"{name}: {e}") from e
+            loaded.add(target if shard is None else f"{target}:{shard}")
     shards: dict[str, list] = {}  # fused module -> the shard ids it is loaded from
     for ours, sid in mapping.values():
         shards.setdefault(ours, []).append(sid)
@@ -45,7 +59,12 @@ def load_weights(model: nn.Module, source: WeightSource, progress: bool = True) 
         if (tied and pname == "lm_head.weight") or getattr(param, "optional", False):
             continue
         module = pname.rsplit(".", 2)[-2] if pname.count(".") >= 1 else ""
-        need = [f"{pname}:{s}" for s in shards[module]] if module in shards else [pname]
+        if getattr(param, "shard_ids", None) is not None:  # stacked MoE experts
+            need = [f"{pname}:{s}" for s in param.shard_ids]
+        elif module in shards:
+            need = [f"{pname}:{s}" for s in shards[module]]
+        else:
+            need = [pname]
         missing += [n for n in need if n not in loaded]
     if missing:
         raise WeightLoadError(f"{len(missing)} tensors missing from the checkpoint, e.g. {missing[:4]}")

@@ -1,30 +1,45 @@
-"""Llama-family decoder (Llama 2/3/3.1, SmolLM2, TinyLlama, Mistral without sliding window),
-built from tensor-parallel layers. Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm) are
-the same graph with two switches in ModelConfig (`attention_bias`, `qk_norm`).
+"""Llama-family decoder (Llama 2/3/3.1, SmolLM2, TinyLlama, Mistral), built from
+tensor-parallel layers. Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm) are the same graph
+with two switches in ModelConfig (`attention_bias`, `qk_norm`); Mixtral, Qwen2-MoE and
+Qwen3-MoE swap the MLP of their MoE layers (`ModelConfig.moe_layers`) for a sparse MoE block
+(ferrum/layers/moe.py); Mistral-style models attend through a sliding window in the layers
+`ModelConfig.layer_types` marks.
 
 Per layer, with TP: qkv_proj and gate_up_proj are column-parallel, o_proj and down_proj are
-row-parallel (one all-reduce each): two all-reduces per layer.
+row-parallel (one all-reduce each): two all-reduces per layer (an MoE block also ends in one).
 """
 from __future__ import annotations
+
+import re
 
 import torch
 from torch import nn
 
 from ferrum.config import ModelConfig
-from ferrum.layers.activation import SiluAndMul
 from ferrum.layers.attention import Attention
 from ferrum.layers.layernorm import RMSNorm
-from ferrum.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from ferrum.layers.linear import QKVParallelLinear, RowParallelLinear
+from ferrum.layers.mlp import GatedMLP
+from ferrum.layers.moe import SparseMoeBlock
 from ferrum.layers.quantization.base import QuantConfig
 from ferrum.layers.rotary_embedding import RotaryEmbedding
 from ferrum.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from ferrum.loader.model_loader import packed_target
+
+# One expert's projection in a Mixtral (w1 gate, w3 up, w2 down) or Qwen-MoE checkpoint.
+_EXPERT_TENSOR = re.compile(
+    r"\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 
 
 class LlamaAttention(nn.Module):
     """Self-attention of one decoder layer: fused qkv projection (column-parallel), optional
-    per-head q/k RMSNorm (Qwen3), RoPE, paged attention, o_proj (row-parallel)."""
+    per-head q/k norm (Qwen3, Gemma 3: `norm_class`), RoPE (`rotary_emb`, shared by the layers
+    of one RoPE variant), paged attention, o_proj (row-parallel). The score scale is
+    query_pre_attn_scalar ** -0.5 when the config has one (Gemma 3), else head_dim ** -0.5;
+    sliding layers (cfg.layer_types) get the window."""
 
-    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, quant_config: QuantConfig | None = None):
+    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, layer: int,
+                 quant_config: QuantConfig | None = None, norm_class: type[nn.Module] = RMSNorm):
         super().__init__()
         D = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, D, cfg.num_attention_heads,
@@ -37,9 +52,11 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary_emb  # one instance shared by all layers (one cos/sin table)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, D, D ** -0.5)
+            self.q_norm = norm_class(D, cfg.rms_norm_eps)
+            self.k_norm = norm_class(D, cfg.rms_norm_eps)
+        window = cfg.sliding_window if cfg.is_sliding(layer) else None
+        scale = (cfg.query_pre_attn_scalar or D) ** -0.5
+        self.attn = Attention(self.num_heads, self.num_kv_heads, D, scale, window)
         self.head_dim = D
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -55,29 +72,20 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o)
 
 
-class LlamaMLP(nn.Module):
-    """SwiGLU MLP: down_proj(silu(gate_proj(x)) * up_proj(x)), gate and up fused."""
-
-    def __init__(self, cfg: ModelConfig, quant_config: QuantConfig | None = None):
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
-                                                       quant_config=quant_config)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, quant_config=quant_config)
-        self.act_fn = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden] (all-reduced over TP ranks)."""
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-
-
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm decoder layer; the residual stream is carried between layers un-added (the
-    next layer's input norm adds it, `RMSNorm.forward(x, residual)`)."""
+    next layer's input norm adds it, `RMSNorm.forward(x, residual)`). The MLP is the dense
+    SwiGLU, or a sparse MoE block in the layers cfg.moe_layers marks."""
 
-    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, quant_config: QuantConfig | None = None):
+    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, layer: int,
+                 quant_config: QuantConfig | None = None):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rotary_emb, quant_config)
-        self.mlp = LlamaMLP(cfg, quant_config)
+        self.self_attn = LlamaAttention(cfg, rotary_emb, layer, quant_config)
+        if cfg.is_moe(layer):
+            self.mlp = SparseMoeBlock(cfg, quant_config)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act,
+                                quant_config=quant_config)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -99,9 +107,10 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, quant_config: QuantConfig | None = None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rope, quant_config)
-                                    for _ in range(cfg.num_hidden_layers))
+        rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                               cfg.rope_scaling, cfg.max_model_len)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rope, i, quant_config)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -127,10 +136,12 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
+    model_class = LlamaModel   # the decoder stack (Gemma 3 brings its own)
+
     def __init__(self, cfg: ModelConfig, quant_config: QuantConfig | None = None):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, quant_config)
+        self.model = self.model_class(cfg, quant_config)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -139,6 +150,23 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] int64 -> hidden [T, hidden] (needs a forward context)."""
         return self.model(input_ids, positions)
 
+    def map_weight_name(self, name: str) -> tuple[str, object]:
+        """(parameter, shard id) for a checkpoint tensor: an expert's projection goes to its
+        layer's stacked experts (`FusedMoE` shard ids), Mixtral's `block_sparse_moe` is our
+        `mlp`, the rest follows packed_modules_mapping."""
+        m = _EXPERT_TENSOR.search(name)
+        if m is not None:
+            layer, e, proj = name[:m.start()], int(m.group(1)), m.group(2)
+            if proj in ("down_proj", "w2"):
+                return f"{layer}.mlp.experts.w2_weight", e
+            return f"{layer}.mlp.experts.w13_weight", (e, 0 if proj in ("gate_proj", "w1") else 1)
+        return packed_target(name.replace(".block_sparse_moe.", ".mlp."), self.packed_modules_mapping)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden: [N, hidden] -> logits [N, vocab_size] on TP rank 0, None elsewhere."""
-        return self.lm_head.compute_logits(hidden)
+        """hidden: [N, hidden] -> logits [N, vocab_size] on TP rank 0 (None elsewhere), capped
+        as c * tanh(logits / c) when the config has final_logit_softcapping c (Gemma 3)."""
+        logits = self.lm_head.compute_logits(hidden)
+        cap = self.config.final_logit_softcapping
+        if logits is not None and cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -7,13 +7,21 @@ from torch import nn
 
 from ferrum.config import ModelConfig
 from ferrum.errors import UnsupportedModelError
+from ferrum.models.gemma3 import Gemma3ForCausalLM
 from ferrum.models.llama import LlamaForCausalLM
+from ferrum.models.phi3 import Phi3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    # mixtures of experts: the Llama graph with SparseMoeBlock MLPs (ModelConfig.moe_layers)
+    "MixtralForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 

@@ -7,6 +7,8 @@ torch code beside its Triton kernel.
   `activation.silu_and_mul`: Triton on CUDA (`triton_utils.use_triton`), torch elsewhere.
 - `attention_torch` / `attention_triton`: paged attention backends with the same three
   functions (`write_kv`, `prefill_attention`, `decode_attention`); the model runner picks one.
+- `moe.fused_moe` / `moe.select_experts`: mixture-of-experts experts and routing (Triton
+  grouped GEMM / batch-1 GEMV in `moe_triton` on CUDA, a loop over the chosen experts in torch).
 - `triton_utils`: Triton availability and the programmatic-dependent-launch helpers.
 - `fp8`, `int4`, `gguf`: linears over quantized weights (FP8 e4m3; GPTQ / AWQ 4-bit; GGUF
   blocks): Triton GEMV for 1-8 rows, a GEMM above, dequantize + F.linear on CPU.

@@ -52,3 +52,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
             x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, USE_PDL=pdl_ok(x),
             num_warps=4 if block >= 512 else 2, launch_pdl=pdl_ok(x))
     return out.view(*x.shape[:-1], d)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU with the tanh approximation of GELU (HF `gelu_pytorch_tanh`, Gemma 3):
+    x [..., 2*d] = [gate | up] -> new [..., d] gelu_tanh(gate) * up, same dtype. Torch only
+    (Gemma 3 runs on CPU and GPU without a fused kernel for it yet)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -1,0 +1,27 @@
+"""Gated MLP (Llama's SwiGLU, Gemma's GeGLU, the MoE shared expert): down(act(gate(x)) * up(x)).
+gate_up_proj is column-parallel (gate and up stacked), down_proj row-parallel: one all-reduce,
+or none with reduce_results=False (the caller sums partial results first)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ferrum.layers.activation import get_act_and_mul
+from ferrum.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from ferrum.layers.quantization.base import QuantConfig
+
+
+class GatedMLP(nn.Module):
+    """x: [T, hidden] -> [T, hidden]; `act` is an HF hidden_act name (silu, gelu_pytorch_tanh);
+    with `quant_config` both projections hold quantized weights."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu", reduce_results: bool = True,
+                 quant_config: QuantConfig | None = None):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, quant_config=quant_config)
+        self.down_proj = RowParallelLinear(intermediate, hidden, quant_config=quant_config,
+                                           reduce_results=reduce_results)
+        self.act_fn = get_act_and_mul(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
