@@ -26,6 +26,11 @@ CASES = {
     "llama_kv1_tied": dict(family="llama", num_kv_heads=1, tie=True),
     "qwen2": dict(family="qwen2"),
     "qwen3": dict(family="qwen3", head_dim=32),
+    # MoE: each expert's FFN split column/row over the ranks (one all-reduce per block)
+    "qwen3_moe": dict(family="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True, head_dim=32),
+    "qwen2_moe_shared": dict(family="qwen2_moe", num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=32, shared_expert_intermediate_size=48),
 }
 
 
@@ -60,6 +65,31 @@ def test_tp2_logits_equal_tp1(tiny):
         ex.shutdown()
     diff = (got - ref).abs().max().item()
     assert diff < 1e-5, f"TP=2 vs TP=1 max abs logit diff {diff:.2e}"
+
+
+@pytest.mark.parametrize("family,kw", [
+    ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=24)),
+    ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48))])
+def test_expert_parallel_tp2_equals_tp1(tmp_path_factory, family, kw):
+    """--enable-expert-parallel: each rank holds half the experts whole (and half of each
+    dense / shared-expert matrix); logits and greedy tokens equal TP=1."""
+    d = make_tiny_model(str(tmp_path_factory.mktemp(f"ep-{family}")), family, **kw)
+    src = load_hf_folder(d)
+    prompts = [list(range(3, 40)), list(range(50, 61))]
+    ref = _run_executor(SingleDeviceExecutor(src, EngineConfig(model=d), progress=False), prompts, 8)
+    par = ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True)
+    ex = TensorParallelExecutor(src, EngineConfig(model=d, parallel=par), progress=False)
+    try:
+        got = _run_executor(ex, prompts, 8)
+        from ferrum.layers.moe import FusedMoE
+        experts = [m for m in ex.runner.model.modules() if isinstance(m, FusedMoE)]
+        assert experts and all(m.w13_weight.shape[0] == 2 and m.expert_start == 0 for m in experts)
+    finally:
+        ex.shutdown()
+    diff = (got - ref).abs().max().item()
+    assert diff < 1e-5, f"EP=2 vs TP=1 max abs logit diff {diff:.2e}"
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
 def test_tp2_greedy_batch_identical(tmp_path_factory):

@@ -146,8 +146,9 @@ def _paged_cache(seq_lens: list[int], Hkv: int, D: int, page: int, dtype, device
     return cache.to(device), bt.to(device), clean
 
 
-def _ref_attention(q, clean, bt, seq_lens, q_pos, scale):
-    """float64 oracle. q: [B][n, H, D] list, q_pos: [B][n] positions; returns list of [n, H, D]."""
+def _ref_attention(q, clean, bt, seq_lens, q_pos, scale, window=None):
+    """float64 oracle. q: [B][n, H, D] list, q_pos: [B][n] positions; returns list of [n, H, D].
+    With `window` W a query at position p sees keys p - W < k <= p (a mask on full attention)."""
     page, Hkv = clean.shape[2], clean.shape[3]
     outs = []
     for b, L in enumerate(seq_lens):
@@ -161,7 +162,10 @@ def _ref_attention(q, clean, bt, seq_lens, q_pos, scale):
         K = clean[0][blk, idx % page].repeat_interleave(H // Hkv, dim=1)  # [L, H, D]
         V = clean[1][blk, idx % page].repeat_interleave(H // Hkv, dim=1)
         s = torch.einsum("nhd,lhd->hnl", qb, K) * scale
-        allowed = idx[None, :] <= torch.as_tensor(q_pos[b])[:, None]  # [n, L]
+        qp = torch.as_tensor(q_pos[b])[:, None]
+        allowed = idx[None, :] <= qp  # [n, L]
+        if window:
+            allowed &= idx[None, :] > qp - window
         s = s.masked_fill(~allowed[None], float("-inf"))
         outs.append(torch.einsum("hnl,lhd->nhd", torch.softmax(s, -1), V))
     return outs
