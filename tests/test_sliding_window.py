@@ -1,17 +1,23 @@
-"""Sliding-window attention: the paged attention paths against full attention with the window
-applied as a mask (float64), for sequences longer than the window; the block manager's release
-of blocks outside the window; and the engine end to end (Mistral-style tiny model vs HF, blocks
-actually released, prefix caching and chunked prefill on and off).
+"""Sliding-window attention: the paged attention paths (torch on CPU; Triton in the interpreter
+and on CUDA) against full attention with the window applied as a mask (float64), for sequences
+longer than the window; the block manager's release of blocks outside the window; and the
+engine end to end (Mistral-style tiny model vs HF, blocks actually released, prefix caching and
+chunked prefill on and off).
 Gemma 3's mix of local and global layers is covered against HF in test_models.py.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from test_triton_kernels import _assert_close, _md, _paged_cache, _ref_attention
+from test_triton_kernels import (HAS_CUDA, HAS_TRITON, _assert_close, _md, _paged_cache,
+                                 _ref_attention, _run_interpreted)
 
 from ferrum.engine.block_manager import NULL_BLOCK, BlockManager
+
+HERE = os.path.abspath(__file__)
 
 
 def _release_before(bt: torch.Tensor, firsts: list[int], page: int) -> torch.Tensor:
@@ -24,60 +30,96 @@ def _release_before(bt: torch.Tensor, firsts: list[int], page: int) -> torch.Ten
     return bt
 
 
-@pytest.mark.parametrize("window", [5, 16, 40])
-def test_torch_decode_and_prefill_equal_masked_full_attention(window):
+def check_window_attention(device: str, backend: str = "attention_torch") -> None:
+    """`backend`'s decode and prefill with sliding windows 5, 16, 40 against full attention with
+    the window as a mask (float64), sequences up to 70 tokens, on a poisoned cache (NaN outside
+    the sequences' tokens) whose tables have the blocks before each window released (-1)."""
+    import importlib
+    tb = importlib.import_module(f"ferrum.ops.{backend}")
+    for window in (5, 16, 40):
+        gen = torch.Generator().manual_seed(window)
+        H, Hkv, D, page = 4, 2, 16, 8
+        scale = D ** -0.5
+        # decode: one new token at position L - 1 of each sequence
+        lens = [1, 7, 33, 70, 41]
+        cache, bt, clean = _paged_cache(lens, Hkv, D, page, torch.float32, device, gen)
+        q = torch.randn(len(lens), H, D, generator=gen).to(device)
+        ref = torch.stack([o[0] for o in _ref_attention(list(q[:, None]), clean, bt, lens,
+                                                         [[L - 1] for L in lens], scale, window)])
+        full = torch.stack([o[0] for o in _ref_attention(list(q[:, None]), clean, bt, lens,
+                                                          [[L - 1] for L in lens], scale)])
+        assert (ref - full).abs().max() > 1e-3, "the window must change the result for L > window"
+        rel = _release_before(bt, [L - window for L in lens], page)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+        for table in (bt, rel):
+            md = _md(False, torch.zeros(len(lens), dtype=torch.int64, device=device), table, seq_lens,
+                     context_lens=[L - 1 for L in lens])
+            _assert_close(tb.decode_attention(q, cache, md, scale, sliding_window=window), ref,
+                          torch.float32, f"{backend} decode window={window}")
+        # prefill chunks (context, new tokens): from scratch, after cached context, across W
+        chunks = [(0, 30), (20, 25), (50, 3), (0, 4)]
+        lens = [c + n for c, n in chunks]
+        cache, bt, clean = _paged_cache(lens, Hkv, D, page, torch.float32, device, gen)
+        qs = [torch.randn(n, H, D, generator=gen) for _, n in chunks]
+        pos = [list(range(c, c + n)) for c, n in chunks]
+        ref = torch.cat(_ref_attention(qs, clean, bt, lens, pos, scale, window))
+        blk = [bt[b].cpu()[torch.tensor(p) // page] for b, p in enumerate(pos)]
+        kv = [clean[:, blk[b], torch.tensor(p) % page].float() for b, p in enumerate(pos)]
+        k = torch.cat([x[0] for x in kv]).to(device)
+        v = torch.cat([x[1] for x in kv]).to(device)
+        rel = _release_before(bt, [c - window + 1 for c, _ in chunks], page)
+        md = _md(True, torch.zeros(sum(n for _, n in chunks), dtype=torch.int64, device=device), rel,
+                 torch.tensor(lens, dtype=torch.int32, device=device), query_lens=[n for _, n in chunks],
+                 context_lens=[c for c, _ in chunks])
+        _assert_close(tb.prefill_attention(torch.cat(qs).to(device), cache, md, scale, k, v,
+                                           sliding_window=window), ref, torch.float32,
+                      f"{backend} prefill window={window}")
+
+
+def check_window_attention_triton(device: str) -> None:
+    check_window_attention(device, "attention_triton")
+
+
+def test_torch_window_attention_equals_masked_full_attention():
+    check_window_attention("cpu")
+
+
+def test_torch_decode_window_paths():
+    """The torch decode's other paths: the padded form (no Python lengths, as under CUDA
+    graphs) and blocks read in place when consecutive."""
     from ferrum.ops import attention_torch as tb
-    gen = torch.Generator().manual_seed(window)
-    H, Hkv, D, page = 4, 2, 16, 8
+    gen = torch.Generator().manual_seed(0)
+    H, Hkv, D, page, window = 4, 2, 16, 8, 16
     scale = D ** -0.5
-    # decode: one new token at position L - 1 of each sequence
-    lens = [1, 7, 33, 70, 41]
+    lens = [1, 7, 33, 70]
     cache, bt, clean = _paged_cache(lens, Hkv, D, page, torch.float32, "cpu", gen)
     q = torch.randn(len(lens), H, D, generator=gen)
     ref = torch.stack([o[0] for o in _ref_attention(list(q[:, None]), clean, bt, lens,
                                                      [[L - 1] for L in lens], scale, window)])
-    full = torch.stack([o[0] for o in _ref_attention(list(q[:, None]), clean, bt, lens,
-                                                      [[L - 1] for L in lens], scale)])
-    assert (ref - full).abs().max() > 1e-3, "the window must change the result for L > window"
-    rel = _release_before(bt, [L - window for L in lens], page)
-    for table in (bt, rel):
-        md = _md(False, torch.zeros(len(lens), dtype=torch.int64), table,
-                 torch.tensor(lens, dtype=torch.int32), context_lens=[L - 1 for L in lens])
-        _assert_close(tb.decode_attention(q, cache, md, scale, window), ref, torch.float32,
-                      f"eager decode window={window}")
-        # graph-style, no Python lengths: reads whole (clamped) tables and masks, so the cache
-        # must be finite (as a real one is: zeros, then written values)
-        padded = _md(False, md.slot_mapping, table, md.seq_lens)
-        _assert_close(tb.decode_attention(q, torch.nan_to_num(cache), padded, scale, window), ref,
-                      torch.float32, f"padded decode window={window}")
-    # consecutive blocks are read in place: one sequence, blocks 3..11
-    one = torch.arange(3, 12)[None]
+    # reads whole (clamped) tables and masks, so the cache must be finite (as a real one is)
+    padded = _md(False, torch.zeros(len(lens), dtype=torch.int64),
+                 _release_before(bt, [L - window for L in lens], page), torch.tensor(lens))
+    _assert_close(tb.decode_attention(q, torch.nan_to_num(cache), padded, scale, sliding_window=window), ref,
+                  torch.float32, "padded decode")
+    one = torch.arange(3, 12)[None]    # one sequence in blocks 3..11
     L = 70
-    flat = torch.randn(2, 12 * page, Hkv, D, generator=gen)
-    c1 = flat.view(2, 12, page, Hkv, D)
+    c1 = torch.randn(2, 12, page, Hkv, D, generator=gen)
     ref1 = _ref_attention([q[:1]], c1.double(), one, [L], [[L - 1]], scale, window)[0]
     md = _md(False, torch.zeros(1, dtype=torch.int64), _release_before(one, [L - window], page),
              torch.tensor([L], dtype=torch.int32), context_lens=[L - 1])
-    _assert_close(tb.decode_attention(q[:1], c1, md, scale, window), ref1, torch.float32, "in place")
+    _assert_close(tb.decode_attention(q[:1], c1, md, scale, sliding_window=window), ref1, torch.float32, "in place")
     assert md.decode_plan[window][0] is None  # read in place, not gathered
 
-    # prefill chunks (context, new tokens): from scratch, after cached context, both across W
-    chunks = [(0, 30), (20, 25), (50, 3), (0, 4)]
-    lens = [c + n for c, n in chunks]
-    cache, bt, clean = _paged_cache(lens, Hkv, D, page, torch.float32, "cpu", gen)
-    qs = [torch.randn(n, H, D, generator=gen) for _, n in chunks]
-    pos = [list(range(c, c + n)) for c, n in chunks]
-    ref = torch.cat(_ref_attention(qs, clean, bt, lens, pos, scale, window))
-    blk = [bt[b][torch.tensor(p) // page] for b, p in enumerate(pos)]
-    kv = [clean[:, blk[b], torch.tensor(p) % page].float() for b, p in enumerate(pos)]
-    k = torch.cat([x[0] for x in kv])
-    v = torch.cat([x[1] for x in kv])
-    rel = _release_before(bt, [c - window + 1 for c, _ in chunks], page)
-    md = _md(True, torch.zeros(sum(n for _, n in chunks), dtype=torch.int64), rel,
-             torch.tensor(lens, dtype=torch.int32), query_lens=[n for _, n in chunks],
-             context_lens=[c for c, _ in chunks])
-    _assert_close(tb.prefill_attention(torch.cat(qs), cache, md, scale, k, v, window), ref,
-                  torch.float32, f"prefill window={window}")
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_triton_window_attention_in_interpreter():
+    _run_interpreted("check_window_attention_triton", path=HERE)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUDA + triton")
+def test_triton_window_attention_on_gpu():
+    check_window_attention_triton("cuda")
 
 
 def test_block_manager_releases_blocks_outside_the_window():

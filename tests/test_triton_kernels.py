@@ -489,20 +489,23 @@ def check_sm90_compile(device: str) -> None:
     for dtype, D, fp8 in ((bf16, 128, False), (bf16, 256, False), (f32, 128, False), (bf16, 128, True)):
         t = "*" + tname[dtype]
         c = "*fp8e4nv" if fp8 else t
-        for splits in (4, 1):
+        for splits, windowed in ((4, False), (1, False), (4, True)):
             bn, w, st = tb._decode_config(D, dtype, splits)
             build(tb._decode_split_kernel,
                   dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=D, PAGE=16, BLOCK_N=bn, NUM_SPLITS=splits,
-                       DIRECT_OUT=splits == 1, DOT_PREC=tb._dot_precision(dtype), FP8=fp8, USE_PDL=True),
+                       DIRECT_OUT=splits == 1, DOT_PREC=tb._dot_precision(dtype), FP8=fp8, USE_PDL=True,
+                       WINDOWED=windowed),
                   dict(q_ptr=t, kc_ptr=c, vc_ptr=c, bt_ptr="*i32", seqlen_ptr="*i32", ks_ptr="*fp32",
                        vs_ptr="*fp32", o_ptr=t if splits == 1 else "*fp32", lse_ptr=t if splits == 1 else "*fp32"),
-                  w, st, f"decode {dtype} D={D} splits={splits} fp8_kv={fp8}")
+                  w, st, f"decode {dtype} D={D} splits={splits} fp8_kv={fp8} windowed={windowed}")
         bm, bn, w, st = tb._prefill_config(D, dtype)
-        build(tb._prefill_kernel,
-              dict(GROUP=4, HEAD_DIM=D, PAGE=16, BLOCK_M=bm, BLOCK_N=bn, DOT_PREC=tb._dot_precision(dtype), FP8=fp8),
-              dict(q_ptr=t, kc_ptr=c, vc_ptr=c, o_ptr=t, bt_ptr="*i64", seqlen_ptr="*i32", cu_q_ptr="*i64",
-                   ks_ptr="*fp32", vs_ptr="*fp32"),
-              w, st, f"prefill {dtype} D={D} fp8_kv={fp8}")
+        for windowed in (False, True):
+            build(tb._prefill_kernel,
+                  dict(GROUP=4, HEAD_DIM=D, PAGE=16, BLOCK_M=bm, BLOCK_N=bn,
+                       DOT_PREC=tb._dot_precision(dtype), FP8=fp8, WINDOWED=windowed),
+                  dict(q_ptr=t, kc_ptr=c, vc_ptr=c, o_ptr=t, bt_ptr="*i64", seqlen_ptr="*i32", cu_q_ptr="*i64",
+                       ks_ptr="*fp32", vs_ptr="*fp32"),
+                  w, st, f"prefill {dtype} D={D} fp8_kv={fp8} windowed={windowed}")
     build(tb._decode_merge_kernel, dict(NUM_SPLITS=5, SPLITS_PAD=8, HEAD_DIM=128, USE_PDL=True),
           dict(o_part_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16"), 4, 2, "decode merge")
     for c in ("*bf16", "*fp8e4nv"):

@@ -7,7 +7,6 @@ import torch
 from torch import nn
 
 from ferrum.forward_context import get_forward_context
-from ferrum.ops import attention_torch
 
 
 class Attention(nn.Module):
@@ -40,8 +39,6 @@ class Attention(nn.Module):
         backend.write_kv(self.kv_cache, k, v, attn_metadata.slot_mapping, **kw)
         if self.sliding_window:
             kw["sliding_window"] = self.sliding_window
-            if not getattr(backend, "SLIDING_WINDOW", False):  # a backend without window kernels
-                backend = attention_torch
         if attn_metadata.is_prefill:
             o = backend.prefill_attention(q, self.kv_cache, attn_metadata, self.scale, k, v, **kw)
         else:

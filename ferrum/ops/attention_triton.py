@@ -19,6 +19,11 @@ kernels fold k_scale into the logits' scale and v_scale into the output.
 - `prefill_attention`: a varlen FlashAttention-2 style kernel, one launch for all sequences,
   grid (query blocks, sequences, heads), K/V read through the block table with the causal offset
   of cached context (query j of a chunk sits at position context_len + j).
+
+Sliding window (`sliding_window` W, Mistral / Gemma 3 local layers): a query at position p sees
+keys p - W < k <= p. Decode walks only the last W positions (the splits share them out);
+prefill starts each query block's walk at its first row's window start and masks per row. No
+position before a window is read, so table entries of released blocks (-1) are never touched.
 """
 from __future__ import annotations
 
@@ -132,18 +137,25 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 if HAS_TRITON:
     @triton.jit
     def _attend_tile(q, kc_ptr, vc_ptr, off, offs_d, n, n_mask, last_pos, m_i, l_i, acc, qk_scale,
-                     CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
+                     window, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, WINDOWED: tl.constexpr = False):
         """Fold one tile of BLOCK_N cached tokens (positions n, cache offsets `off`, present
         where n_mask) into the online-softmax state (m_i running max, l_i running sum, acc
         unnormalised output; base 2) of the query rows q. CAUSAL: row r sees positions <=
-        last_pos[r]. Shared by the decode and prefill kernels (FlashAttention-2's inner loop)."""
+        last_pos[r]; WINDOWED as well only positions > last_pos[r] - window, so a row may see
+        nothing in a tile (its running max stays -inf and the tile adds 0). Shared by the decode
+        and prefill kernels (FlashAttention-2's inner loop)."""
         kt = tl.load(kc_ptr + off[None, :] + offs_d[:, None], mask=n_mask[None, :], other=0.0)
         s = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PREC) * qk_scale
         if CAUSAL:
-            s = tl.where((n[None, :] <= last_pos[:, None]) & n_mask[None, :], s, float("-inf"))
+            seen = (n[None, :] <= last_pos[:, None]) & n_mask[None, :]
+            if WINDOWED:
+                seen &= n[None, :] > last_pos[:, None] - window
+            s = tl.where(seen, s, float("-inf"))
         else:
             s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
+        if WINDOWED:  # all -inf so far: subtract 0 (exp2(-inf) = 0) instead of -inf (NaN)
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -166,9 +178,11 @@ if HAS_TRITON:
             stride_ob, stride_oh, stride_os,
             stride_lb, stride_lh,
             qk_scale,  # softmax scale * log2(e): the kernel works in base 2 (exp2)
+            window,    # sliding window in tokens (used when WINDOWED)
             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
             PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-            DIRECT_OUT: tl.constexpr, DOT_PREC: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr):
+            DIRECT_OUT: tl.constexpr, DOT_PREC: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr,
+            WINDOWED: tl.constexpr = False):
         if USE_PDL:  # launched early (PDL, triton_utils.py): wait for q and the cache
             pdl_start()
         if FP8:  # FP8 cache: K's scale folds into the logits' scale, V's into the output
@@ -177,12 +191,16 @@ if HAS_TRITON:
         kvh = tl.program_id(1)
         split = tl.program_id(2)
 
-        # Split boundaries from the device-side length: tiles of BLOCK_N tokens are dealt out
-        # evenly over NUM_SPLITS programs. Empty range (short or zero length) -> neutral partial.
+        # Split boundaries from the device-side length: tiles of BLOCK_N tokens of the positions
+        # [lo, seq_len) the query sees (lo = 0, or the window start) are dealt out evenly over
+        # NUM_SPLITS programs. Empty range (short or zero length) -> neutral partial.
         seq_len = tl.load(seqlen_ptr + b).to(tl.int32)
-        n_tiles = tl.cdiv(seq_len, BLOCK_N)
+        lo = 0
+        if WINDOWED:
+            lo = tl.maximum(seq_len - window, 0)
+        n_tiles = tl.cdiv(seq_len - lo, BLOCK_N)
         tiles_per_split = tl.cdiv(n_tiles, NUM_SPLITS)
-        start = split * tiles_per_split * BLOCK_N
+        start = lo + split * tiles_per_split * BLOCK_N
         end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
         offs_g = tl.arange(0, GROUP_PAD)
@@ -206,7 +224,7 @@ if HAS_TRITON:
             off = blk * stride_cblk + (n % PAGE) * stride_cslot + kvh * stride_ch
             # Every tile has >= 1 valid column, so the running max stays finite.
             m_i, l_i, acc = _attend_tile(q, kc_ptr, vc_ptr, off, offs_d, n, n_mask, n, m_i, l_i, acc,
-                                         qk_scale, CAUSAL=False, DOT_PREC=DOT_PREC)
+                                         qk_scale, window, CAUSAL=False, DOT_PREC=DOT_PREC)
 
         has = l_i > 0
         o = acc / tl.where(has, l_i, 1.0)[:, None]  # zero rows where nothing was seen
@@ -262,23 +280,26 @@ def _decode_config(head_dim: int, dtype: torch.dtype, num_splits: int) -> tuple[
 
 
 def num_decode_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
-                      device: torch.device | str = "cuda") -> int:
+                      device: torch.device | str = "cuda", sliding_window: int | None = None) -> int:
     """Number of KV splits per (sequence, KV head) for `decode_attention`, from static shapes
     only (so it is fixed for a captured CUDA graph): enough programs for ~2 per SM, capped so a
     split covers at least DECODE_MIN_TOKENS_PER_SPLIT tokens of the table's capacity
-    max_blocks * block_size, and at most DECODE_MAX_SPLITS. `DECODE_NUM_SPLITS` overrides."""
+    max_blocks * block_size (or of the sliding window, when smaller), and at most
+    DECODE_MAX_SPLITS. `DECODE_NUM_SPLITS` overrides."""
     if DECODE_NUM_SPLITS is not None:
         return max(1, int(DECODE_NUM_SPLITS))
     programs = max(1, batch * num_kv_heads)
     want = -(-2 * _sm_count(torch.device(device)) // programs)
-    by_len = -(-max_blocks * block_size // DECODE_MIN_TOKENS_PER_SPLIT)
+    span = max_blocks * block_size if not sliding_window else min(max_blocks * block_size, sliding_window)
+    by_len = -(-span // DECODE_MIN_TOKENS_PER_SPLIT)
     return max(1, min(want, by_len, DECODE_MAX_SPLITS))
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
                      scale: float, num_splits: int | None = None, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Paged decode attention, one query token per sequence.
+                     v_scale: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
+    """Paged decode attention, one query token per sequence (with `sliding_window` W: over its
+    last min(seq_len, W) positions only).
 
     q: [B, H, D] (bf16/fp16/fp32; last dim contiguous); kv_cache: [2, num_blocks, block_size,
     Hkv, D] (any of those dtypes, or float8_e4m3fn read times k_scale / v_scale [1] float32;
@@ -301,7 +322,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Att
     bt = attn_metadata.block_tables
     M = bt.shape[1]
     group = H // hkv
-    S = num_splits or num_decode_splits(B, hkv, M, page, q.device)
+    S = num_splits or num_decode_splits(B, hkv, M, page, q.device, sliding_window)
     kc, vc = kv_cache[0], kv_cache[1]
     bn, warps, stages = _decode_config(D, q.dtype, S)
     pdl = pdl_ok(q)
@@ -309,13 +330,14 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Att
     scales = (k_scale, v_scale) if fp8 else (q, q)
     common = dict(GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=D, PAGE=page,
                   BLOCK_N=bn, NUM_SPLITS=S, DOT_PREC=_dot_precision(q.dtype), FP8=fp8,
-                  num_warps=warps, num_stages=stages)
+                  WINDOWED=bool(sliding_window), num_warps=warps, num_stages=stages)
+    window = sliding_window or 0
     args = (q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), bt.stride(0))
     if S == 1:
         # One split: normalise in place and write the final output directly (no merge launch).
         _decode_split_kernel[(B, hkv, 1)](
             q, kc, vc, bt, attn_metadata.seq_lens, out, out, *scales, *args,
-            out.stride(0), out.stride(1), 0, 0, 0, scale * _LOG2E, DIRECT_OUT=True,
+            out.stride(0), out.stride(1), 0, 0, 0, scale * _LOG2E, window, DIRECT_OUT=True,
             USE_PDL=pdl, launch_pdl=pdl, **common)
         return out
     o_part = torch.empty(B, H, S, D, dtype=torch.float32, device=q.device)
@@ -323,7 +345,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Att
     _decode_split_kernel[(B, hkv, S)](
         q, kc, vc, bt, attn_metadata.seq_lens, o_part, lse, *scales, *args,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
-        scale * _LOG2E, DIRECT_OUT=False, USE_PDL=pdl, launch_pdl=pdl, **common)
+        scale * _LOG2E, window, DIRECT_OUT=False, USE_PDL=pdl, launch_pdl=pdl, **common)
     _decode_merge_kernel[(B, H)](
         o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
@@ -342,9 +364,10 @@ if HAS_TRITON:
             stride_qt, stride_qh, stride_ot, stride_oh,
             stride_cblk, stride_cslot, stride_ch,
             stride_btb,
-            qk_scale,
+            qk_scale, window,
             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, FP8: tl.constexpr):
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, FP8: tl.constexpr,
+            WINDOWED: tl.constexpr = False):
         pid_m = tl.program_id(0)
         b = tl.program_id(1)
         h = tl.program_id(2)
@@ -367,18 +390,23 @@ if HAS_TRITON:
             acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
             # Query row i (position ctx + m0 + i) sees keys 0..ctx + m0 + i: stop after the
             # block's last row. Column 0 is in the first tile and valid for every row, so the
-            # running max is finite from the first iteration on.
+            # running max is finite from the first iteration on. With a window, start at the
+            # first row's window start (later rows' windows start later: masked per row).
             hi = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
             if FP8:  # FP8 cache: K's scale folds into the logits' scale, V's into the output
                 qk_scale = qk_scale * tl.load(ks_ptr)
+            lo = 0
+            if WINDOWED:
+                lo = tl.maximum(ctx + m0 - window + 1, 0)
             bt_row = bt_ptr + b.to(tl.int64) * stride_btb
-            for n0 in range(0, hi, BLOCK_N):
+            for n0 in range(lo, hi, BLOCK_N):
                 n = n0 + offs_n
                 n_mask = n < hi
                 blk = tl.load(bt_row + n // PAGE, mask=n_mask, other=0).to(tl.int64)
                 off = blk * stride_cblk + (n % PAGE) * stride_cslot + kvh * stride_ch
                 m_i, l_i, acc = _attend_tile(q, kc_ptr, vc_ptr, off, offs_d, n, n_mask, ctx + offs_m,
-                                             m_i, l_i, acc, qk_scale, CAUSAL=True, DOT_PREC=DOT_PREC)
+                                             m_i, l_i, acc, qk_scale, window, CAUSAL=True,
+                                             DOT_PREC=DOT_PREC, WINDOWED=WINDOWED)
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             if FP8:
                 o = o * tl.load(vs_ptr)
@@ -400,8 +428,9 @@ def _prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, i
 
 def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
                       scale: float, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None = None,
-                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention for prefill chunks of several sequences, possibly with cached context.
+                      v_scale: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention for prefill chunks of several sequences, possibly with cached context
+    (with `sliding_window` W: query at position p sees keys p - W < k <= p only).
 
     q: [T, H, D] (new tokens of all sequences, concatenated in metadata order); kv_cache as
     in `decode_attention` (FP8 with k_scale / v_scale), already holding this step's K/V
@@ -435,7 +464,8 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: At
         q, kc, vc, out, bt, attn_metadata.seq_lens, cu, *((k_scale, v_scale) if fp8 else (q, q)),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), bt.stride(0),
-        scale * _LOG2E,
+        scale * _LOG2E, sliding_window or 0,
         GROUP=H // hkv, HEAD_DIM=D, PAGE=page, BLOCK_M=bm, BLOCK_N=bn,
-        DOT_PREC=_dot_precision(q.dtype), FP8=fp8, num_warps=warps, num_stages=stages)
+        DOT_PREC=_dot_precision(q.dtype), FP8=fp8, WINDOWED=bool(sliding_window),
+        num_warps=warps, num_stages=stages)
     return out
