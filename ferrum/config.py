@@ -114,6 +114,7 @@ class ModelConfig:
         return None
 
     def is_moe(self, layer: int) -> bool:
+        """Whether layer `layer` has a sparse MoE block instead of the dense MLP."""
         return self.moe_layers is not None and self.moe_layers[layer]
 
     @property

@@ -39,6 +39,7 @@ class KnownModel:
 
     @property
     def parts(self) -> tuple[tuple[str, str], ...]:
+        """(requirement, member) of every part, in file order."""
         return ((self.requirement, self.member), *self.more_parts)
 
     @property

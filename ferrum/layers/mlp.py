@@ -24,4 +24,5 @@ class GatedMLP(nn.Module):
         self.act_fn = get_act_and_mul(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden] (all-reduced over TP ranks unless reduce_results=False)."""
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))

@@ -120,6 +120,7 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden], summed over the TP / EP ranks (one all-reduce)."""
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
         y = self.experts(x, weights, ids)
         if self.shared_expert is not None:

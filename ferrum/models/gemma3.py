@@ -36,12 +36,16 @@ class GemmaRMSNorm(RMSNorm):
         self.weight.data.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., dim] -> new [..., dim] in x's dtype."""
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class Gemma3DecoderLayer(nn.Module):
+    """x + post_attn_norm(attn(input_norm(x))), then + post_ffw_norm(mlp(pre_ffw_norm(.))):
+    each sub-block's output is normed before its residual add (sandwich norms)."""
+
     def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, layer: int,
                  quant_config: QuantConfig | None = None):
         super().__init__()
@@ -54,11 +58,15 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """positions: [T] int64; x: [T, hidden] -> [T, hidden]."""
         x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x)))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class Gemma3Model(nn.Module):
+    """Scaled token embedding, the decoder layers (local ones on the local RoPE table, global
+    ones on the global), final norm."""
+
     def __init__(self, cfg: ModelConfig, quant_config: QuantConfig | None = None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
@@ -74,6 +82,7 @@ class Gemma3Model(nn.Module):
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] int64 -> hidden [T, hidden] (needs a forward context)."""
         x = self.embed_tokens(input_ids)
         # HF multiplies by the scale rounded to the weights' dtype (sqrt(640) in bf16 is 25.25)
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)

@@ -9,6 +9,8 @@ from ferrum.models.llama import LlamaForCausalLM
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
+    """LlamaForCausalLM whose loader first splits the fused checkpoint projections."""
+
     def split_fused_weight(self, name: str, lazy: LazyWeight) -> list[tuple[str, LazyWeight]]:
         """`...qkv_proj.weight` [(Hq + 2 Hkv) * D, hidden] -> q_proj / k_proj / v_proj row slices;
         `...gate_up_proj.weight` [2 I, hidden] -> gate_proj / up_proj; anything else as is."""
