@@ -208,3 +208,45 @@ def test_moe_qwen3_30b_layer_shape_on_gpu():
         g.replay()
         torch.cuda.synchronize()
         _assert_close(out[:4], ref, torch.bfloat16, f"qwen3-30b layer in a CUDA graph T={T}")
+
+
+def test_moe_under_quantization(tmp_path):
+    """`--quantization fp8` on an MoE model quantizes the shared expert and attention (rounded
+    to e4m3 per output channel, dequantized once on CPU) and leaves the stacked experts in the
+    model dtype, exactly the checkpoint's; a checkpoint whose config.json says its weights are
+    quantized is refused with a named error before any weight is read."""
+    import json
+    import shutil
+
+    from tiny_models import make_tiny_model
+    from ferrum.config import EngineConfig
+    from ferrum.errors import UnsupportedModelError
+    from ferrum.executor.single import SingleDeviceExecutor
+    from ferrum.model_store import resolve_model
+    folder = make_tiny_model(str(tmp_path / "m"), "qwen2_moe", num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=32, shared_expert_intermediate_size=48, seed=7)
+
+    def model(**kw):
+        cfg = EngineConfig.from_kwargs(model=folder, device="cpu", dtype="float32", num_kv_blocks=8, **kw)
+        return SingleDeviceExecutor(resolve_model(folder), cfg, progress=False).runner.model
+
+    plain, fp8 = model(), model(quantization="fp8")
+    checked = {"kept": 0, "rounded": 0}
+    for name, p in plain.named_parameters():
+        q = dict(fp8.named_parameters())[name]
+        if ".experts." in name or name.endswith(".mlp.gate.weight"):
+            assert torch.equal(p, q), f"{name} changed under --quantization fp8"
+            checked["kept"] += 1
+        elif name.endswith(("shared_expert.gate_up_proj.weight", "qkv_proj.weight")):
+            rel = ((p - q).abs().max() / p.abs().max()).item()
+            assert 0 < rel < 0.07, f"{name}: relative change {rel:.2e} is not e4m3 rounding"
+            checked["rounded"] += 1
+    assert checked == {"kept": 2 * 3, "rounded": 2 * 2}, checked   # 2 layers: w13, w2, router
+    cfg = json.load(open(os.path.join(folder, "config.json")))
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    quantized = str(tmp_path / "q")
+    shutil.copytree(folder, quantized)
+    json.dump(cfg, open(os.path.join(quantized, "config.json"), "w"))
+    with pytest.raises(UnsupportedModelError, match="mixture-of-experts checkpoints quantized with 'fp8'"):
+        SingleDeviceExecutor(resolve_model(quantized), EngineConfig.from_kwargs(
+            model=quantized, device="cpu", dtype="float32", num_kv_blocks=8), progress=False)
