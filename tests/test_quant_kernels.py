@@ -252,27 +252,13 @@ def check_sm90_compile(device: str) -> None:
     """Compile the kernels' default configurations for sm_90 (H100/H200) with Triton's bundled
     ptxas, no GPU needed: catches what the interpreter accepts but the compiler does not, and
     register spills (STACK > 0)."""
-    import subprocess as sp
-    import tempfile
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    sys.path.insert(0, os.path.dirname(HERE))
+    from test_triton_kernels import sm90_compile
     from ferrum.ops import fp8, gguf, int4
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
     def build(fn, consts, ptrs, warps, stages, what):
-        sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in fn.arg_names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                 if sig[n] != "constexpr" and n not in ("M",)}
-        k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=warps, num_stages=stages))
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            usage = sp.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-        line = next(ln for ln in usage.splitlines() if "REG:" in ln)
-        print(f"sm_90 {what}: shared {k.metadata.shared} B, {line.split()[0]}, {line.split()[1]}")
-        assert "STACK:0 " in line + " ", f"{what}: register spills: {line}"
+        sm90_compile(fn, consts, ptrs, warps, stages, what, no_hint=("M",))
 
     for M in (1, 8):
         for n, k in ((6144, 4096),):

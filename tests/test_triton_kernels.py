@@ -447,12 +447,13 @@ def check_prefill_graph(device: str) -> None:
                           f"prefill graph K/V, tokens {lo}..{hi}")
 
 
-def sm90_compile(fn, consts: dict, ptrs: dict, warps: int, stages: int, what: str) -> None:
+def sm90_compile(fn, consts: dict, ptrs: dict, warps: int, stages: int, what: str,
+                 no_hint: tuple[str, ...] = ()) -> None:
     """Compile Triton kernel `fn` for sm_90 (H100/H200) without a GPU (Triton's bundled ptxas)
     and assert no register spills and shared memory within the 227 KB an sm_90 block may use.
     consts: constexpr values; ptrs: pointer argument -> "*bf16" etc. (others are i32, or fp32
     for qk_scale / eps). Integer and pointer arguments carry the divisible-by-16 hint the JIT
-    adds at run time for such values."""
+    adds at run time for such values, except those named in `no_hint` (e.g. a row count)."""
     import subprocess as sp
     import tempfile
     import triton
@@ -463,7 +464,7 @@ def sm90_compile(fn, consts: dict, ptrs: dict, warps: int, stages: int, what: st
     for n in fn.arg_names:
         sig[n] = "constexpr" if n in consts else ptrs.get(n, "fp32" if n in ("qk_scale", "eps") else "i32")
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if sig[n] not in ("constexpr", "fp32")}
+             if sig[n] not in ("constexpr", "fp32") and n not in no_hint}
     k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=warps, num_stages=stages))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
