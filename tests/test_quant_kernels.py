@@ -400,7 +400,10 @@ def check_fp8_kv_attention(device: str) -> None:
 
     def fp8_cache(seq_lens):
         cache, bt, _ = _paged_cache(seq_lens, Hkv, D, page, torch.float32, "cpu", gen)
-        c8 = torch.stack([(cache[0] / ks).to(fp8), (cache[1] / vs).to(fp8)])  # NaN poison stays NaN
+        # saturate to e4m3's +-448 as the store kernels do (torch's cast overflows to NaN);
+        # the NaN poison of unused slots stays NaN
+        c8 = torch.stack([(cache[0] / ks).clamp(-448, 448).to(fp8),
+                          (cache[1] / vs).clamp(-448, 448).to(fp8)])
         clean = torch.nan_to_num(torch.stack([c8[0].double() * ks.double(), c8[1].double() * vs.double()]), nan=0.0)
         return c8.to(device), bt.to(device), clean
 

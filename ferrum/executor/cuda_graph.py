@@ -15,7 +15,7 @@ import logging
 import numpy as np
 import torch
 
-from ferrum.executor.model_inputs import take_prev_sampled
+from ferrum.executor.model_inputs import PinnedStaging, take_prev_sampled
 from ferrum.forward_context import AttentionMetadata, forward_context
 from ferrum.interfaces import KvCacheHandle
 
@@ -47,12 +47,9 @@ class DecodeCudaGraphs:
         self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, device=dev)
         self.block_tables = torch.zeros(max_bs, M, dtype=torch.int32, device=dev)
         self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=dev)
-        # host staging buffers, pinned so the copy is one async DMA. Two, used in turn: with
-        # async scheduling the host fills step n+1's while the copy of step n's may still be
-        # queued; step n-1's (same buffer) is done, since the engine waited for its samples.
-        self.host = torch.zeros(2, max_bs, 5 + M, dtype=torch.int64).pin_memory()
-        self.host_np = self.host.numpy()  # same memory
-        self.turn = 0
+        # host staging (pinned, two in turn: the host fills step n+1's while step n's copy
+        # may still be queued)
+        self.staging = PinnedStaging((max_bs, 5 + M), torch.device(dev))
         # token, position, slot -1 (skipped), seq_len 0, no previous-step row
         self.pad_row = torch.tensor([0, 0, -1, 0, -1])
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
@@ -136,8 +133,8 @@ class DecodeCudaGraphs:
         B = len(token_ids)
         bs = self.sizes[bisect.bisect_left(self.sizes, B)]
         M = max(len(h.block_table) for h in kv)
-        self.turn ^= 1
-        h, h_np = self.host[self.turn, :bs], self.host_np[self.turn]
+        h, h_np = self.staging.next()
+        h = h[:bs]
         # one host tensor per step: [token, position, slot, seq_len, prev row, block table...],
         # filled from one flat list through numpy (3x faster than torch.tensor on nested lists:
         # at batch 256 this is on the host's critical path every step)
@@ -152,7 +149,7 @@ class DecodeCudaGraphs:
                 flat += [0] * (M - len(bt))
         h_np[:B, :W] = np.fromiter(flat, dtype=np.int64, count=B * W).reshape(B, W)
         h[B:, :5] = self.pad_row
-        dev = h.to(self.runner.device, non_blocking=True)
+        dev = self.staging.to_device(h)
         if prev is None:
             self.input_ids[:bs].copy_(dev[:, 0])
         else:

@@ -80,3 +80,37 @@ def take_prev_sampled(ids: torch.Tensor, prev: torch.Tensor, rows: torch.Tensor)
     """Async scheduling: ids [B] with row i replaced by prev[rows[i]] where rows[i] >= 0 (the
     previous step's sampled ids, still on the device; all three tensors on one device)."""
     return torch.where(rows >= 0, prev[rows.clamp(min=0)], ids)
+
+
+class PinnedStaging:
+    """Host staging rows for the CUDA-graph paths' one-copy inputs: `count` int64 buffers of
+    `shape`, pinned on CUDA so each copy is one async DMA, used in turn. `next()` returns the
+    next buffer (as a tensor and the numpy view of the same memory) once the copy that last
+    read it has run: nothing else guarantees that, since a caller may queue steps without
+    waiting for their outputs (the GPU then runs several steps behind the host, and an
+    overwritten buffer would feed a queued copy the wrong step's inputs). `to_device(buf)`
+    queues the copy and records when it has run."""
+
+    def __init__(self, shape: tuple[int, ...], device: torch.device, count: int = 2):
+        pin = device.type == "cuda"
+        self.device = device
+        self.buffers = torch.zeros(count, *shape, dtype=torch.int64, pin_memory=pin)
+        self.arrays = self.buffers.numpy()    # same memory
+        self.copied = [torch.cuda.Event() if pin else None for _ in range(count)]
+        self.used = [False] * count
+        self.turn = 0
+
+    def next(self):
+        """(tensor, numpy array) of the next staging buffer, free to overwrite."""
+        self.turn = (self.turn + 1) % len(self.buffers)
+        if self.used[self.turn] and self.copied[self.turn] is not None:
+            self.copied[self.turn].synchronize()   # normally long done: returns at once
+        return self.buffers[self.turn], self.arrays[self.turn]
+
+    def to_device(self, buf: torch.Tensor) -> torch.Tensor:
+        """Queue the copy of `buf` (a view of the current buffer) to the device."""
+        dev = buf.to(self.device, non_blocking=True)
+        if self.copied[self.turn] is not None:
+            self.copied[self.turn].record()
+        self.used[self.turn] = True
+        return dev

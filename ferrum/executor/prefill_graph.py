@@ -23,6 +23,7 @@ import logging
 import numpy as np
 import torch
 
+from ferrum.executor.model_inputs import PinnedStaging
 from ferrum.forward_context import AttentionMetadata, forward_context
 from ferrum.interfaces import KvCacheHandle
 
@@ -59,10 +60,7 @@ class PrefillGraphInputs:
         self.last = torch.zeros(1, dtype=torch.int64, device=dev)
         # host staging, pinned on CUDA, two used in turn (the copy of the previous fill may
         # still be queued): [ids | positions | slots] (T each), block table (M), seq_len, q_len
-        pin = dev.type == "cuda"
-        self.host = torch.zeros(2, 3 * T + M + 2, dtype=torch.int64, pin_memory=pin)
-        self.host_np = self.host.numpy()
-        self.turn = 0
+        self.staging = PinnedStaging((3 * T + M + 2,), torch.device(dev))
 
     def fill(self, token_ids: list[int], kv: KvCacheHandle, bucket: int) -> None:
         """Load a chunk (token_ids continue kv's sequence after its kv.num_tokens cached
@@ -70,8 +68,7 @@ class PrefillGraphInputs:
         len(token_ids) padded: one host-to-device copy, no host sync."""
         T, M = self.max_tokens, self.max_blocks
         q, ctx, bs = len(token_ids), kv.num_tokens, kv.block_size
-        self.turn ^= 1
-        h = self.host_np[self.turn]
+        buf, h = self.staging.next()
         h[:3 * T] = 0
         h[2 * T:3 * T] = -1                          # padded rows: slot -1, nothing written
         pos = np.arange(ctx, ctx + q, dtype=np.int64)
@@ -82,7 +79,7 @@ class PrefillGraphInputs:
         h[3 * T:3 * T + M] = 0
         h[3 * T:3 * T + len(table)] = table
         h[3 * T + M:] = (ctx + q, q)
-        dev = self.host[self.turn].to(self.runner.device, non_blocking=True)
+        dev = self.staging.to_device(buf)
         self.input_ids.copy_(dev[:T])
         self.positions.copy_(dev[T:2 * T])
         self.slot_mapping.copy_(dev[2 * T:3 * T])

@@ -117,7 +117,7 @@ class Fp8LinearMethod(LinearMethod):
         layer.input_scale = shard_spec(new_param((1,), torch.float32), optional=True)
         layer.weight_scale.weight_loader = lambda p, lazy, sid=None: self._load_scale(layer, p, lazy, sid)
         layer.input_scale.weight_loader = lambda p, lazy, sid=None: p.data.copy_(
-            torch.maximum(p.data, lazy.load().float().reshape(-1)[:1]))
+            torch.maximum(p.data, lazy.load().to(p.device, torch.float32).reshape(-1)[:1]))
         if not self.config.serialized:
             layer.weight.weight_loader = lambda p, lazy, sid=None: self._quantize_on_load(layer, p, lazy, sid)
 
