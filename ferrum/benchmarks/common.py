@@ -69,15 +69,18 @@ def load_average() -> list[float] | None:
 
 
 def git_commit() -> str | None:
-    """The short commit of ferrum's checkout; outside git (a copied tree, e.g. on a GPU
-    machine) $FERRUM_GIT_COMMIT; else None."""
+    """$FERRUM_GIT_COMMIT when set (a copied tree, e.g. on a GPU machine, may carry a stale
+    .git: on the H200 run of 2026-12-01 it named 468f3b6 for c8b4a13); else the short commit
+    of ferrum's checkout; else None."""
+    if os.environ.get("FERRUM_GIT_COMMIT"):
+        return os.environ["FERRUM_GIT_COMMIT"]
     try:
         here = os.path.dirname(os.path.abspath(__file__))
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
                                 text=True, timeout=5).stdout.strip()
     except Exception:
         commit = ""
-    return commit or os.environ.get("FERRUM_GIT_COMMIT") or None
+    return commit or None
 
 
 def _proc_text(pid: int, name: str) -> str:
