@@ -46,6 +46,8 @@ from ferrum.config import ModelConfig
 from ferrum.errors import UnsupportedModelError, WeightLoadError
 from ferrum.loader.base import ModelSource
 
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+
 # GGUF `general.architecture` -> HF architecture name.
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",      # MixtralForCausalLM when it has experts
@@ -260,9 +262,10 @@ def gguf_config(reader: GGUFReader) -> ModelConfig:
         num_attention_heads=n_heads,
         num_key_value_heads=int(get("attention.head_count_kv", n_heads)),
         head_dim=head_dim,
-        max_position_embeddings=int(get("context_length", 4096)),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
+        # a key the file lacks takes ModelConfig's default (written once, there)
+        max_position_embeddings=int(get("context_length", _DEFAULTS["max_position_embeddings"])),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", _DEFAULTS["rms_norm_eps"])),
+        rope_theta=float(get("rope.freq_base", _DEFAULTS["rope_theta"])),
         rope_scaling=_gguf_rope_scaling(reader, arch, get),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
