@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from ferrum.errors import InvalidRequestError
+from ferrum.structured_output.params import StructuredOutputsParams
 
 # Temperatures below this are treated as greedy (as in vLLM): dividing logits by a near-zero
 # temperature overflows float32 to inf and the softmax becomes nan.
@@ -72,6 +73,11 @@ class SamplingParams:
     logprobs: int | None = None          # top-N logprobs per generated token (0 = chosen only)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # -- structured outputs (ferrum.structured_output): the output must match a JSON schema,
+    # JSON object, regex, choice or grammar; a dict is read as StructuredOutputsParams (vLLM's
+    # `structured_outputs`). The sampler masks every token the grammar does not allow, and the
+    # sequence stops ("stop") where the grammar is complete.
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,6 +86,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:

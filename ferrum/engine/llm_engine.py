@@ -32,6 +32,7 @@ from ferrum.interfaces import DecodeInput, KvCacheHandle, ModelExecutor, Prefill
 from ferrum.layers.sampler import Sampler, SamplingMetadata, validate_token_ids
 from ferrum.outputs import CompletionOutput, RequestOutput
 from ferrum.sampling_params import SamplingParams
+from ferrum.structured_output.manager import StructuredOutputManager
 
 log = logging.getLogger("ferrum")
 
@@ -134,6 +135,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.sampler = Sampler()
         self.vocab_size = self.model_config.vocab_size
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.stats = {"requests_finished": 0, "requests_aborted": 0, "requests_failed": 0,
@@ -149,7 +151,8 @@ class LLMEngine:
                     prompt_token_ids: list[int] | None = None) -> str:
         """Queue a request. `prompt` is text (tokenized here) or token ids.
 
-        Raises InvalidRequestError (empty prompt, token id out of range, duplicate id),
+        Raises InvalidRequestError (empty prompt, token id out of range, duplicate id, a
+        structured-outputs schema / regex / grammar that does not compile),
         PromptTooLongError (prompt >= max_model_len), OutOfKvCacheError (the request could
         never fit in the KV pool), QueueFullError (too many waiting requests)."""
         params = params or SamplingParams()
@@ -186,7 +189,9 @@ class LLMEngine:
         if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests are waiting "
                                  f"(limit {self.config.scheduler.max_waiting}); retry later")
-        req = Request(request_id, text, list(prompt_token_ids), params)
+        grammar = (self.structured.compile(params.structured_outputs)
+                   if params.structured_outputs is not None else None)
+        req = Request(request_id, text, list(prompt_token_ids), params, grammar=grammar)
         self._new_seq(req, 0)
         self.requests[request_id] = req  # only once nothing above can raise
         self.stats["prompt_tokens"] += n
@@ -197,6 +202,8 @@ class LLMEngine:
         seq.output_state = SequenceOutputState(req.params, self.tokenizer, req.prompt_token_ids,
                                                self.eos_token_ids, self.max_model_len)
         req.seqs.append(seq)
+        if req.grammar is not None:   # each of the n samples walks the grammar on its own
+            self.structured.add(seq.seq_id, req.grammar)
         if index == 0:
             self.scheduler.add(seq)
         return seq
@@ -212,6 +219,7 @@ class LLMEngine:
         return True
 
     def _drop(self, seq: Sequence) -> None:
+        self.structured.release(seq.seq_id)
         if seq.status != SequenceStatus.FINISHED:
             self.scheduler.remove(seq)
             self.executor.release_cache(seq.seq_id)
@@ -296,7 +304,8 @@ class LLMEngine:
     def _can_overlap(self) -> bool:
         """True when the next step needs nothing from the in-flight step's samples on the
         host: every running sequence was sampled in it and only decodes (their input ids are
-        taken from the device), no penalties / min_tokens / logprobs read output ids, the
+        taken from the device), no penalties / min_tokens / logprobs read output ids, no
+        grammar needs the sampled token before it computes the next mask, the
         scheduler will neither admit (no waiting request, or no free sequence slot) nor
         preempt (enough free blocks). A sequence that the in-flight token finishes gets one
         wasted row (as in vLLM); its position is still < max_model_len, since a running
@@ -378,6 +387,11 @@ class LLMEngine:
             params, [s.request.prompt_token_ids for s in sample_seqs],
             [s.output_token_ids for s in sample_seqs] if need_out else [()] * len(sample_seqs),
             [s.generator for s in sample_seqs], self.eos_token_ids, self.vocab_size, logits.device)
+        constrained = self.structured.bitmask([s.seq_id for s in sample_seqs])
+        if constrained is not None:
+            # the matcher must have seen every earlier token: such steps are never overlapped
+            assert all(sample_seqs[r].token_ids[-1] != PLACEHOLDER for r in constrained[0])
+            sampling_metadata.set_grammar_bitmask(*constrained)
         out = self.sampler(logits, sampling_metadata)
         ids, ready = out.token_ids, None
         host = ids
@@ -391,7 +405,7 @@ class LLMEngine:
             s.token_ids.append(PLACEHOLDER)
             s.sampled_row = i
         return StepInFlight(sample_seqs, positions, ids, host, ready, out.logprobs, commits,
-                            overlappable=not need_out and out.logprobs is None)
+                            overlappable=not need_out and out.logprobs is None and constrained is None)
 
     def _handles(self, seqs: list[Sequence]) -> list[KvCacheHandle]:
         return [KvCacheHandle(s.seq_id, self.block_manager.block_table(s.seq_id),
@@ -433,7 +447,10 @@ class LLMEngine:
                     req.metrics.first_token_time = now
                 seq.token_ids[pos] = tok
                 state = seq.output_state
+                grammar_ok = self.structured.accept(seq.seq_id, tok)
                 state.append(tok)
+                if not state.finished and (not grammar_ok or self.structured.is_terminated(seq.seq_id)):
+                    state.finish("stop")  # the grammar is complete: nothing but EOS could follow
                 seq.new_tokens += 1
                 if logprobs is not None and logprobs[i] is not None:
                     seq.logprobs.append(logprobs[i])
@@ -507,6 +524,7 @@ class LLMEngine:
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
+            "grammar_matchers": self.structured.num_active,
             **self.stats,
         }
 

@@ -123,6 +123,11 @@ class SequenceOutputState:
         self.finish_reason, self.stop_reason = "stop", stop
         return True
 
+    def finish(self, reason: str) -> None:
+        """End the sequence from outside the stop rules (e.g. its grammar is complete)."""
+        if not self.finished:
+            self._finish(reason, None)
+
     def _finish(self, reason: str, stop_reason: int | None) -> None:
         # A character still incomplete at the end is emitted as U+FFFD (what a one-shot
         # decode shows); after a stop string nothing more is added.

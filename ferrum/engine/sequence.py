@@ -79,6 +79,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False                    # n > 1: children created after the first prefill
     error: str | None = None                # why a step running it failed (it is then finished)
+    grammar: object | None = None           # structured outputs: a CompiledGrammar
 
     def finished(self) -> bool:
         """True when all n samples exist and are finished, or when a step failed it."""

@@ -12,8 +12,11 @@ Pipeline, per row (the order of vLLM's v1 sampler):
 4. min_tokens: while `len(output) < min_tokens`, every token that would stop the sequence (the
    EOS ids unless `ignore_eos`, and `stop_token_ids`) gets -inf. With `ignore_eos` the EOS
    does not stop, so it is not masked (as in vLLM).
+5. structured outputs: rows under a grammar get -inf on every token their bitmask does not
+   allow (the bitmask comes from `ferrum.structured_output`; one masked_fill covers all of
+   them).
    -> these are the *processed logits*; requested logprobs are the log-softmax of them.
-5. greedy rows (temperature < 1e-5, see `SamplingParams.greedy`) take the argmax.
+6. greedy rows (temperature < 1e-5, see `SamplingParams.greedy`) take the argmax.
    Other rows: divide by temperature; top-k (keep the k largest); top-p (renormalise, keep the
    smallest prefix of the sorted distribution whose mass is >= top_p; the top token is always
    kept); min-p (drop tokens with prob < min_p * max prob); sample.
@@ -92,6 +95,9 @@ class SamplingMetadata:
     presence_penalty, frequency_penalty: [B, 1] float32 and `output_counts` [B, V] float32.
     logit_bias:         [B, V] float32 (zeros where unset).
     min_tokens_rows, min_tokens_cols: [M] int64, the (row, token) pairs set to -inf.
+    grammar_rows:       [G] int64, the rows under a grammar (structured outputs), and
+    grammar_bitmask:    [G, ceil(V / 32)] int32, bit j of word w set when token 32 * w + j is
+                        allowed in that row (set with `set_grammar_bitmask`).
     generators:         B entries, a torch.Generator on the logits' device or None (global RNG).
     num_logprobs:       B entries, top-N wanted per row (None = no logprobs for that row).
     """
@@ -114,6 +120,8 @@ class SamplingMetadata:
     min_tokens_rows: torch.Tensor | None = None
     min_tokens_cols: torch.Tensor | None = None
     any_greedy: bool = True   # build() sets it; True is the safe default (rows checked)
+    grammar_rows: torch.Tensor | None = None
+    grammar_bitmask: torch.Tensor | None = None
 
     @property
     def max_num_logprobs(self) -> int | None:
@@ -198,6 +206,14 @@ class SamplingMetadata:
             md.min_tokens_cols = _to_device(cols, torch.long, device)
         return md
 
+    def set_grammar_bitmask(self, rows: list[int], bitmask: torch.Tensor) -> None:
+        """Constrain `rows` (G row indices) to the tokens their bitmask allows: bitmask is
+        [G, ceil(V / 32)] int32 on the CPU (llguidance's layout), moved to the logits' device
+        here without waiting for it."""
+        device = self.greedy.device
+        self.grammar_rows = _to_device(rows, torch.long, device)
+        self.grammar_bitmask = bitmask.to(device, non_blocking=True)
+
 
 @dataclass
 class SamplerOutput:
@@ -210,13 +226,21 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None] | None = None
 
 
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[G, W] int32 token bitmask -> [G, V] bool, True where the token is allowed (bit j of
+    word w is token 32 * w + j; the padding bits past V are dropped)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1                     # [G, W, 32]
+    return bits.flatten(1)[:, :vocab_size].bool()
+
+
 def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """Steps 1-4 of the module docstring: logit_bias, repetition, presence/frequency penalties,
-    min_tokens mask. logits: [B, V], not modified; returns [B, V] float32: a new tensor, or
-    `logits` itself when it is float32 and nothing applies (a batch-256 copy of a 128k vocab is
-    131 MB of traffic per step for nothing)."""
+    """Steps 1-5 of the module docstring: logit_bias, repetition, presence/frequency penalties,
+    min_tokens mask, grammar mask. logits: [B, V], not modified; returns [B, V] float32: a new
+    tensor, or `logits` itself when it is float32 and nothing applies (a batch-256 copy of a
+    128k vocab is 131 MB of traffic per step for nothing)."""
     if (md.logit_bias is None and md.repetition_penalty is None and md.output_counts is None
-            and md.min_tokens_rows is None):
+            and md.min_tokens_rows is None and md.grammar_rows is None):
         return logits.float()
     logits = logits.to(torch.float32, copy=True)
     if md.logit_bias is not None:
@@ -230,11 +254,14 @@ def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
                    + md.presence_penalty * (md.output_counts > 0))
     if md.min_tokens_rows is not None:
         logits[md.min_tokens_rows, md.min_tokens_cols] = float("-inf")
+    if md.grammar_rows is not None:
+        allowed = unpack_bitmask(md.grammar_bitmask, md.vocab_size)
+        logits[md.grammar_rows] = logits[md.grammar_rows].masked_fill(~allowed, float("-inf"))
     return logits
 
 
 def sampling_probs(processed: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """Step 5: the distribution each row is sampled from. processed: [B, V] float32 (output of
+    """Step 6: the distribution each row is sampled from. processed: [B, V] float32 (output of
     `process_logits`); returns [B, V] float32 probabilities, zeros on filtered-out tokens; greedy
     rows are one-hot on their argmax."""
     if md.all_greedy:
@@ -295,7 +322,8 @@ def _format_logprobs(processed: torch.Tensor, token_ids: torch.Tensor,
         if n is None:
             result.append(None)
             continue
-        entry = dict(zip(top_ids[i][:n], top_vals[i][:n]))
+        # tokens a mask ruled out (-inf) are not alternatives: a grammar may allow fewer than n
+        entry = {t: v for t, v in zip(top_ids[i][:n], top_vals[i][:n]) if v != float("-inf")}
         entry.setdefault(ids[i], chosen[i])
         result.append(entry)
     return result
@@ -307,8 +335,9 @@ class Sampler:
     logits: [B, V] float32 (any float dtype is upcast), on CPU or CUDA; not modified.
     md: `SamplingMetadata.build(...)` for the same B rows and V.
     Logprobs (when any row asks): log-softmax of the processed logits, i.e. after logit_bias,
-    penalties and the min_tokens mask but before temperature, top-k, top-p and min-p, so they
-    describe the model's (penalised) distribution rather than the truncated one sampled from.
+    penalties, the min_tokens mask and the grammar mask but before temperature, top-k, top-p
+    and min-p, so they describe the model's (penalised, constrained) distribution rather than
+    the truncated one sampled from; masked-out tokens are left out of the top-N.
     Raises ValueError when the shapes of logits and metadata disagree.
     """
 

@@ -1,0 +1,116 @@
+"""StructuredOutputsParams -> a compiled llguidance grammar, cached by the grammar's text.
+
+The grammar engine is llguidance (PyPI `llguidance`, the engine behind vLLM's `guidance`
+backend). It was chosen over xgrammar after `benchmarks/grammar_engines.py` (result in
+`benchmarks/results/grammar-engines-smollm2-cpu-*.json`): both compute a 49k-vocabulary mask in
+well under a millisecond per sequence (xgrammar faster, neither close to a decode step), but
+llguidance refuses the JSON-schema keywords it cannot enforce (`uniqueItems`, `not`,
+`if/then/else`) with an error that we pass on as a 400, where xgrammar silently accepted
+documents that violate `allOf`, `uniqueItems`, `not` and `if/then/else`; it has no
+dependencies (xgrammar pulls triton and apache-tvm-ffi); and it reads Lark grammars and regexes
+natively (vLLM's `grammar` and `regex` options).
+
+Grammar texts (llguidance's JSON grammar format, built by `LLMatcher.grammar_from_*`):
+json -> `grammar_from_json_schema` (whitespace per `StructuredOutputsParams`), json_object ->
+the schema {"type": "object"}, regex -> `grammar_from_regex`, choice -> the Lark rule
+`start: "a" | "b"` (JSON string literals), grammar -> Lark (GBNF converted by llguidance's
+`gbnf_to_lark`). llguidance writes object properties in the order the schema lists them.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+
+import llguidance
+import llguidance.hf
+from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+
+from ferrum.errors import InvalidRequestError
+from ferrum.structured_output.params import StructuredOutputsParams
+
+# JSON written on one line with Python's default separators: the model may not add whitespace.
+_COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def grammar_text(params: StructuredOutputsParams) -> str:
+    """The llguidance grammar (JSON text) for `params`. Raises InvalidRequestError (param
+    named) for a grammar llguidance's front-ends cannot read (bad GBNF, non-JSON schema)."""
+    kind, p = params.kind(), params.param
+    try:
+        if kind in ("json", "json_object"):
+            schema = params.json if kind == "json" else {"type": "object"}
+            if params.whitespace_pattern is not None:
+                options = {"whitespace_flexible": True, "whitespace_pattern": params.whitespace_pattern}
+            elif params.disable_any_whitespace:
+                options = _COMPACT_JSON
+            else:
+                options = {"whitespace_flexible": True}
+            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=options)
+        if kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(params.regex)
+        if kind == "choice":
+            return llguidance.LLMatcher.grammar_from_lark(
+                "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice))
+        return llguidance.LLMatcher.grammar_from_lark(any_to_lark(params.grammar))
+    except (ValueError, TypeError, GbnfToLarkError) as e:
+        raise InvalidRequestError(f"{p}: invalid {kind}: {e}", param=p) from e
+
+
+class CompiledGrammar:
+    """A compiled grammar: a matcher in its start state, copied for each sequence (a copy
+    costs microseconds; compiling costs milliseconds to seconds)."""
+
+    def __init__(self, prototype: "llguidance.LLMatcher"):
+        self._prototype = prototype
+
+    def matcher(self) -> "llguidance.LLMatcher":
+        """A fresh matcher in the start state, owned by one sequence."""
+        return self._prototype.deep_copy()
+
+
+class GrammarCompiler:
+    """Compiles StructuredOutputsParams for one tokenizer; keeps the last `cache_size`
+    compiled grammars, keyed by their grammar text. Thread-safe.
+
+    hf_tokenizer: a transformers tokenizer; vocab_size: the logits' width V (it may exceed the
+    tokenizer's length: ids past it are never allowed); eos_token_ids: ids that end a
+    sequence (allowed exactly where the grammar may end).
+    Building the llguidance tokenizer walks the vocabulary (about a second for 49k tokens).
+    """
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list[int], cache_size: int = 256):
+        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
+                                                      eos_token=list(eos_token_ids) or None)
+        self.vocab_size = vocab_size
+        self.cache_size = cache_size
+        self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        """Raises InvalidRequestError naming `params.param` when the schema / regex / grammar
+        is invalid or uses something llguidance does not implement (its message says what)."""
+        text = grammar_text(params)
+        with self._lock:
+            hit = self._cache.get(text)
+            if hit is not None:
+                self._cache.move_to_end(text)
+                return hit
+        error = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
+        if error and not error.startswith("WARNING"):
+            raise InvalidRequestError(f"{params.param}: cannot use this {params.kind()}: "
+                                      f"{error.strip()}", param=params.param)
+        prototype = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
+        if prototype.is_error():
+            raise InvalidRequestError(f"{params.param}: cannot use this {params.kind()}: "
+                                      f"{prototype.get_error().strip()}", param=params.param)
+        compiled = CompiledGrammar(prototype)
+        with self._lock:
+            self._cache[text] = compiled
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cache)

@@ -1,0 +1,108 @@
+"""StructuredOutputManager: the engine's grammar state, one matcher per constrained sequence.
+
+Life of a constrained sequence (driven by LLMEngine):
+  add_request -> `compile(params)` (a 400 for a bad schema before anything is queued);
+  sequence created -> `add(seq_id, grammar)` (each of the n samples gets its own matcher);
+  every step that samples it -> `bitmask(seq_ids)` gives the allowed tokens of its row
+  (one llguidance call fills every constrained row), the sampler masks the rest;
+  its token is known on the host -> `accept(seq_id, token)` advances the matcher, and
+  `is_terminated(seq_id)` says the grammar is complete and admits nothing more (the engine then
+  finishes it with finish_reason "stop");
+  finished or aborted -> `release(seq_id)`.
+A step with a constrained row is never overlapped with the next (async scheduling): the next
+mask needs this step's token in the matcher.
+
+The grammar compiler (which builds llguidance's view of the vocabulary, about a second) is
+created on the first constrained request, so engines that never see one never pay for it.
+"""
+from __future__ import annotations
+
+import logging
+
+import llguidance
+import llguidance.torch as llt
+import torch
+
+from ferrum.errors import InvalidRequestError
+from ferrum.structured_output.grammar import CompiledGrammar, GrammarCompiler
+from ferrum.structured_output.params import StructuredOutputsParams
+
+log = logging.getLogger("ferrum")
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words per row of a token bitmask: bit j of word w allows token 32 * w + j."""
+    return (vocab_size + 31) // 32
+
+
+class StructuredOutputManager:
+    """tokenizer: the engine's ferrum Tokenizer (None: constrained requests are refused);
+    vocab_size: V, the logits' width; eos_token_ids: the model's EOS ids."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._compiler: GrammarCompiler | None = None
+        self._executor = None
+        self.matchers: dict[str, object] = {}     # seq_id -> llguidance.LLMatcher
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        if self._compiler is None:
+            self._compiler = GrammarCompiler(self.tokenizer.hf, self.vocab_size, self.eos_token_ids)
+        return self._compiler
+
+    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        """Compile (or fetch from the cache). Raises InvalidRequestError naming params.param."""
+        if self.tokenizer is None:
+            raise InvalidRequestError(f"{params.param}: structured outputs need the model's "
+                                      "tokenizer, and this model has none", param=params.param)
+        return self.compiler.compile(params)
+
+    def add(self, seq_id: str, grammar: CompiledGrammar) -> None:
+        self.matchers[seq_id] = grammar.matcher()
+
+    def release(self, seq_id: str) -> None:
+        """Forget a finished or aborted sequence's matcher (no-op for unconstrained ones)."""
+        self.matchers.pop(seq_id, None)
+
+    def bitmask(self, seq_ids: list[str]) -> tuple[list[int], torch.Tensor] | None:
+        """Allowed tokens of the constrained rows among `seq_ids` (the sampler's rows).
+
+        Returns None when no row is constrained, else (rows, bitmask): rows [G] are the row
+        indices of the constrained sequences, bitmask [G, ceil(V / 32)] int32 on the CPU, bit
+        j of word w set when token 32 * w + j is allowed (llguidance's layout). EOS ids are
+        allowed exactly where the grammar may end."""
+        rows = [i for i, s in enumerate(seq_ids) if s in self.matchers]
+        if not rows:
+            return None
+        mask = torch.empty(len(rows), bitmask_width(self.vocab_size), dtype=torch.int32)
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        llt.fill_next_token_bitmask_par(
+            self._executor, [(self.matchers[seq_ids[r]], k) for k, r in enumerate(rows)], mask)
+        return rows, mask
+
+    def accept(self, seq_id: str, token_id: int) -> bool:
+        """Advance `seq_id`'s matcher by a sampled token. True for an unconstrained sequence;
+        False when the matcher rejects the token (it cannot, since the mask only allowed
+        grammar tokens, unless something upstream is broken: logged)."""
+        m = self.matchers.get(seq_id)
+        if m is None:
+            return True
+        if m.consume_token(token_id):
+            return True
+        log.error("structured output: %s: token %d rejected by its grammar: %s", seq_id,
+                  token_id, m.get_error().splitlines()[0] if m.get_error() else "")
+        return False
+
+    def is_terminated(self, seq_id: str) -> bool:
+        """The grammar is complete and admits no further token but EOS."""
+        m = self.matchers.get(seq_id)
+        return m is not None and m.is_stopped()
+
+    @property
+    def num_active(self) -> int:
+        """Matchers held: one per running constrained sequence (0 when idle: no leak)."""
+        return len(self.matchers)

@@ -1,0 +1,251 @@
+"""Structured outputs through the engine: random JSON schemas (hypothesis) produce JSON that
+validates (`jsonschema`), choice / regex / Lark / GBNF outputs match, n > 1, penalties, async
+scheduling and TP=2 keep the constraint, matchers are released on finish and abort, bad
+constraints are named errors that leave nothing behind; and the sampler's bitmask unpacking
+and masking checked against a per-token reference.
+
+Model: a tiny random Llama (vocab 49152) that carries the SmolLM2 tokenizer, so the grammar
+walks a real 49k BPE vocabulary and a step takes milliseconds. A random model writes random
+strings, so the generated schemas bound every string, array and integer: the grammar must
+then end the output, and it must end with finish_reason "stop".
+"""
+from __future__ import annotations
+
+import json
+import re
+import string
+
+import jsonschema
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ferrum import LLM, SamplingParams
+from ferrum.errors import InvalidRequestError
+from ferrum.layers.sampler import SamplingMetadata, process_logits, unpack_bitmask
+from ferrum.structured_output import StructuredOutputsParams
+from tiny_models import make_tiny_model
+
+MAX_LEN = 1024
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smollm2_tokenizer):
+    folder = str(tmp_path_factory.mktemp("structured") / "llama")
+    make_tiny_model(folder, "llama", vocab=49152, hidden=64, layers=2, max_pos=MAX_LEN, seed=3)
+    smollm2_tokenizer.hf.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    with LLM(tiny_dir, progress=False, device="cpu", max_model_len=MAX_LEN) as engine:
+        yield engine
+
+
+def _texts(outs):
+    return [c.text for o in outs for c in o.outputs]
+
+
+# ---- random schemas ---------------------------------------------------------------------------
+_names = st.text(alphabet=string.ascii_lowercase + "_", min_size=1, max_size=8)
+_leaf = st.one_of(
+    st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
+              st.integers(-100, 100), st.integers(0, 1000)),
+    st.builds(lambda lo, hi: {"type": "string", "minLength": lo, "maxLength": lo + hi},
+              st.integers(0, 3), st.integers(0, 10)),
+    st.just({"type": "boolean"}),
+    st.just({"type": "null"}),
+    st.lists(st.text(alphabet=string.ascii_letters + " -", min_size=1, max_size=8),
+             min_size=1, max_size=4, unique=True).map(lambda xs: {"enum": xs}),
+)
+
+
+@st.composite
+def _object(draw, children):
+    props = draw(st.dictionaries(_names, children, min_size=1, max_size=4))
+    required = draw(st.lists(st.sampled_from(sorted(props)), unique=True))
+    return {"type": "object", "properties": props, "required": required,
+            "additionalProperties": False}
+
+
+def _extend(children):
+    return st.one_of(
+        st.builds(lambda items, lo, extra: {"type": "array", "items": items, "minItems": lo,
+                                            "maxItems": lo + extra},
+                  children, st.integers(0, 2), st.integers(0, 2)),
+        _object(children))
+
+
+schemas = _object(st.recursive(_leaf, _extend, max_leaves=6))
+
+
+@settings(max_examples=4, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(batch=st.lists(schemas, min_size=12, max_size=12))
+def test_random_json_schemas_validate(llm, batch):
+    """12 schemas per example, run as one continuous batch, sampled (temperature 1, seeded)."""
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=600,
+                             structured_outputs=StructuredOutputsParams(json=s))
+              for i, s in enumerate(batch)]
+    outs = llm.generate(["Answer in JSON."] * len(batch), params, use_tqdm=False)
+    for schema, out in zip(batch, outs):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", (schema, c.text)
+        jsonschema.validate(json.loads(c.text), schema)
+        # one line, ", " and ": " separators (no free whitespace to loop on)
+        assert "\n" not in c.text
+    assert llm.engine.status()["grammar_matchers"] == 0
+
+
+def test_json_object_choice_regex_and_grammars(llm):
+    cases = [
+        ({"choice": ["yes", "no", 'a "quoted" one', "ünï 😀"]},
+         lambda t: t in ["yes", "no", 'a "quoted" one', "ünï 😀"]),
+        ({"regex": r"[A-Z][a-z]{2,5}-\d{3}"}, lambda t: re.fullmatch(r"[A-Z][a-z]{2,5}-\d{3}", t)),
+        ({"grammar": 'start: "(" num ("+" num)* ")"\nnum: /[0-9]{1,3}/'},
+         lambda t: re.fullmatch(r"\(\d{1,3}(\+\d{1,3})*\)", t)),
+        ({"grammar": 'root ::= "x" [ab]{2} "!"'}, lambda t: re.fullmatch(r"x[ab]{2}!", t)),   # GBNF
+    ]
+    for so, ok in cases:
+        params = SamplingParams(temperature=1.0, seed=5, n=3, max_tokens=300, structured_outputs=so)
+        (out,) = llm.generate(["Go"], params, use_tqdm=False)
+        for c in out.outputs:
+            assert c.finish_reason == "stop" and ok(c.text), (so, c.text)
+            # the grammar ended the output: no EOS token was needed (the row stopped at once)
+            assert c.token_ids[-1] not in llm.engine.eos_token_ids
+
+
+def test_json_object_accepts_any_object_only(llm):
+    """(A random model writes endless keys, so json_object is checked on the grammar.)"""
+    structured = llm.engine.structured
+    grammar = structured.compile(StructuredOutputsParams(json_object=True))
+    tok = llm.tokenizer
+    for doc, ok in (('{"a": [1, {"b": null}], "c": "d"}', True), ('[1, 2]', False), ('"s"', False)):
+        m = grammar.matcher()
+        accepted = m.consume_tokens(tok.encode(doc, add_special_tokens=False)) and m.is_accepting()
+        assert accepted == ok, doc
+
+
+def test_choice_with_greedy_logprobs_has_no_inf(llm):
+    params = SamplingParams(temperature=0, max_tokens=20, logprobs=5,
+                            structured_outputs={"choice": ["alpha", "beta"]})
+    (out,) = llm.generate(["Pick"], params, use_tqdm=False)
+    c = out.outputs[0]
+    assert c.text in ("alpha", "beta")
+    for entry in c.logprobs:
+        assert all(v > float("-inf") for v in entry.values())
+
+
+def test_n_samples_penalties_and_async_scheduling(tiny_dir, llm):
+    """Each of n samples has its own matcher; penalties apply under the mask; async scheduling
+    (which must not overlap constrained steps) gives the same greedy tokens as sync."""
+    schema = {"type": "object", "properties": {"w": {"type": "array", "items": {"enum": ["a", "b", "c"]},
+                                                     "maxItems": 6}},
+              "required": ["w"], "additionalProperties": False}
+    so = {"json": schema}
+    sampled = llm.generate(["Hi"], SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=200,
+                                                  structured_outputs=so), use_tqdm=False)[0]
+    texts = [c.text for c in sampled.outputs]
+    for t in texts:
+        jsonschema.validate(json.loads(t), schema)
+    assert len(set(texts)) > 1
+    greedy = [SamplingParams(temperature=0, max_tokens=200, structured_outputs=so,
+                             repetition_penalty=1.3, presence_penalty=0.5),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)]   # an unconstrained row
+    sync = llm.generate(["Hi", "Ho"], greedy, use_tqdm=False)
+    with LLM(tiny_dir, progress=False, device="cpu", max_model_len=MAX_LEN,
+             async_scheduling=True) as async_llm:
+        asy = async_llm.generate(["Hi", "Ho"], greedy, use_tqdm=False)
+        assert async_llm.engine.status()["grammar_matchers"] == 0
+        # (the engine asserts that no overlapped step samples a constrained row)
+        assert async_llm.engine.stats["overlapped_steps"] > 0   # the unconstrained tail overlapped
+    assert [o.outputs[0].token_ids for o in sync] == [o.outputs[0].token_ids for o in asy]
+    jsonschema.validate(json.loads(sync[0].outputs[0].text), schema)
+
+
+def test_abort_releases_matchers(llm):
+    eng = llm.engine
+    eng.add_request("a", "Hi", SamplingParams(n=2, max_tokens=50, structured_outputs={"json_object": True}))
+    for _ in range(3):
+        eng.step()
+    assert eng.status()["grammar_matchers"] == 2
+    assert eng.abort_request("a")
+    assert eng.status()["grammar_matchers"] == 0 and not eng.has_unfinished_requests()
+
+
+def test_bad_constraints_are_named_and_leave_nothing(llm):
+    eng = llm.engine
+    before = eng.status()
+    bad = [
+        ({"json": {"type": "objectx"}}, "Invalid type"),
+        ({"json": {"type": "array", "uniqueItems": True}}, "uniqueItems"),
+        ({"regex": "(unclosed"}, "regex"),
+        ({"grammar": "start: undefined_rule"}, "unknown name"),
+        ({"json": "{not json"}, "not valid JSON"),
+    ]
+    for so, msg in bad:
+        with pytest.raises(InvalidRequestError, match=msg) as info:
+            eng.add_request(None, "Hi", SamplingParams(structured_outputs=so))
+        assert info.value.param == "structured_outputs"
+    for so in ({}, {"json": {}, "regex": "a"}, {"choice": []}, {"choice": "ab"}, {"jsn": {}}):
+        with pytest.raises(InvalidRequestError) as info:
+            SamplingParams(structured_outputs=so)
+        assert info.value.param == "structured_outputs"
+    after = eng.status()
+    assert after["num_waiting"] == before["num_waiting"] == 0
+    assert after["grammar_matchers"] == 0 and not eng.has_unfinished_requests()
+
+
+def test_compiled_grammars_are_cached(llm):
+    so = StructuredOutputsParams(json={"type": "object", "properties": {"k": {"type": "integer"}}})
+    compiler = llm.engine.structured.compiler
+    first = llm.engine.structured.compile(so)
+    n = compiler.num_cached
+    again = llm.engine.structured.compile(StructuredOutputsParams(json=dict(so.json)))
+    assert again is first and compiler.num_cached == n
+
+
+def test_tp2_constrained_equals_tp1(tiny_dir, llm):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9999},
+                                               "s": {"type": "string", "maxLength": 6}},
+              "required": ["n", "s"], "additionalProperties": False}
+    params = [SamplingParams(temperature=0, max_tokens=100, structured_outputs={"json": schema}),
+              SamplingParams(temperature=0.8, seed=9, max_tokens=100, structured_outputs={"json": schema})]
+    ref = llm.generate(["Hi", "Ho"], params, use_tqdm=False)
+    with LLM(tiny_dir, progress=False, device="cpu", max_model_len=MAX_LEN,
+             tensor_parallel_size=2) as tp:
+        got = tp.generate(["Hi", "Ho"], params, use_tqdm=False)
+    assert _texts(got) == _texts(ref)
+    for t in _texts(got):
+        jsonschema.validate(json.loads(t), schema)
+
+
+# ---- the sampler's bitmask ------------------------------------------------------------------
+def test_bitmask_masks_exactly_the_disallowed_tokens():
+    g = torch.Generator().manual_seed(0)
+    batch, vocab = 5, 77                           # V not a multiple of 32: padding bits dropped
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, words), generator=g, dtype=torch.int64).to(torch.int32)
+    ref = torch.tensor([[bool((int(bitmask[r, t // 32]) >> (t % 32)) & 1) for t in range(vocab)]
+                        for r in range(2)])
+    assert torch.equal(unpack_bitmask(bitmask, vocab), ref)
+    logits = torch.randn(batch, vocab, generator=g)
+    md = SamplingMetadata.build([SamplingParams(temperature=0)] * batch, [[1]] * batch,
+                                [[]] * batch, [None] * batch, [], vocab, "cpu")
+    md.set_grammar_bitmask([1, 3], bitmask)
+    out = process_logits(logits, md)
+    for row, k in ((1, 0), (3, 1)):
+        assert torch.equal(out[row][ref[k]], logits[row][ref[k]])
+        assert torch.all(out[row][~ref[k]] == float("-inf"))
+    for row in (0, 2, 4):
+        assert torch.equal(out[row], logits[row])
