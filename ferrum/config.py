@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ferrum.errors import InvalidRequestError, UnsupportedModelError
+from ferrum.tool_parsers import TOOL_PARSERS
 
 # `--quantization` values: fp8 quantizes an unquantized checkpoint while loading; the 4-bit
 # formats only describe random weights of `dummy:` models (a real checkpoint says its format).
@@ -553,6 +554,9 @@ class EngineConfig:
     chat_template: str | None = option(None, "Jinja chat template (a file path or the "
                                        "template text) that replaces the model's (default: "
                                        "the model's own)")
+    tool_call_parser: str = option(
+        "auto", "format of the model's tool calls, read out of chat output under tool_choice "
+        "auto (auto: from the chat template's markers)", choices=("auto", *TOOL_PARSERS))
     split_special_tokens: bool = option(
         True, "encode special-token strings typed inside chat messages as text (only the "
         "template's markup yields special tokens); --no-split-special-tokens parses them as "

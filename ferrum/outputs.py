@@ -7,11 +7,12 @@ from dataclasses import dataclass, field
 @dataclass
 class CompletionOutput:
     """One sample of a request. `text` and `token_ids` are cumulative; `finish_reason` is
-    None while running, then "stop" (EOS, stop token or stop string), "length" (max_tokens
-    or max_model_len) or "error" (a step holding this request failed; see
-    `RequestOutput.error`). `logprobs[i]` maps token id -> logprob for generated token i (the chosen
-    token plus the top-N), when requested; `cumulative_logprob` is the sum of the chosen tokens'
-    logprobs then, and None when logprobs were not requested."""
+    None while running, then "stop" (EOS, stop token, stop string or the end of a structured
+    output's grammar), "length" (max_tokens or max_model_len), "tool_calls" (LLM.chat parsed
+    tool calls) or "error" (a step holding this request failed; see `RequestOutput.error`).
+    `logprobs[i]` maps token id -> logprob for generated token i (the chosen token plus the
+    top-N), when requested; `cumulative_logprob` is the sum of the chosen tokens' logprobs
+    then, and None when logprobs were not requested."""
 
     index: int
     text: str = ""
@@ -24,6 +25,9 @@ class CompletionOutput:
     num_delta_tokens: int = 0     # tokens generated since the previous output of this request
     # with logprobs: token i's text is text[ends[i-1]:ends[i]] (ends[-1] = 0); they join to `text`
     token_text_ends: list[int] | None = None
+    # LLM.chat with tools: the calls parsed from the output (OpenAI's message.tool_calls form);
+    # `text` is then the message content without them
+    tool_calls: list[dict] | None = None
 
     @property
     def finished(self) -> bool:

@@ -390,7 +390,7 @@ def test_bad_inputs(server):
     e = _err(_post(server, "/v1/chat/completions", {"model": MODEL, "messages": []}), 400)
     e = _err(_post(server, "/v1/chat/completions", {"model": MODEL, "messages": [
         {"role": "tool", "content": "x"}]}), 400)
-    assert e["param"] == "messages"
+    assert e["param"] == "messages[0].tool_call_id"
     e = _err(_post(server, "/v1/completions", {**ok, "model": "gpt-4"}), 404)
     assert "gpt-4" in e["message"] and e["type"] == "not_found_error"
     # a lone surrogate (JSON's "\ud800" escape) is not text any tokenizer encodes: 400, not 500

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 from ferrum.config import EngineConfig
 from ferrum.engine.llm_engine import LLMEngine
 from ferrum.errors import InvalidRequestError
+from ferrum.entrypoints.chat_utils import apply_tool_calls, prepare_chat
 from ferrum.outputs import RequestOutput
 from ferrum.sampling_params import SamplingParams
 
@@ -84,15 +85,34 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = False,
-             add_generation_prompt: bool = True,
+             add_generation_prompt: bool = True, *, tools: list[dict] | None = None,
+             tool_choice: str | dict | None = None, parallel_tool_calls: bool = True,
+             response_format: dict | None = None, tool_parser: str | None = None,
+             chat_template: str | None = None,
              split_special_tokens: bool | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them.
-        split_special_tokens: see Tokenizer.apply_chat_template (None: the engine's setting)."""
+        """Apply the model's chat template to one conversation or a list of them and generate.
+
+        Messages, tools, tool_choice, parallel_tool_calls and response_format as in OpenAI's
+        chat completions (`ferrum.entrypoints.chat_utils`); tool_parser: "auto" or a name in
+        `ferrum.tool_parsers.TOOL_PARSERS` (None: the engine's `tool_call_parser`). With tools,
+        each CompletionOutput's `tool_calls` holds the parsed calls (OpenAI form) and `text`
+        the remaining content. split_special_tokens: see Tokenizer.apply_chat_template (None:
+        the engine's setting). Raises InvalidRequestError naming the bad field."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
-                                                      split_special_tokens=split_special_tokens)
-                   for c in convs]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        params = sampling_params or SamplingParams()
+        parser = self.engine.config.tool_call_parser if tool_parser is None else tool_parser
+        chats = [prepare_chat(self.tokenizer, c, tools=tools, tool_choice=tool_choice,
+                              parallel_tool_calls=parallel_tool_calls,
+                              response_format=response_format, tool_parser=parser,
+                              add_generation_prompt=add_generation_prompt,
+                              chat_template=chat_template,
+                              split_special_tokens=split_special_tokens) for c in convs]
+        outs = self.generate([c.prompt_token_ids for c in chats],
+                             [c.sampling_params(params) for c in chats], use_tqdm=use_tqdm)
+        for chat, out in zip(chats, outs):
+            for completion in out.outputs:
+                apply_tool_calls(chat.tool_parser, completion)
+        return outs
 
     def shutdown(self) -> None:
         """Stop the engine: worker ranks exit and device memory is freed."""

@@ -250,11 +250,14 @@ class Tokenizer:
         return self.hf.convert_ids_to_tokens(list(ids))
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    chat_template: str | None = None) -> str:
+                    chat_template: str | None = None, **template_kwargs) -> str:
         """The prompt text for `messages` ([{"role": ..., "content": str | text parts}]).
-        `chat_template` overrides the model's. Raises InvalidRequestError when there is no
-        template, a message is malformed, or the template rejects the conversation."""
-        return self._render(self._messages(messages), add_generation_prompt, chat_template)
+        `chat_template` overrides the model's; `template_kwargs` (e.g. `tools`, OpenAI function
+        tools) reach the template as `apply_chat_template(..., tools=...)` passes them. Raises
+        InvalidRequestError when there is no template, a message is malformed, or the template
+        rejects the conversation."""
+        return self._render(self._messages(messages), add_generation_prompt, chat_template,
+                            **template_kwargs)
 
     def _messages(self, messages: list[dict]) -> list[dict]:
         """Validated messages with text parts joined (see _flatten_content)."""

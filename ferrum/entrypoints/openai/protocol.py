@@ -1,22 +1,29 @@
 """Request bodies of the OpenAI-compatible API (pydantic 2) and their mapping to SamplingParams.
 
 Every model forbids unknown fields (`extra="forbid"`): a field ferrum does not implement
-(`best_of`, `suffix`, `tools`, `response_format`, ...) is answered with HTTP 400 naming it,
-never silently ignored. Value ranges (temperature >= 0, top_p in (0, 1], ...) are checked by
-`SamplingParams`, which raises InvalidRequestError with the offending parameter.
+(`best_of`, `suffix`, ...) is answered with HTTP 400 naming it, never silently ignored. Value
+ranges (temperature >= 0, top_p in (0, 1], ...) are checked by `SamplingParams`, which raises
+InvalidRequestError with the offending parameter; messages, tools, tool_choice and
+response_format by `ferrum.entrypoints.chat_utils` (one checker for every API that takes
+them), which names the field's path.
 
 Field semantics follow the OpenAI API reference (completions, chat completions); the extra
 sampling fields `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`,
-`min_tokens`, `include_stop_str_in_output`, `skip_special_tokens` follow vLLM.
+`min_tokens`, `include_stop_str_in_output`, `skip_special_tokens` follow vLLM, and so do the
+structured-output fields: `structured_outputs` (vLLM's current name: {"json" | "regex" |
+"choice" | "grammar" | "json_object": ...}) and the older `guided_json`, `guided_regex`,
+`guided_choice`, `guided_grammar`, accepted as aliases (one constraint per request).
 """
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from ferrum.entrypoints.chat_utils import response_format_constraint
 from ferrum.errors import InvalidRequestError
 from ferrum.sampling_params import MAX_LOGPROBS, SamplingParams
+from ferrum.structured_output import StructuredOutputsParams
 
 
 class _Strict(BaseModel):
@@ -52,6 +59,29 @@ class _SamplingFields(_Strict):
     return_tokens_as_token_ids: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # structured outputs (vLLM); response_format (OpenAI) is read by each request type
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    response_format: dict[str, Any] | None = None
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The constraint given by `structured_outputs` or one guided_* alias (None if none).
+        Raises InvalidRequestError naming the field when two are given or one is invalid."""
+        given = [(name, getattr(self, name)) for name in (
+            "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+            if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise InvalidRequestError(f"give one of {given[0][0]} and {given[1][0]}, not both",
+                                      param=given[1][0])
+        if not given:
+            return None
+        name, value = given[0]
+        if name == "structured_outputs":
+            return StructuredOutputsParams.from_dict(value)
+        return StructuredOutputsParams(**{name.removeprefix("guided_"): value}, param=name)
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """SamplingParams for this request. Raises InvalidRequestError (param named)."""
@@ -70,7 +100,8 @@ class _SamplingFields(_Strict):
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self._structured_outputs())
 
     @property
     def include_usage(self) -> bool:
@@ -98,7 +129,14 @@ class CompletionRequest(_SamplingFields):
             # OpenAI then returns logprobs of the prompt tokens too; ferrum does not compute them.
             raise InvalidRequestError("echo together with logprobs is not supported (prompt "
                                       "logprobs are not computed)", param="echo")
-        return self._params(max_tokens, self.logprobs)
+        params = self._params(max_tokens, self.logprobs)
+        fmt = response_format_constraint(self.response_format)
+        if fmt is not None:
+            if params.structured_outputs is not None:
+                raise InvalidRequestError(f"response_format cannot be combined with "
+                                          f"{params.structured_outputs.param}", param="response_format")
+            params.structured_outputs = fmt
+        return params
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of single prompts (text or token ids). Raises
@@ -113,27 +151,17 @@ class CompletionRequest(_SamplingFields):
         return [x if isinstance(x, str) else list(x) for x in p]
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
-
-    def as_dict(self) -> dict:
-        c = self.content
-        return {"role": self.role,
-                "content": c if isinstance(c, str) else [p.model_dump() for p in c]}
-
-
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions. `logprobs`: return the chosen token's logprob; `top_logprobs`
     (0..20, needs logprobs) adds that many alternatives. `max_completion_tokens` is the newer
-    name of `max_tokens`; without either the answer may run to max_model_len."""
+    name of `max_tokens`; without either the answer may run to max_model_len. `messages`,
+    `tools`, `tool_choice`, `parallel_tool_calls`, `response_format`: OpenAI's, checked by
+    `ferrum.entrypoints.chat_utils.prepare_chat`."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[Any] = Field(min_length=1)
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -166,7 +194,8 @@ class TokenizeRequest(_Strict):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[Any] | None = None
+    tools: list[Any] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     split_special_tokens: bool | None = None

@@ -41,6 +41,7 @@ from starlette.responses import JSONResponse, Response
 from uvicorn.config import LOGGING_CONFIG
 
 from ferrum.engine.async_engine import AsyncLLMEngine
+from ferrum.entrypoints.chat_utils import prepare_chat
 from ferrum.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                 DetokenizeRequest, TokenizeRequest)
 from ferrum.entrypoints.openai.serving import OpenAIServing, error_body, ferrum_error_body
@@ -206,9 +207,9 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | Non
         if body.prompt is not None:
             ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
-            ids = tok.apply_chat_template([m.as_dict() for m in body.messages],
-                                          add_generation_prompt=body.add_generation_prompt,
-                                          split_special_tokens=body.split_special_tokens)
+            ids = prepare_chat(tok, body.messages, tools=body.tools,
+                               add_generation_prompt=body.add_generation_prompt,
+                               split_special_tokens=body.split_special_tokens).prompt_token_ids
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
     @app.post("/detokenize")

@@ -23,12 +23,14 @@ from starlette.responses import JSONResponse, StreamingResponse
 from ferrum.engine.async_engine import AsyncLLMEngine
 from ferrum.entrypoints.openai.logprobs import (TokenFormatter, chat_logprobs, completion_logprobs,
                                                 ready_tokens, token_texts)
+from ferrum.entrypoints.chat_utils import prepare_chat
 from ferrum.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from ferrum.errors import (FerrumError, InvalidRequestError, ModelNotFoundError, PromptTooLongError,
                            RequestFailedError, check_prompt_len)
 from ferrum.metrics import Metrics
 from ferrum.outputs import RequestOutput
 from ferrum.sampling_params import SamplingParams
+from ferrum.tool_parsers import ToolCallStreamer, ToolParser
 
 
 class ClientDisconnectedError(FerrumError):
@@ -105,13 +107,15 @@ class OpenAIServing:
     """The handlers behind /v1/completions and /v1/chat/completions.
 
     engine: a running AsyncLLMEngine. model_names: names accepted in `model` (the first is
-    reported in responses). metrics: where latencies and token counts go.
+    reported in responses). metrics: where latencies and token counts go. Tool calls under
+    tool_choice "auto" are read with the engine's `tool_call_parser` (see `ferrum.tool_parsers`).
     """
 
     def __init__(self, engine: AsyncLLMEngine, model_names: list[str], metrics: Metrics):
         self.engine = engine
         self.model_names = model_names
         self.metrics = metrics
+        self.tool_parser = engine.engine.config.tool_call_parser
         self.tokenizer = engine.tokenizer
         self.fmt = TokenFormatter(self.tokenizer)
 
@@ -308,35 +312,36 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         t0 = time.perf_counter()
         model = self.check_model(req.model)
-        if self.tokenizer is None:
-            raise InvalidRequestError("this model has no tokenizer, so it cannot chat; use "
-                                      "/v1/completions with token ids", param="messages")
-        ids = self.tokenizer.apply_chat_template([m.as_dict() for m in req.messages],
-                                                 add_generation_prompt=req.add_generation_prompt,
-                                                 split_special_tokens=req.split_special_tokens)
+        chat = prepare_chat(self.tokenizer, req.messages, tools=req.tools,
+                            tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
+                            response_format=req.response_format, tool_parser=self.tool_parser,
+                            add_generation_prompt=req.add_generation_prompt,
+                            split_special_tokens=req.split_special_tokens)
+        ids = chat.prompt_token_ids
         prompts = [_Prompt(None, ids)]
         requested = req.requested_max_tokens()
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        params = req.sampling_params(self._max_tokens(len(ids), requested, param))
+        params = chat.sampling_params(req.sampling_params(self._max_tokens(len(ids), requested, param)))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._start(rid, prompts, [params])
         top_n = req.top_logprobs or 0
         if req.stream:
             return StreamingResponse(self._stream_errors(
-                self._chat_stream(rid, model, req, prompts, streams, t0, top_n)),
+                self._chat_stream(rid, model, req, prompts, streams, t0, top_n, chat.tool_parser)),
                 media_type="text/event-stream")
         (out,) = await self._collect(streams, t0, raw)
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+        choices = [{"index": c.index, **chat_message(chat.tool_parser, c.text, c.finish_reason),
                     "logprobs": (chat_logprobs(
                         self.fmt, c.token_ids, c.logprobs or [],
                         token_texts(c.text, c.token_text_ends, 0, len(c.token_ids)), top_n,
-                        req.return_tokens_as_token_ids) if req.logprobs else None),
-                    "finish_reason": c.finish_reason} for c in out.outputs]
+                        req.return_tokens_as_token_ids) if req.logprobs else None)}
+                   for c in out.outputs]
         ntok = sum(len(c.token_ids) for c in out.outputs)
         return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
                              "model": model, "choices": choices, "usage": self._usage(prompts, ntok)})
 
-    async def _chat_stream(self, rid, model, req: ChatCompletionRequest, prompts, streams, t0, top_n):
+    async def _chat_stream(self, rid, model, req: ChatCompletionRequest, prompts, streams, t0, top_n,
+                           tool_parser: ToolParser | None):
         created = int(time.time())
 
         def chunk(index, delta, logprobs=None, finish_reason=None):
@@ -347,6 +352,7 @@ class OpenAIServing:
 
         for j in range(req.n):  # the role comes first, as OpenAI sends it
             yield chunk(j, {"role": "assistant", "content": ""})
+        streamers = {j: ToolCallStreamer(tool_parser) for j in range(req.n)} if tool_parser else {}
         sent_tokens: dict[int, int] = {}
         streamed: dict[int, int] = {}       # choice index -> characters already streamed
         finished: set[int] = set()
@@ -367,12 +373,40 @@ class OpenAIServing:
                                     token_texts(c.text, c.token_text_ends, start, ready), top_n,
                                     req.return_tokens_as_token_ids) if req.logprobs else None)
                 sent_tokens[c.index] = ready
+                content, calls = c.delta_text, []
+                finish_reason = c.finish_reason
+                streamer = streamers.get(c.index)
+                if streamer is not None:
+                    content, calls = streamer.feed(c.delta_text)
+                    if c.finished:
+                        more_content, more_calls = streamer.finish()
+                        content, calls = content + more_content, calls + more_calls
+                        if streamer.called and finish_reason == "stop":
+                            finish_reason = "tool_calls"
                 if c.finished:
                     finished.add(c.index)
                     ntok += len(c.token_ids)
-                delta = {"content": c.delta_text} if c.delta_text else {}
-                yield chunk(c.index, delta, lp, c.finish_reason)
+                delta = {"content": content} if content else {}
+                if calls:
+                    delta["tool_calls"] = calls
+                if not delta and not c.finished and lp is None:
+                    continue
+                yield chunk(c.index, delta, lp, finish_reason)
         if req.include_usage:
             yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                         "model": model, "choices": [], "usage": self._usage(prompts, ntok)})
         yield _sse("[DONE]")
+
+
+def chat_message(tool_parser: ToolParser | None, text: str, finish_reason: str | None) -> dict:
+    """{"message": {...}, "finish_reason": ...} of a finished chat choice: with a tool parser,
+    the calls found in `text` go to message.tool_calls (content: the rest, or null) and
+    finish_reason "stop" becomes "tool_calls"."""
+    message = {"role": "assistant", "content": text}
+    if tool_parser is not None:
+        content, calls = tool_parser.extract(text)
+        if calls:
+            message = {"role": "assistant", "content": content,
+                       "tool_calls": [call.to_openai() for call in calls]}
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+    return {"message": message, "finish_reason": finish_reason}

@@ -1,0 +1,397 @@
+"""OpenAI chat requests -> what the engine runs: prompt ids, the output constraint, a tool parser.
+
+Shared by the HTTP server (`/v1/chat/completions`), the offline `LLM.chat` and any other API
+built on chat (Responses): each validates its request with these functions, so a bad value gets
+the same named error everywhere (InvalidRequestError, `param` = the field's path, e.g.
+"messages[2].tool_call_id", "tools[0].function.name", "tool_choice").
+
+Messages follow the OpenAI chat format: roles system, developer (given to the template as
+system), user, assistant, tool; `name`; assistant `content: null` with `tool_calls`; `tool`
+messages with `tool_call_id`; content as a string or a list of text parts (joined with
+newlines; image / audio / file parts are refused: ferrum's models take text only). Unknown
+keys inside a message are ignored, as vLLM does. Tool calls reach the chat template the way
+Hugging Face's `apply_chat_template(messages, tools=...)` expects them: `function.arguments`
+as a dict (transformers' chat-template docs; vLLM does the same), tools in OpenAI's
+{"type": "function", "function": {...}} form.
+
+A template that never mentions `tools` (SmolLM2's, for one) gets ferrum's tool prompt instead:
+the tools are listed in the system message, past calls are written into the assistant message
+as <tool_call> blocks and tool results go back as <tool_response> blocks in a user message:
+the Hermes layout, which the hermes parser reads back.
+
+tool_choice (OpenAI): "none" (tools are left out of the prompt and nothing is parsed), "auto"
+(default with tools: the model's own format is parsed), "required" (constrained decoding to a
+JSON array of {"name", "parameters"} calls built from the tools' parameter schemas), or
+{"type": "function", "function": {"name": ...}} (constrained to that function's parameter
+schema). `parallel_tool_calls: false` allows one call.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass
+
+from ferrum.errors import InvalidRequestError
+from ferrum.sampling_params import SamplingParams
+from ferrum.structured_output import StructuredOutputsParams
+from ferrum.tool_parsers import NamedToolParser, RequiredToolParser, ToolParser, tool_parser_class
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# content part types that carry something other than text (OpenAI chat + Responses names)
+NON_TEXT_PARTS = ("image_url", "input_image", "image", "input_audio", "audio", "file",
+                  "input_file", "video_url", "video")
+# OpenAI's rule for function names
+_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+
+
+def _bad(param: str, msg: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{param}: {msg}", param=param)
+
+
+def _content_text(content, where: str) -> str | None:
+    """A message's content as text: a string, None, or a list of text parts."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(where, f"must be a string or a list of content parts, got {type(content).__name__}")
+    texts = []
+    for j, part in enumerate(content):
+        here = f"{where}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in NON_TEXT_PARTS:
+            raise _bad(here, f"is a {kind} part, but this model takes text only")
+        if kind in ("text", "input_text", "output_text") and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "refusal" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])
+        else:
+            raise _bad(here, "must be a text part {\"type\": \"text\", \"text\": ...}")
+    return "\n".join(texts)
+
+
+def _arguments(value, where: str) -> dict:
+    """A past call's `function.arguments` (OpenAI sends a JSON string) as a dict."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise _bad(where, f"is not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise _bad(where, "must be a JSON object")
+    return value
+
+
+def _tool_calls(calls, where: str) -> list[dict]:
+    if not isinstance(calls, list):
+        raise _bad(where, "must be a list")
+    out = []
+    for j, call in enumerate(calls):
+        here = f"{where}[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise _bad(here, "must be {\"id\", \"type\": \"function\", \"function\": {\"name\", \"arguments\"}}")
+        if call.get("type", "function") != "function":
+            raise _bad(f"{here}.type", f"must be \"function\", got {call.get('type')!r}")
+        if call.get("id") is not None and not isinstance(call["id"], str):
+            raise _bad(f"{here}.id", "must be a string")
+        entry = {"type": "function", "function": {
+            "name": fn["name"], "arguments": _arguments(fn.get("arguments"), f"{here}.function.arguments")}}
+        if call.get("id") is not None:
+            entry["id"] = call["id"]
+        out.append(entry)
+    return out
+
+
+def parse_messages(messages) -> list[dict]:
+    """OpenAI chat messages -> messages for the chat template (see the module docstring).
+    Raises InvalidRequestError naming the message and field."""
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "must be a non-empty list of messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(where, "must be an object with a role")
+        role = m.get("role")
+        if role not in ROLES:
+            raise _bad(f"{where}.role", f"must be one of {', '.join(ROLES)}; got {role!r}")
+        content = _content_text(m.get("content"), f"{where}.content")
+        msg = {"role": "system" if role == "developer" else role, "content": content}
+        if m.get("name") is not None:
+            if not isinstance(m["name"], str):
+                raise _bad(f"{where}.name", "must be a string")
+            msg["name"] = m["name"]
+        if role == "assistant":
+            if m.get("tool_calls"):
+                msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+        elif m.get("tool_calls"):
+            raise _bad(f"{where}.tool_calls", "only assistant messages carry tool calls")
+        elif content is None:
+            raise _bad(f"{where}.content", f"is required for {role} messages")
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]:
+                raise _bad(f"{where}.tool_call_id", "is required for tool messages (the id of "
+                                                    "the call this answers)")
+            msg["tool_call_id"] = m["tool_call_id"]
+        out.append(msg)
+    return out
+
+
+def parse_tools(tools) -> list[dict] | None:
+    """OpenAI `tools` (function tools) -> the same list, checked and with `parameters`
+    defaulted to an empty object schema. Raises InvalidRequestError naming the tool."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not tools:
+        raise _bad("tools", "must be a non-empty list of tools (leave it out for none)")
+    out, seen = [], set()
+    for i, t in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function":
+            raise _bad(f"{where}.type", "only function tools ({\"type\": \"function\", "
+                                        "\"function\": {...}}) are supported")
+        fn = t.get("function")
+        if not isinstance(fn, dict):
+            raise _bad(f"{where}.function", "must be an object with a name")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise _bad(f"{where}.function.name", f"must be 1-64 letters, digits, '_' or '-'; got {name!r}")
+        if name in seen:
+            raise _bad(f"{where}.function.name", f"{name!r} is defined twice")
+        seen.add(name)
+        params = fn.get("parameters")
+        if params is None:
+            params = {"type": "object", "properties": {}}
+        if not isinstance(params, dict):
+            raise _bad(f"{where}.function.parameters", "must be a JSON schema object")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise _bad(f"{where}.function.description", "must be a string")
+        out.append({"type": "function", "function": {**{k: v for k, v in fn.items() if v is not None},
+                                                     "parameters": params}})
+    return out
+
+
+def parse_tool_choice(tool_choice, tools: list[dict] | None) -> str | dict:
+    """"none" | "auto" | "required" | {"type": "function", "function": {"name"}} (OpenAI);
+    None means "auto" with tools, else "none". Raises InvalidRequestError (param
+    "tool_choice") for other values, a mode that needs tools without them, or an unknown name."""
+    if tool_choice is None:
+        return "auto" if tools else "none"
+    if tool_choice in ("none", "auto", "required"):
+        if tool_choice != "none" and not tools:
+            raise _bad("tool_choice", f"{tool_choice!r} needs tools")
+        return tool_choice
+    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    if not (isinstance(fn, dict) and tool_choice.get("type") == "function"
+            and isinstance(fn.get("name"), str)):
+        raise _bad("tool_choice", "must be \"none\", \"auto\", \"required\" or {\"type\": "
+                                  "\"function\", \"function\": {\"name\": ...}}")
+    names = [t["function"]["name"] for t in tools or []]
+    if fn["name"] not in names:
+        raise _bad("tool_choice", f"names function {fn['name']!r}, which is not among the "
+                                  f"tools ({', '.join(names) or 'none given'})")
+    return {"type": "function", "function": {"name": fn["name"]}}
+
+
+def _lift_defs(schema: dict, defs: dict) -> dict:
+    """Move a parameter schema's $defs / definitions into `defs` (the combined schema's root,
+    where its "#/$defs/..." references resolve). Raises InvalidRequestError on a name two tools
+    define differently."""
+    schema = dict(schema)
+    for key in ("$defs", "definitions"):
+        for name, d in (schema.pop(key, None) or {}).items():
+            if defs.setdefault(key, {}).setdefault(name, d) != d:
+                raise _bad("tools", f"two tools define {key}/{name} differently")
+    return schema
+
+
+def tool_choice_constraint(tools: list[dict], tool_choice, parallel_tool_calls: bool = True
+                           ) -> StructuredOutputsParams | None:
+    """The JSON schema that tool_choice "required" / a named function imposes (None for
+    "none" / "auto"). Required: an array of 1 (or, with parallel_tool_calls, more) objects
+    {"name": one tool's name, "parameters": that tool's parameter schema}, name first."""
+    if not isinstance(tool_choice, dict) and tool_choice != "required":
+        return None
+    if isinstance(tool_choice, dict):
+        name = tool_choice["function"]["name"]
+        params = next(t["function"]["parameters"] for t in tools if t["function"]["name"] == name)
+        return StructuredOutputsParams(json=params, param="tool_choice")
+    defs: dict = {}
+    variants = [{"type": "object",
+                 "properties": {"name": {"const": t["function"]["name"]},
+                                "parameters": _lift_defs(t["function"]["parameters"], defs)},
+                 "required": ["name", "parameters"], "additionalProperties": False}
+                for t in tools]
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": variants}, **defs}
+    if not parallel_tool_calls:
+        schema["maxItems"] = 1
+    return StructuredOutputsParams(json=schema, param="tool_choice")
+
+
+def response_format_constraint(response_format) -> StructuredOutputsParams | None:
+    """OpenAI `response_format`: {"type": "text"} (None), {"type": "json_object"}, or
+    {"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}.
+    Raises InvalidRequestError (param "response_format")."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True, param="response_format")
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict):
+            raise _bad("response_format", "json_schema needs a \"json_schema\" object with "
+                                          "\"name\" and \"schema\"")
+        schema = spec.get("schema", {"type": "object"})   # OpenAI: schema is optional
+        if not isinstance(schema, dict):
+            raise _bad("response_format", "json_schema.schema must be a JSON schema object")
+        return StructuredOutputsParams(json=schema, param="response_format")
+    raise _bad("response_format", f"type must be text, json_object or json_schema; got {kind!r}")
+
+
+def template_takes_tools(template: str | None) -> bool:
+    """Whether a chat template reads the `tools` variable (else ferrum's tool prompt is used)."""
+    return bool(template) and re.search(r"\btools\b", template) is not None
+
+
+def _tool_prompt(tools: list[dict]) -> str:
+    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("You can call functions to answer. Their JSON signatures are listed between <tools> "
+            f"and </tools>:\n<tools>\n{listing}\n</tools>\n"
+            "To call functions, reply with one JSON object per call, each between <tool_call> "
+            "and </tool_call>:\n<tool_call>\n"
+            '{"name": "<function name>", "arguments": {<the arguments as a JSON object>}}\n'
+            "</tool_call>")
+
+
+def _hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """Messages for a template without tool support: tools into the system message, calls and
+    results written out as <tool_call> / <tool_response> text (see the module docstring)."""
+    out: list[dict] = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = "\n".join("<tool_call>\n" + json.dumps(
+                {"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                ensure_ascii=False) + "\n</tool_call>" for c in m["tool_calls"])
+            text = "\n".join(x for x in (m.get("content"), calls) if x)
+            m = {k: v for k, v in m.items() if k != "tool_calls"} | {"content": text}
+        elif m["role"] == "tool":
+            block = f"<tool_response>\n{m['content']}\n</tool_response>"
+            if out and out[-1].get("_tool_results"):     # consecutive results: one user turn
+                out[-1]["content"] += "\n" + block
+                continue
+            m = {"role": "user", "content": block, "_tool_results": True}
+        out.append(m)
+    for m in out:
+        m.pop("_tool_results", None)
+    if tools:
+        prompt = _tool_prompt(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+@dataclass
+class ChatPrompt:
+    """A chat request made ready for the engine.
+
+    prompt_token_ids: the rendered conversation.
+    structured_outputs: the constraint tool_choice or response_format asks for (None if none).
+    tool_parser: reads tool calls out of each choice's text (None: the text is all content).
+    skip_special_tokens: False when the parser needs marker tokens that are special tokens
+        (Mistral's [TOOL_CALLS], Llama's <|python_tag|>) to survive detokenization.
+    """
+
+    prompt_token_ids: list[int]
+    structured_outputs: StructuredOutputsParams | None = None
+    tool_parser: ToolParser | None = None
+    skip_special_tokens: bool | None = None
+
+    def sampling_params(self, params: SamplingParams) -> SamplingParams:
+        """`params` with this chat's constraint and detokenization applied (a copy). Raises
+        InvalidRequestError when params already carry a constraint (structured_outputs /
+        guided_*) and tool_choice or response_format asks for another one."""
+        changes: dict = {}
+        if self.structured_outputs is not None:
+            if params.structured_outputs is not None:
+                p = self.structured_outputs.param
+                raise _bad(p, f"cannot be combined with {params.structured_outputs.param}: "
+                              "give one output constraint")
+            changes["structured_outputs"] = self.structured_outputs
+        if self.skip_special_tokens is not None:
+            changes["skip_special_tokens"] = self.skip_special_tokens
+        return dataclasses.replace(params, **changes) if changes else params
+
+
+def prepare_chat(tokenizer, messages, *, tools=None, tool_choice=None,
+                 parallel_tool_calls: bool = True, response_format=None,
+                 tool_parser: str = "auto", add_generation_prompt: bool = True,
+                 chat_template: str | None = None,
+                 split_special_tokens: bool | None = None) -> ChatPrompt:
+    """OpenAI chat fields -> ChatPrompt (prompt ids, constraint, tool parser).
+
+    tokenizer: ferrum Tokenizer (None: InvalidRequestError, chat needs one). tool_parser:
+    "auto" (from the chat template, `ferrum.tool_parsers.detect_tool_parser`) or a name in
+    `ferrum.tool_parsers.TOOL_PARSERS`. split_special_tokens: see
+    `Tokenizer.apply_chat_template` (None: the tokenizer's setting). Raises InvalidRequestError
+    naming the bad field."""
+    if tokenizer is None:
+        raise _bad("messages", "this model has no tokenizer, so it cannot chat; use "
+                               "/v1/completions with token ids")
+    msgs = parse_messages(messages)
+    tools = parse_tools(tools)
+    choice = parse_tool_choice(tool_choice, tools)
+    if not isinstance(parallel_tool_calls, bool):
+        raise _bad("parallel_tool_calls", "must be a boolean")
+    constraint = tool_choice_constraint(tools, choice, parallel_tool_calls) if tools else None
+    fmt = response_format_constraint(response_format)
+    if constraint is not None and fmt is not None:
+        raise _bad("response_format", "cannot be combined with tool_choice \"required\" or a "
+                                      "named function (the call's arguments are the output)")
+    template = chat_template or tokenizer.chat_template
+    offered = tools if choice != "none" else None
+    if not template_takes_tools(template) and (offered or any(
+            m.get("tool_calls") or m["role"] == "tool" for m in msgs)):
+        msgs, offered = _hermes_messages(msgs, offered), None
+    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
+                                        chat_template=chat_template, tools=offered,
+                                        split_special_tokens=split_special_tokens)
+    max_calls = None if parallel_tool_calls else 1
+    parser, skip = None, None
+    if choice == "required":
+        parser = RequiredToolParser(max_calls)
+    elif isinstance(choice, dict):
+        parser = NamedToolParser(choice["function"]["name"], max_calls)
+    elif choice == "auto" and fmt is None:
+        parser = tool_parser_class(tool_parser, template)(max_calls)
+        if any(_is_special_token(tokenizer, m) for m in parser.markers):
+            skip = False
+    return ChatPrompt(ids, constraint or fmt, parser, skip)
+
+
+def _is_special_token(tokenizer, text: str) -> bool:
+    """Whether `text` is one added token marked special (decoding with skip_special_tokens
+    would drop it)."""
+    added = getattr(tokenizer.hf, "added_tokens_decoder", {}) or {}
+    return any(t.content == text and t.special for t in added.values())
+
+
+def apply_tool_calls(parser: ToolParser | None, output) -> None:
+    """Offline API: parse a CompletionOutput's text in place: `text` becomes the message
+    content, `tool_calls` the calls in OpenAI form, finish_reason "tool_calls" when there are
+    calls and the model stopped by itself."""
+    if parser is None:
+        return
+    content, calls = parser.extract(output.text)
+    if calls:
+        output.text = content or ""
+        output.tool_calls = [c.to_openai() for c in calls]
+        if output.finish_reason == "stop":
+            output.finish_reason = "tool_calls"
