@@ -11,6 +11,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from tiny_models import make_tiny_model
 
 KEY = "sk-test-key"
 MODEL = "tiny"
-MAX_MODEL_LEN = 256
+MAX_MODEL_LEN = 768   # room for a tool prompt
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 
 
@@ -39,7 +40,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, smollm2_tokenizer):
     folder = str(tmp_path_factory.mktemp("tiny_server"))
-    make_tiny_model(folder, "llama", vocab=49152, hidden=64, layers=2, max_pos=512, seed=3)
+    make_tiny_model(folder, "llama", vocab=49152, hidden=64, layers=2, max_pos=1024, seed=3)
     smollm2_tokenizer.hf.save_pretrained(folder)
     return folder
 
@@ -416,12 +417,13 @@ def test_errors_through_the_openai_client(client):
 
 
 def test_context_length_errors_give_the_numbers(server):
-    long_prompt = [100] * 250
+    n = MAX_MODEL_LEN - 6
+    long_prompt = [100] * n
     e = _err(_post(server, "/v1/completions", {"model": MODEL, "prompt": long_prompt, "max_tokens": 10}), 400)
-    assert "250" in e["message"] and "10" in e["message"] and str(MAX_MODEL_LEN) in e["message"]
+    assert str(n) in e["message"] and "10" in e["message"] and str(MAX_MODEL_LEN) in e["message"]
     assert e["param"] == "max_tokens"
-    e = _err(_post(server, "/v1/completions", {"model": MODEL, "prompt": [100] * 300}), 400)
-    assert "300" in e["message"] and e["param"] == "prompt"
+    e = _err(_post(server, "/v1/completions", {"model": MODEL, "prompt": [100] * (n + 50)}), 400)
+    assert str(n + 50) in e["message"] and e["param"] == "prompt"
     e = _err(_post(server, "/v1/chat/completions", {
         "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 1000}), 400)
     assert "1000" in e["message"] and e["param"] == "max_completion_tokens"
@@ -486,3 +488,172 @@ def test_bench_client_against_the_server(server):
     assert s["completed"] == 6 and s["failed"] == 0 and s["total_output_tokens"] == 30
     assert 0 < s["p50_ttft_ms"] <= s["p99_ttft_ms"] <= 1000 * duration
     assert all(len(r.itl) <= 4 for r in results)
+
+
+# ---- tools and structured outputs ------------------------------------------------------------------
+# Bounded parameter schemas: the random model must be able to finish every call.
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+     "parameters": {"type": "object", "properties": {
+         "city": {"enum": ["Paris", "Oslo", "Lima"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+         "required": ["city", "days"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}}},
+]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _joined_tool_calls(chunks) -> tuple[str, list[tuple[str, str]], str | None]:
+    """Streamed chat chunks -> (content, [(name, arguments)], last finish_reason), checking
+    that each call's id, type and name come first and only arguments follow."""
+    content, calls, reason = "", {}, None
+    for ch in chunks:
+        for c in ch.choices:
+            content += c.delta.content or ""
+            for d in c.delta.tool_calls or []:
+                if d.id is not None:
+                    assert d.index == len(calls) and d.type == "function" and d.function.name
+                    calls[d.index] = [d.function.name, d.function.arguments or ""]
+                else:
+                    assert d.function.name is None
+                    calls[d.index][1] += d.function.arguments
+            reason = c.finish_reason or reason
+    return content, [tuple(v) for _, v in sorted(calls.items())], reason
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
+                         ids=["required", "named"])
+def test_forced_tool_calls_validate_and_stream_joins(client, offline, choice):
+    import jsonschema
+    from ferrum import SamplingParams
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=200)
+    r = client.chat.completions.create(**kw)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None and c.message.tool_calls
+    for call in c.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    if isinstance(choice, dict):
+        assert [call.function.name for call in c.message.tool_calls] == ["get_time"]
+    full = [(call.function.name, call.function.arguments) for call in c.message.tool_calls]
+    content, streamed, reason = _joined_tool_calls(client.chat.completions.create(stream=True, **kw))
+    assert (content, streamed, reason) == ("", full, "tool_calls")
+    single = client.chat.completions.create(parallel_tool_calls=False, **kw).choices[0].message.tool_calls
+    assert len(single) == 1
+    # the offline API gives the same calls for the same weights
+    (out,) = offline.chat(ASK, SamplingParams(temperature=0, max_tokens=200), tools=TOOLS, tool_choice=choice)
+    o = out.outputs[0]
+    assert [(t["function"]["name"], t["function"]["arguments"]) for t in o.tool_calls] == full
+    assert o.finish_reason == "tool_calls" and o.text == ""
+
+
+def test_response_format_json_schema_validates_and_streams(client, server):
+    import jsonschema
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+                                               "score": {"type": "integer", "minimum": 0, "maximum": 10},
+                                               "tags": {"type": "array", "items": {"type": "string", "maxLength": 5},
+                                                        "maxItems": 2}},
+              "required": ["answer", "score", "tags"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema, "strict": True}}
+    kw = dict(model=MODEL, messages=ASK, response_format=fmt, temperature=0, max_tokens=200)
+    r = client.chat.completions.create(**kw)
+    text = r.choices[0].message.content
+    jsonschema.validate(json.loads(text), schema)
+    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
+    content, calls, reason = _joined_tool_calls(client.chat.completions.create(stream=True, **kw))
+    assert (content, calls, reason) == (text, [], "stop")
+    # n > 1 sampled: every choice validates; json_object gives an object
+    r = client.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt, n=3, seed=1,
+                                       max_tokens=200)
+    for ch in r.choices:
+        jsonschema.validate(json.loads(ch.message.content), schema)
+    assert _status(server)["grammar_matchers"] == 0
+
+
+def test_structured_output_aliases_and_completions(client):
+    chat = lambda **extra: client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=50, temperature=0, extra_body=extra).choices[0].message.content
+    assert chat(structured_outputs={"choice": ["left", "right"]}) in ("left", "right")
+    assert chat(guided_choice=["up", "down"]) in ("up", "down")
+    assert re.fullmatch(r"[a-f]{3}-\d\d", chat(guided_regex=r"[a-f]{3}-\d\d"))
+    assert re.fullmatch(r"x[ab]{2}!", chat(guided_grammar='root ::= "x" [ab]{2} "!"'))
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=60, temperature=0,
+                                  extra_body={"guided_json": {"type": "object", "properties": {
+                                      "k": {"enum": [1, 2]}}, "required": ["k"], "additionalProperties": False}})
+    assert json.loads(r.choices[0].text)["k"] in (1, 2) and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=60, temperature=0,
+                                  extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                                      "name": "b", "schema": {"type": "boolean"}}}})
+    assert r.choices[0].text in ("true", "false")
+
+
+def test_openai_message_forms_are_accepted(client, tok):
+    msgs = [{"role": "developer", "content": "Answer briefly.", "unknown_key": {"x": 1}},
+            {"role": "user", "name": "ann", "content": [{"type": "text", "text": "Weather?"}]},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_a", "type": "function", "function": {"name": "get_weather",
+                                                                  "arguments": '{"city": "Oslo", "days": 1}'}}]},
+            {"role": "tool", "tool_call_id": "call_a", "content": "-3 C"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, max_tokens=3,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    text = tok.decode(_tokenize_chat(client, msgs), skip_special_tokens=False)
+    assert '<tool_response>\n-3 C\n</tool_response>' in text and '"city": "Oslo"' in text
+
+
+def _tokenize_chat(client, msgs) -> list[int]:
+    r = httpx.post(str(client.base_url).replace("/v1/", "/tokenize"), json={"model": MODEL, "messages": msgs,
+                   "tools": TOOLS}, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+BAD_FIELDS = [
+    ({"tools": "get_weather"}, "tools"),
+    ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools[0].type"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "parallel_tool_calls": "maybe"}, "parallel_tool_calls"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "objectx"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "n", "schema": {"type": "array", "uniqueItems": True}}}}, "response_format"),
+    ({"structured_outputs": {"jsn": {}}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": ["a"], "regex": "b"}}, "structured_outputs"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_grammar": "start: nothing_defined"}, "guided_grammar"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice"),
+    ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0]"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {
+        "name": "f", "arguments": "{oops"}}]}]}, "messages[0].tool_calls[0].function.arguments"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_FIELDS)))
+def test_bad_tool_and_format_fields_are_named(server, case):
+    extra, param = BAD_FIELDS[case]
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 5, **extra}
+    e = _err(_post(server, "/v1/chat/completions", body), 400)
+    assert e["param"] == param, e
+    assert e["type"] == "invalid_request_error"
+
+
+def test_server_serves_after_bad_constraints(server, client):
+    assert _status(server)["grammar_matchers"] == 0 and _status(server)["num_waiting"] == 0
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2)
+    assert r.choices[0].message.content is not None
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="sometimes")
+    assert info.value.body["param"] == "tool_choice"

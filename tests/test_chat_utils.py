@@ -1,0 +1,211 @@
+"""OpenAI chat requests -> template messages, tools, constraints (ferrum.entrypoints.chat_utils):
+what reaches the chat template equals what Hugging Face's apply_chat_template(messages,
+tools=...) renders from the same conversation in its own form; every bad value is a named
+error; the tool_choice schemas accept exactly the calls they should."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from ferrum.entrypoints.chat_utils import (parse_messages, parse_tool_choice, parse_tools,
+                                          prepare_chat, response_format_constraint,
+                                          tool_choice_constraint)
+from ferrum.errors import InvalidRequestError
+from ferrum.tool_parsers import NamedToolParser, RequiredToolParser
+from ferrum.tool_parsers.hermes import HermesToolParser
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}, "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"$ref": "#/$defs/zone"}}, "required": ["zone"],
+    "$defs": {"zone": {"enum": ["UTC", "CET"]}}}}}
+
+CONVERSATION = [
+    {"role": "developer", "content": "Be brief.", "extra_key": 1},
+    {"role": "user", "name": "ann", "content": [{"type": "text", "text": "Weather in"},
+                                                {"type": "text", "text": "Paris?"}]},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "22 C, sunny"},
+]
+
+# A template in the style of Qwen2.5's (tools as JSON, calls with `arguments | tojson`,
+# tool results by id), written for this test.
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<tools>{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>{% endif %}"
+    "{%- for m in messages %}<|{{ m.role }}|>{% if m.name %}({{ m.name }}){% endif %}"
+    "{{ m.content or '' }}"
+    "{%- for c in m.tool_calls or [] %}<call id={{ c.id }}>{{ c.function.name }} "
+    "{{ c.function.arguments | tojson }}</call>{% endfor %}"
+    "{%- if m.tool_call_id %}[for {{ m.tool_call_id }}]{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_messages_reach_the_template_as_hf_passes_them(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    msgs = parse_messages(CONVERSATION)
+    assert msgs[0] == {"role": "system", "content": "Be brief."}     # developer -> system, extra key gone
+    assert msgs[1] == {"role": "user", "content": "Weather in\nParis?", "name": "ann"}
+    assert msgs[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert msgs[3] == {"role": "tool", "content": "22 C, sunny", "tool_call_id": "call_1"}
+    hf_form = [{"role": "system", "content": "Be brief."},
+               {"role": "user", "name": "ann", "content": "Weather in\nParis?"},
+               {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                   "name": "get_weather", "arguments": {"city": "Paris"}}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "22 C, sunny"}]
+    expected = tok.hf.apply_chat_template(hf_form, tools=[WEATHER], chat_template=TOOLS_TEMPLATE,
+                                          tokenize=False, add_generation_prompt=True)
+    chat = prepare_chat(tok, CONVERSATION, tools=[WEATHER], chat_template=TOOLS_TEMPLATE)
+    assert tok.decode(chat.prompt_token_ids, skip_special_tokens=False) == expected
+    assert 'get_weather {"city": "Paris"}' in expected          # a dict, not a JSON string
+    assert isinstance(chat.tool_parser, HermesToolParser) and chat.structured_outputs is None
+
+
+def test_template_without_tools_gets_the_hermes_tool_prompt(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    conv = CONVERSATION + [{"role": "tool", "tool_call_id": "call_1", "content": "(second result)"}]
+    chat = prepare_chat(tok, conv, tools=[WEATHER])
+    text = tok.decode(chat.prompt_token_ids, skip_special_tokens=False)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\nYou can call functions")
+    assert json.dumps(WEATHER) in text
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city": "Paris"}}\n</tool_call><|im_end|>') in text
+    assert ("<|im_start|>user\n<tool_response>\n22 C, sunny\n</tool_response>\n<tool_response>\n"
+            "(second result)\n</tool_response><|im_end|>") in text
+    # tool_choice "none": the tools are not offered, history is still written out
+    none = tok.decode(prepare_chat(tok, conv, tools=[WEATHER], tool_choice="none").prompt_token_ids,
+                      skip_special_tokens=False)
+    assert "<tools>" not in none and "<tool_response>" in none
+
+
+@pytest.mark.parametrize("messages,param,match", [
+    ([], "messages", "non-empty"),
+    ([{"role": "function", "content": "x"}], "messages[0].role", "one of"),
+    ([{"content": "x"}], "messages[0].role", "one of"),
+    ([{"role": "user"}], "messages[0].content", "required"),
+    ([{"role": "user", "content": 5}], "messages[0].content", "string or a list"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}],
+     "messages[0].content[0]", "text only"),
+    ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_audio"}]}],
+     "messages[0].content[1]", "text only"),
+    ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0]", "text part"),
+    ([{"role": "tool", "content": "r"}], "messages[0].tool_call_id", "required"),
+    ([{"role": "user", "content": "x", "name": 3}], "messages[0].name", "string"),
+    ([{"role": "user", "content": "x", "tool_calls": []}], None, None),          # empty list is fine
+    ([{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}],
+     "messages[0].tool_calls", "only assistant"),
+    ([{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{bad"}}]}],
+     "messages[0].tool_calls[0].function.arguments", "not valid JSON"),
+    ([{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "[1]"}}]}],
+     "messages[0].tool_calls[0].function.arguments", "JSON object"),
+    ([{"role": "assistant", "tool_calls": [{"type": "custom", "function": {"name": "f"}}]}],
+     "messages[0].tool_calls[0].type", "function"),
+    ([{"role": "assistant", "tool_calls": [{"function": {}}]}], "messages[0].tool_calls[0]", "name"),
+])
+def test_bad_messages_are_named(messages, param, match):
+    if param is None:
+        parse_messages(messages)
+        return
+    with pytest.raises(InvalidRequestError, match=match) as info:
+        parse_messages(messages)
+    assert info.value.param == param
+
+
+@pytest.mark.parametrize("tools,param", [
+    ([], "tools"),
+    ({"type": "function"}, "tools"),
+    ([{"type": "custom", "custom": {"name": "x"}}], "tools[0].type"),
+    ([{"type": "function"}], "tools[0].function"),
+    ([{"type": "function", "function": {"name": "has space"}}], "tools[0].function.name"),
+    ([{"type": "function", "function": {"name": "x" * 65}}], "tools[0].function.name"),
+    ([WEATHER, WEATHER], "tools[1].function.name"),
+    ([{"type": "function", "function": {"name": "f", "parameters": "object"}}], "tools[0].function.parameters"),
+    ([{"type": "function", "function": {"name": "f", "description": 3}}], "tools[0].function.description"),
+])
+def test_bad_tools_are_named(tools, param):
+    with pytest.raises(InvalidRequestError) as info:
+        parse_tools(tools)
+    assert info.value.param == param
+
+
+def test_tool_choice_values():
+    tools = parse_tools([WEATHER, CLOCK])
+    assert parse_tool_choice(None, tools) == "auto" and parse_tool_choice(None, None) == "none"
+    named = {"type": "function", "function": {"name": "get_time"}}
+    assert parse_tool_choice(named, tools) == named
+    for bad in ("sometimes", {"type": "function", "function": {"name": "nope"}},
+                {"type": "function"}, {"function": {"name": "get_time"}}, 3):
+        with pytest.raises(InvalidRequestError) as info:
+            parse_tool_choice(bad, tools)
+        assert info.value.param == "tool_choice"
+    for mode in ("required", "auto", named):
+        with pytest.raises(InvalidRequestError) as info:
+            parse_tool_choice(mode, None)
+        assert info.value.param == "tool_choice"
+
+
+def test_required_schema_accepts_exactly_valid_calls():
+    tools = parse_tools([WEATHER, CLOCK])
+    schema = tool_choice_constraint(tools, "required", parallel_tool_calls=True).json
+    good = [{"name": "get_weather", "parameters": {"city": "Oslo"}},
+            {"name": "get_time", "parameters": {"zone": "CET"}}]
+    jsonschema.validate(good, schema)                      # $defs were lifted to the root
+    for bad in ([], [{"name": "get_weather", "parameters": {}}],
+                [{"name": "get_time", "parameters": {"zone": "PST"}}],
+                [{"name": "other", "parameters": {}}],
+                [{"name": "get_weather", "parameters": {"city": "x"}, "extra": 1}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    single = tool_choice_constraint(tools, "required", parallel_tool_calls=False).json
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(good, single)
+    named = tool_choice_constraint(tools, {"type": "function", "function": {"name": "get_time"}})
+    assert named.json == CLOCK["function"]["parameters"] and named.param == "tool_choice"
+    assert tool_choice_constraint(tools, "auto") is None
+    clash = parse_tools([CLOCK, {"type": "function", "function": {"name": "g", "parameters": {
+        "type": "object", "$defs": {"zone": {"type": "string"}}}}}])
+    with pytest.raises(InvalidRequestError, match="zone") as info:
+        tool_choice_constraint(clash, "required")
+    assert info.value.param == "tools"
+
+
+def test_response_format_values():
+    assert response_format_constraint(None) is None
+    assert response_format_constraint({"type": "text"}) is None
+    assert response_format_constraint({"type": "json_object"}).json_object
+    s = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    c = response_format_constraint({"type": "json_schema", "json_schema": {"name": "x", "schema": s,
+                                                                          "strict": True}})
+    assert c.json == s and c.param == "response_format"
+    for bad in ({"type": "xml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": 3}},
+                "json", {"type": "json_schema", "json_schema": []}):
+        with pytest.raises(InvalidRequestError) as info:
+            response_format_constraint(bad)
+        assert info.value.param == "response_format"
+
+
+def test_prepare_chat_modes(smollm2_tokenizer):
+    tok, msgs = smollm2_tokenizer, [{"role": "user", "content": "hi"}]
+    required = prepare_chat(tok, msgs, tools=[WEATHER], tool_choice="required")
+    assert isinstance(required.tool_parser, RequiredToolParser) and required.structured_outputs.json["minItems"] == 1
+    named = prepare_chat(tok, msgs, tools=[WEATHER], tool_choice={"type": "function",
+                                                                  "function": {"name": "get_weather"}})
+    assert isinstance(named.tool_parser, NamedToolParser) and named.tool_parser.name == "get_weather"
+    fmt = prepare_chat(tok, msgs, tools=[WEATHER], response_format={"type": "json_object"})
+    assert fmt.tool_parser is None and fmt.structured_outputs.json_object   # the format wins over auto
+    assert prepare_chat(tok, msgs).tool_parser is None
+    with pytest.raises(InvalidRequestError) as info:
+        prepare_chat(tok, msgs, tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"})
+    assert info.value.param == "response_format"
+    with pytest.raises(InvalidRequestError) as info:
+        prepare_chat(tok, msgs, tools=[WEATHER], parallel_tool_calls="yes")
+    assert info.value.param == "parallel_tool_calls"
+    from ferrum import SamplingParams
+    with pytest.raises(InvalidRequestError) as info:
+        required.sampling_params(SamplingParams(structured_outputs={"regex": "a"}))
+    assert info.value.param == "tool_choice"
