@@ -10,11 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import re
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
@@ -23,18 +19,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ferrum.tokenizer import Tokenizer
+from live_server import live_server
 from tiny_models import make_tiny_model
 
 KEY = "sk-test-key"
 MODEL = "tiny"
 MAX_MODEL_LEN = 768   # room for a tool prompt
 PROMPT = "The quick brown fox jumps over the lazy dog because"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -47,36 +38,10 @@ def model_dir(tmp_path_factory, smollm2_tokenizer):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    port = _free_port()
-    log = open(tmp_path_factory.mktemp("server_log") / "server.log", "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ferrum.entrypoints.cli", "serve", model_dir, "--port", str(port),
-         "--api-key", KEY, "--served-model-name", MODEL, "--device", "cpu",
-         "--max-model-len", str(MAX_MODEL_LEN)],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 120
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read()}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                pytest.fail("server did not become healthy in 120 s")
-            time.sleep(0.3)
+    with live_server([model_dir, "--api-key", KEY, "--served-model-name", MODEL, "--device", "cpu",
+                      "--max-model-len", str(MAX_MODEL_LEN)],
+                     tmp_path_factory.mktemp("server_log") / "server.log") as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 @pytest.fixture(scope="module")
