@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from ferrum import LLM, SamplingParams
 from ferrum.errors import InvalidRequestError
-from ferrum.layers.sampler import SamplingMetadata, process_logits, unpack_bitmask
+from ferrum.layers.sampler import SamplingMetadata, bitmask_bias, process_logits
 from ferrum.structured_output import StructuredOutputsParams
 from tiny_models import make_tiny_model
 
@@ -238,7 +238,8 @@ def test_bitmask_masks_exactly_the_disallowed_tokens():
     bitmask = torch.randint(-2**31, 2**31 - 1, (2, words), generator=g, dtype=torch.int64).to(torch.int32)
     ref = torch.tensor([[bool((int(bitmask[r, t // 32]) >> (t % 32)) & 1) for t in range(vocab)]
                         for r in range(2)])
-    assert torch.equal(unpack_bitmask(bitmask, vocab), ref)
+    bias = bitmask_bias(bitmask, vocab)
+    assert bias.shape == (2, vocab) and torch.equal(bias == 0, ref) and torch.all(bias[~ref] == float("-inf"))
     logits = torch.randn(batch, vocab, generator=g)
     md = SamplingMetadata.build([SamplingParams(temperature=0)] * batch, [[1]] * batch,
                                 [[]] * batch, [None] * batch, [], vocab, "cpu")
@@ -249,3 +250,22 @@ def test_bitmask_masks_exactly_the_disallowed_tokens():
         assert torch.all(out[row][~ref[k]] == float("-inf"))
     for row in (0, 2, 4):
         assert torch.equal(out[row], logits[row])
+
+
+def test_bench_throughput_json_schema(tiny_dir, tmp_path):
+    """`ferrum bench throughput --json-schema`: constrained and unconstrained runs do the same
+    work (same tokens), interleaved, and the ratio is reported."""
+    from ferrum.entrypoints.cli import main
+    schema = {"type": "object", "properties": {"v": {"type": "array", "items": {"enum": ["ab", "cd"]}}},
+              "required": ["v"]}
+    out = tmp_path / "so.json"
+    assert main(["bench", "throughput", tiny_dir, "--num-prompts", "4", "--input-len", "4", "8",
+                 "--output-len", "10", "30", "--json-schema", json.dumps(schema), "--repeats", "2",
+                 "--threads", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    runs = res["runs"]
+    assert len(runs["constrained"]) == len(runs["unconstrained"]) == 2
+    tokens = {r["output_tokens"] for v in runs.values() for r in v}
+    assert tokens == {res["output_tokens_per_run"]}
+    assert res["ratio_constrained_over_unconstrained"] == pytest.approx(
+        res["median_output_tok_s"]["constrained"] / res["median_output_tok_s"]["unconstrained"])

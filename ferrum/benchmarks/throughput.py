@@ -19,10 +19,20 @@ uniform in [100, 1024], temperature 0.6, EOS ignored (no sequential phase). With
 the driver (`vllm_bench.py throughput` or `nanovllm`) runs after ferrum; its throughput
 section is 1000 prompts x (1000 in, 1000 out), so the ratio `output_tok_s_vs_vllm` is only
 written when ferrum ran that same shape (or the nanovllm workload).
+
+`--json-schema SCHEMA` (a file or inline JSON) measures instead what structured outputs cost:
+the batch with every request constrained to the schema against the same batch unconstrained,
+with each request's output length set to what its constrained run produced (the grammar may
+end an output early: both runs then do the same work, batch shape included). The two run
+interleaved --repeats times, alternating which goes first (the machine may be shared); the
+result is the ratio of the median tok/s, constrained / unconstrained.
 """
 from __future__ import annotations
 
+import json
+import os
 import random
+import statistics
 import time
 
 from ferrum.benchmarks.common import (add_common_args, llm_from_config, random_prompts, record,
@@ -45,6 +55,10 @@ def add_parser(subparsers, add_engine_args) -> None:
     p.add_argument("--workload", default="random", choices=["random", "nanovllm"],
                    help="random: the length flags above; nanovllm: nano-vllm's bench workload (see above)")
     add_peer_args(p)
+    p.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                   help="compare the batch constrained to this JSON schema (a file or inline JSON) "
+                        "with the same batch unconstrained (default: no comparison)")
+    p.add_argument("--repeats", type=int, default=3, help="--json-schema: interleaved runs of each")
     add_common_args(p)
     p.set_defaults(func=main)
 
@@ -147,19 +161,74 @@ def _downsample(points: list, keep: int = 100) -> list:
     return points[::step] + ([points[-1]] if (len(points) - 1) % step else [])
 
 
-def _phase(name: str, fn, timeline: _Timeline, expected_tokens: int) -> dict:
+def _phase(name: str, fn, timeline: _Timeline, expected_tokens: int | None) -> dict:
     timeline.start()
     t = time.perf_counter()
     outs = fn()
     elapsed = time.perf_counter() - t
     got = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert got == expected_tokens, f"{name}: generated {got} tokens, expected {expected_tokens}"
+    assert expected_tokens is None or got == expected_tokens, \
+        f"{name}: generated {got} tokens, expected {expected_tokens}"
     r = {"elapsed_s": elapsed, "output_tokens": got, "output_tok_s": got / elapsed,
          "requests_per_s": len(outs) / elapsed, "max_running_sequences": timeline.max_running,
          "timeline": _downsample([(round(a, 3), b, c) for a, b, c in timeline.points])}
     print(f"{name:>10}: {got} tokens in {elapsed:.2f} s = {r['output_tok_s']:.1f} output tok/s "
           f"(max {timeline.max_running} running)", flush=True)
+    r["outputs"] = outs
     return r
+
+
+def load_schema(text: str) -> dict:
+    """--json-schema: a path to a JSON file, or the schema's JSON text."""
+    if os.path.exists(text):
+        with open(text) as fh:
+            return json.load(fh)
+    return json.loads(text)
+
+
+def structured_comparison(llm, prompts, out_lens, schema: dict, repeats: int, timeline) -> dict:
+    """Constrained vs unconstrained batches, interleaved (see the module docstring)."""
+    from ferrum import SamplingParams
+    from ferrum.structured_output import StructuredOutputsParams
+    so = StructuredOutputsParams(json=schema)
+    constrained = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, structured_outputs=so)
+                   for n in out_lens]
+    # warm-up: the grammar compiler (llguidance's view of the vocabulary) and the grammar
+    llm.generate([prompts[0][:8]], constrained[0], use_tqdm=False)
+    first = _phase("json-schema", lambda: llm.generate(prompts, constrained, use_tqdm=False), timeline, None)
+    outs = first.pop("outputs")
+    lens = [len(o.outputs[0].token_ids) for o in outs]
+    valid = 0
+    for o in outs:
+        try:
+            json.loads(o.outputs[0].text)
+            valid += 1
+        except ValueError:
+            pass
+    plain = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
+    runs: dict[str, list[dict]] = {"constrained": [first], "unconstrained": []}
+    sequence = ["unconstrained"]                 # C U, then U C, C U, ...: each goes first in turn
+    for k in range(1, repeats):
+        sequence += ["unconstrained", "constrained"] if k % 2 else ["constrained", "unconstrained"]
+    for name in sequence:
+        params = constrained if name == "constrained" else plain
+        _reset_prefix_cache(llm.engine)
+        r = _phase(name, lambda: llm.generate(prompts, params, use_tqdm=False), timeline, sum(lens))
+        r.pop("outputs")
+        runs[name].append(r)
+    med = {k: statistics.median(r["output_tok_s"] for r in v) for k, v in runs.items()}
+    ratio = med["constrained"] / med["unconstrained"]
+    print(f"median output tok/s: constrained {med['constrained']:.1f}, unconstrained "
+          f"{med['unconstrained']:.1f}: ratio {ratio:.3f} ({valid}/{len(outs)} outputs parse as JSON, "
+          f"{sum(o.outputs[0].finish_reason == 'stop' for o in outs)} ended by the grammar)")
+    for v in runs.values():
+        for r in v:
+            r.pop("timeline")
+    return {"json_schema": schema, "output_tokens_per_run": sum(lens),
+            "outputs_valid_json": valid, "outputs_ended_by_grammar":
+                sum(o.outputs[0].finish_reason == "stop" for o in outs),
+            "median_output_tok_s": med, "ratio_constrained_over_unconstrained": ratio,
+            "runs": runs}
 
 
 def _plot(path: str, res: dict, title: str) -> None:
@@ -208,6 +277,15 @@ def main(args) -> int:
     from ferrum import SamplingParams
     llm.generate([prompts[0][:8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
 
+    if args.json_schema:
+        res = {"model": eng.model_name, "workload": args.workload, "num_prompts": len(prompts),
+               "input_len_range": [min(in_lens), max(in_lens)],
+               "output_len_range": [min(out_lens), max(out_lens)], "repeats": args.repeats,
+               **structured_comparison(llm, prompts, out_lens, load_schema(args.json_schema),
+                                       args.repeats, timeline)}
+        write_json(args.out, record("throughput-structured-output", args, device, res))
+        eng.shutdown()
+        return 0
     _reset_prefix_cache(eng)
     split, unwrap = time_steps_by_kind(eng)
     before = eng.status()
@@ -217,11 +295,13 @@ def main(args) -> int:
     batched["step_time_split"] = split
     batched.update({k: after[key] - before[key] for k, key in (("preemptions", "num_preemptions"),
                                                                ("steps", "steps"), ("overlapped_steps", "overlapped_steps"))})
+    batched.pop("outputs")
     sequential = None
     if args.sequential and args.workload == "random":
         _reset_prefix_cache(eng)
         sequential = _phase("sequential", lambda: [llm.generate([p], sp, use_tqdm=False)[0]
                                                    for p, sp in zip(prompts, params)], timeline, expected)
+        sequential.pop("outputs")
         print(f"batched / sequential output throughput: "
               f"{batched['output_tok_s'] / sequential['output_tok_s']:.2f}x")
     res = {"model": eng.model_name, "workload": args.workload, "num_prompts": len(prompts),
