@@ -537,6 +537,27 @@ def test_response_format_json_schema_validates_and_streams(client, server):
     assert _status(server)["grammar_matchers"] == 0
 
 
+def test_openai_sdk_parse_with_a_pydantic_model(client):
+    """The SDK's own structured-output helper: it sends a strict json_schema made from a
+    pydantic model ($defs for the nested model) and parses the answer back into it."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: Literal["Paris", "Oslo"]
+        rank: int = Field(ge=1, le=99)
+
+    class Trip(BaseModel):
+        cities: list[City] = Field(max_length=2)
+        by_train: bool
+
+    r = client.chat.completions.parse(model=MODEL, messages=ASK, response_format=Trip,
+                                      temperature=0, max_tokens=200)
+    trip = r.choices[0].message.parsed
+    assert isinstance(trip, Trip) and r.choices[0].finish_reason == "stop"
+
+
 def test_structured_output_aliases_and_completions(client):
     chat = lambda **extra: client.chat.completions.create(
         model=MODEL, messages=ASK, max_tokens=50, temperature=0, extra_body=extra).choices[0].message.content

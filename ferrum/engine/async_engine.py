@@ -123,6 +123,11 @@ class AsyncLLMEngine:
         Raises what LLMEngine.add_request raises (InvalidRequestError, PromptTooLongError,
         OutOfKvCacheError, QueueFullError, ...) and EngineDeadError once the engine failed."""
         request_id = request_id or f"req-{uuid.uuid4().hex}"
+        structured = getattr(self.engine, "structured", None)
+        if structured is not None and params is not None and params.structured_outputs is not None:
+            # compile the grammar here, not in the engine thread (which would stall every
+            # running request meanwhile): the engine then finds it in the cache
+            await asyncio.to_thread(structured.compile, params.structured_outputs)
         loop = asyncio.get_running_loop()
         stream = _Stream(request_id, loop)
         accepted = loop.create_future()

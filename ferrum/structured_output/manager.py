@@ -14,10 +14,12 @@ mask needs this step's token in the matcher.
 
 The grammar compiler (which builds llguidance's view of the vocabulary, about a second) is
 created on the first constrained request, so engines that never see one never pay for it.
+`compile` and the compiler are thread-safe; everything else belongs to the engine thread.
 """
 from __future__ import annotations
 
 import logging
+import threading
 
 import llguidance
 import llguidance.torch as llt
@@ -44,17 +46,21 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self._compiler: GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()
         self._executor = None
         self.matchers: dict[str, object] = {}     # seq_id -> llguidance.LLMatcher
 
     @property
     def compiler(self) -> GrammarCompiler:
-        if self._compiler is None:
-            self._compiler = GrammarCompiler(self.tokenizer.hf, self.vocab_size, self.eos_token_ids)
-        return self._compiler
+        with self._compiler_lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler(self.tokenizer.hf, self.vocab_size, self.eos_token_ids)
+            return self._compiler
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        """Compile (or fetch from the cache). Raises InvalidRequestError naming params.param."""
+        """Compile (or fetch from the cache). Thread-safe: the server compiles in a worker
+        thread before it queues a request, so the engine thread only finds it in the cache.
+        Raises InvalidRequestError naming params.param."""
         if self.tokenizer is None:
             raise InvalidRequestError(f"{params.param}: structured outputs need the model's "
                                       "tokenizer, and this model has none", param=params.param)
