@@ -25,6 +25,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 
 import torch
@@ -263,7 +264,7 @@ def main() -> None:
         print(cls.name, json.dumps({k: v for k, v in r.items() if k != "coverage"}), flush=True)
     import importlib.metadata as im
     report = {
-        "command": "python benchmarks/grammar_engines.py" + (f" --tokenizer {args.tokenizer}" if args.tokenizer else ""),
+        "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
         "date": datetime.date.today().isoformat(), "commit": _git_head(),
         "machine": f"{platform.machine()} {os.cpu_count()} cpus (shared)",
         "versions": {p: im.version(p) for p in ("llguidance", "xgrammar", "torch")},
