@@ -25,7 +25,8 @@ the batch with every request constrained to the schema against the same batch un
 with each request's output length set to what its constrained run produced (the grammar may
 end an output early: both runs then do the same work, batch shape included). The two run
 interleaved --repeats times, alternating which goes first (the machine may be shared); the
-result is the ratio of the median tok/s, constrained / unconstrained.
+result is the ratio of the median tok/s, constrained / unconstrained (and the same per second
+of the process's CPU time, which other jobs on a shared machine disturb less).
 """
 from __future__ import annotations
 
@@ -163,13 +164,14 @@ def _downsample(points: list, keep: int = 100) -> list:
 
 def _phase(name: str, fn, timeline: _Timeline, expected_tokens: int | None) -> dict:
     timeline.start()
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     outs = fn()
-    elapsed = time.perf_counter() - t
+    elapsed, cpu = time.perf_counter() - t, time.process_time() - cpu
     got = sum(len(o.outputs[0].token_ids) for o in outs)
     assert expected_tokens is None or got == expected_tokens, \
         f"{name}: generated {got} tokens, expected {expected_tokens}"
     r = {"elapsed_s": elapsed, "output_tokens": got, "output_tok_s": got / elapsed,
+         "cpu_s": cpu, "output_tok_per_cpu_s": got / cpu,
          "requests_per_s": len(outs) / elapsed, "max_running_sequences": timeline.max_running,
          "timeline": _downsample([(round(a, 3), b, c) for a, b, c in timeline.points])}
     print(f"{name:>10}: {got} tokens in {elapsed:.2f} s = {r['output_tok_s']:.1f} output tok/s "
@@ -218,8 +220,13 @@ def structured_comparison(llm, prompts, out_lens, schema: dict, repeats: int, ti
         runs[name].append(r)
     med = {k: statistics.median(r["output_tok_s"] for r in v) for k, v in runs.items()}
     ratio = med["constrained"] / med["unconstrained"]
+    # tokens per second of this process's CPU time (all its threads): on a shared machine it
+    # moves far less than wall time with the other jobs' load
+    med_cpu = {k: statistics.median(r["output_tok_per_cpu_s"] for r in v) for k, v in runs.items()}
+    ratio_cpu = med_cpu["constrained"] / med_cpu["unconstrained"]
     print(f"median output tok/s: constrained {med['constrained']:.1f}, unconstrained "
-          f"{med['unconstrained']:.1f}: ratio {ratio:.3f} ({valid}/{len(outs)} outputs parse as JSON, "
+          f"{med['unconstrained']:.1f}: ratio {ratio:.3f}; per CPU second ratio {ratio_cpu:.3f} "
+          f"({valid}/{len(outs)} outputs parse as JSON, "
           f"{sum(o.outputs[0].finish_reason == 'stop' for o in outs)} ended by the grammar)")
     for v in runs.values():
         for r in v:
@@ -228,6 +235,7 @@ def structured_comparison(llm, prompts, out_lens, schema: dict, repeats: int, ti
             "outputs_valid_json": valid, "outputs_ended_by_grammar":
                 sum(o.outputs[0].finish_reason == "stop" for o in outs),
             "median_output_tok_s": med, "ratio_constrained_over_unconstrained": ratio,
+            "median_output_tok_per_cpu_s": med_cpu, "ratio_per_cpu_s": ratio_cpu,
             "runs": runs}
 
 
