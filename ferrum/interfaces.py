@@ -44,18 +44,47 @@ class PrefillInput:
     token_ids[i]: the chunk of sequence i (>= 1 tokens), at positions
     `kv[i].num_tokens .. kv[i].num_tokens + len(token_ids[i]) - 1`; positions before the
     chunk (prefix-cache hit or earlier chunks) are read from the cache, never recomputed.
+
+    Prompt logprobs (vLLM's `prompt_logprobs`, OpenAI's `echo` + `logprobs`), when a request
+    asks for them:
+    prompt_logprob_targets: None, or per sequence the ids of the tokens that follow rows
+        0 .. len - 1 of its chunk (`targets[i][j]` = the prompt token at position
+        `kv[i].num_tokens + j + 1`; len <= len(token_ids[i]); [] for a sequence that wants none).
+        The executor returns, for each such row, the log-softmax of that row's logits at the
+        target id and the top `num_top_logprobs` entries, computed on the device.
+    num_top_logprobs: K, the top-K width over every row that asks (0: only the target's).
     """
 
     token_ids: list[list[int]]
     kv: list[KvCacheHandle]
+    prompt_logprob_targets: list[list[int]] | None = None
+    num_top_logprobs: int = 0
+
+
+@dataclass
+class PromptLogprobs:
+    """Logprobs of the rows named by `PrefillInput.prompt_logprob_targets`, on TP rank 0's
+    device; R = total targets, rows in sequence order then chunk order.
+
+    token_logprobs: [R] float32, log_softmax(logits[row])[target].
+    top_ids: [R, K] int64 and top_logprobs: [R, K] float32, the K largest logprobs of each row,
+        descending (K = `num_top_logprobs`; K = 0 gives [R, 0]).
+    Logprobs are of the raw model logits (no penalties, bias or temperature), as vLLM's.
+    """
+
+    token_logprobs: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
 
 
 @dataclass
 class PrefillOutput:
-    """logits: [num_seqs, vocab_size] float32, for the last token of each chunk."""
+    """logits: [num_seqs, vocab_size] float32, for the last token of each chunk.
+    prompt_logprobs: when the input named targets, else None."""
 
     logits: torch.Tensor
     kv: list[KvCacheHandle]
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass

@@ -48,10 +48,14 @@ class RequestMetrics:
 @dataclass
 class RequestOutput:
     """A request's state after a step: its prompt, one CompletionOutput per sample, whether
-    all samples finished, timing metrics, how many prompt tokens came from the prefix cache,
-    and `error`: None unless a step that ran this request failed; then it says why, the request
-    is finished (its unfinished samples have finish_reason "error", their KV blocks are freed)
-    and the engine serves the others."""
+    all samples finished, timing metrics, how many prompt tokens came from the prefix cache
+    (num_cached_tokens, a multiple of the block size), and `error`: None unless a step that
+    ran this request failed; then it says why, the request is finished (its unfinished samples
+    have finish_reason "error", their KV blocks are freed) and the engine serves the others.
+    prompt_logprobs (with `SamplingParams.prompt_logprobs` = N): one entry per prompt token,
+    None for the first (nothing precedes it, as in vLLM and OpenAI), else {token id: logprob}
+    with the top-N tokens in descending order followed by the prompt token itself if it is not
+    among them; complete in every output (a request produces none before its prefill ends)."""
 
     request_id: str
     prompt: str | None
@@ -61,3 +65,4 @@ class RequestOutput:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None

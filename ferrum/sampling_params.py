@@ -18,7 +18,7 @@ from ferrum.structured_output.params import StructuredOutputsParams
 # temperature overflows float32 to inf and the softmax becomes nan.
 _GREEDY_EPS = 1e-5
 
-# Most top logprobs per generated token a request may ask for (also the OpenAI API's limit).
+# Most top logprobs per token a request may ask for (generated and prompt tokens alike).
 MAX_LOGPROBS = 20
 
 
@@ -71,7 +71,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     logprobs: int | None = None          # top-N logprobs per generated token (0 = chosen only)
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = None   # top-N logprobs per prompt token (0 = that token only)
     skip_special_tokens: bool = True
     # -- structured outputs (ferrum.structured_output): the output must match a JSON schema,
     # JSON object, regex, choice or grammar; a dict is read as StructuredOutputsParams (vLLM's
@@ -118,10 +118,11 @@ class SamplingParams:
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}")
-        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
-            bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.prompt_logprobs is not None:
-            bad("prompt_logprobs", "is not supported by ferrum")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool)
+                                  or not 0 <= v <= MAX_LOGPROBS):
+                bad(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
         # sample i of a request draws from torch.Generator().manual_seed(seed + i), which takes
         # [-2**63, 2**64 - 1]
         if self.seed is not None and (not isinstance(self.seed, int)

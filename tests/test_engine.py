@@ -315,7 +315,10 @@ def test_errors_are_named_and_leave_nothing_behind(folder):
                       (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"),
                       (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"),
                       (dict(seed=2**64), "seed"), (dict(seed=2**64 - 1, n=2), "seed"),
-                      (dict(prompt_logprobs=1), "prompt_logprobs")]:
+                      (dict(prompt_logprobs=21), "prompt_logprobs"),
+                      (dict(prompt_logprobs=-1), "prompt_logprobs"),
+                      (dict(prompt_logprobs=True), "prompt_logprobs"),
+                      (dict(logprobs=21), "logprobs")]:
         with pytest.raises(InvalidRequestError) as e:
             SamplingParams(**kw)
         assert e.value.param == param

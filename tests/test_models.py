@@ -65,14 +65,7 @@ MODELS = {
 PROMPT_LENS = [37, 5, 70]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads; on shared cores OpenMP barriers cost
-    more than the work."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=list(MODELS))

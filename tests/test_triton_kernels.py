@@ -438,7 +438,7 @@ def check_prefill_graph(device: str) -> None:
     table = [7, 2, 9]
     for lo, hi in ((0, 23), (23, 33)):
         h = KvCacheHandle("s", table, lo, 16)
-        want = ref.prefill([ids[lo:hi]], [h])
+        want, _ = ref.prefill([ids[lo:hi]], [h])
         got = prefill(ids[lo:hi], h)
         _assert_close(got, want, torch.float32, f"prefill graph logits, tokens {lo}..{hi}")
         for a, b in zip(ref.attn_layers, run.attn_layers):

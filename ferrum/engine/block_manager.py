@@ -150,22 +150,24 @@ class BlockManager:
         `allocate`, or the shared prefix given by `fork`. A multiple of block_size."""
         return self._seqs[seq_id].num_cached_tokens
 
-    def lookup_prefix(self, token_ids: Sequence[int]) -> int:
+    def lookup_prefix(self, token_ids: Sequence[int], reuse: bool = True) -> int:
         """Prefix-cache hit length in tokens that `allocate(…, token_ids, …)` would return now.
 
         No side effects on the cache or the stats. At most `len(token_ids) - 1` rounded down to
         a block boundary, so the last prompt token is always computed (it yields the logits).
+        reuse=False: 0 (a sequence that must compute every position, e.g. for prompt logprobs;
+        its blocks still enter the cache through `commit_full_blocks`).
         """
-        return len(self._match(token_ids)[1]) * self.block_size
+        return len(self._match(token_ids, reuse)[1]) * self.block_size
 
-    def can_allocate(self, token_ids: Sequence[int], num_new_tokens: int) -> bool:
-        """Whether `allocate(seq_id, token_ids, cached + num_new_tokens)` would succeed now.
+    def can_allocate(self, token_ids: Sequence[int], num_new_tokens: int, reuse: bool = True) -> bool:
+        """Whether `allocate(seq_id, token_ids, cached + num_new_tokens, reuse)` would succeed now.
 
         `num_new_tokens` are the prompt tokens scheduled this step beyond the prefix-cache hit.
         Passing a larger number (e.g. the whole chunk including cached tokens) is safe: it only
         asks for more blocks than needed.
         """
-        _, hits = self._match(token_ids)
+        _, hits = self._match(token_ids, reuse)
         return self._blocks_needed(hits, len(hits) * self.block_size + num_new_tokens) \
             <= self.num_free_blocks
 
@@ -176,7 +178,7 @@ class BlockManager:
 
     # ------------------------------------------------------------------ mutations
 
-    def allocate(self, seq_id: str, token_ids: Sequence[int], num_tokens: int) -> int:
+    def allocate(self, seq_id: str, token_ids: Sequence[int], num_tokens: int, reuse: bool = True) -> int:
         """First scheduling of a sequence: build its block table, reusing cached prefix blocks.
 
         Looks up the full blocks of `token_ids` in the prefix cache along the hash chain and
@@ -188,12 +190,13 @@ class BlockManager:
 
         Returns the number of cached tokens (a multiple of block_size): positions
         `[0, cached)` already hold valid K/V, computation starts at position `cached`.
+        reuse=False takes no hit (and counts no query): every block is fresh.
         Raises OutOfKvCacheError when the pool lacks blocks (nothing is changed then), and
         ValueError if `seq_id` already has a table.
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already allocated; free it first")
-        hashes, hits = self._match(token_ids)
+        hashes, hits = self._match(token_ids, reuse)
         num_blocks = max(len(hits), self._num_blocks_for(num_tokens))
         needed = self._blocks_needed(hits, num_blocks * self.block_size)
         if needed > self.num_free_blocks:
@@ -213,7 +216,7 @@ class BlockManager:
         # The hashes now belong to the sequence (and grow with its output blocks).
         self._memo.pop(id(token_ids), None)
         self._seqs[seq_id] = _Seq(table, hashes, num_hit, num_hit * self.block_size)
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and reuse:
             self.prefix_cache_queries += self._max_hit_blocks(token_ids)
             self.prefix_cache_hits += num_hit
         return num_hit * self.block_size
@@ -377,10 +380,11 @@ class BlockManager:
         live_hits = sum(1 for b in hits if self._ref_count[b] > 0)
         return total - live_hits
 
-    def _match(self, token_ids: Sequence[int]) -> tuple[list[bytes], list[int]]:
+    def _match(self, token_ids: Sequence[int], reuse: bool = True) -> tuple[list[bytes], list[int]]:
         """Chain hashes of token_ids' full blocks (computed up to the first miss) and the
-        physical blocks of the longest cached prefix, capped by `_max_hit_blocks`."""
-        if not self.enable_prefix_caching:
+        physical blocks of the longest cached prefix, capped by `_max_hit_blocks`. Without
+        `reuse`: no hashes (`commit_full_blocks` computes them) and no hits."""
+        if not self.enable_prefix_caching or not reuse:
             return [], []
         key = id(token_ids)
         entry = self._memo.get(key)

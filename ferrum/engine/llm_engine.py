@@ -28,7 +28,8 @@ from ferrum.engine.output_state import SequenceOutputState
 from ferrum.errors import (CacheConfigError, InvalidRequestError, OutOfKvCacheError, QueueFullError,
                            check_prompt_len)
 from ferrum.executor.base import is_device_fault
-from ferrum.interfaces import DecodeInput, KvCacheHandle, ModelExecutor, PrefillInput
+from ferrum.interfaces import (DecodeInput, KvCacheHandle, ModelExecutor, PrefillInput,
+                               PromptLogprobs)
 from ferrum.layers.sampler import Sampler, SamplingMetadata, validate_token_ids
 from ferrum.outputs import CompletionOutput, RequestOutput
 from ferrum.sampling_params import SamplingParams
@@ -50,6 +51,8 @@ class StepInFlight:
     commits: (sequence, computed tokens) whose full blocks enter the prefix cache once every
         token in them is known.
     overlappable: no row needs its output ids on the host before its next step.
+    prompt_logprobs: the prefill's PromptLogprobs and, per sequence that asked, (request,
+        target ids, position of its first row); or None.
     """
 
     seqs: list[Sequence]
@@ -60,6 +63,7 @@ class StepInFlight:
     logprobs: list | None
     commits: list[tuple[Sequence, int]]
     overlappable: bool
+    prompt_logprobs: tuple[PromptLogprobs, list[tuple[Request, list[int], int]]] | None = None
 
 
 def create_executor(source, config: EngineConfig, progress: bool = True) -> ModelExecutor:
@@ -335,6 +339,7 @@ class LLMEngine:
         now = time.perf_counter()
         prev = self._in_flight
         logits_parts, sample_seqs = [], []
+        prompt_lps = None
         if sched.decodes:
             seqs = [c.seq for c in sched.decodes]
             tokens = [s.token_ids[-1] for s in seqs]
@@ -350,7 +355,16 @@ class LLMEngine:
             chunks = [s.token_ids[s.num_computed_tokens:s.num_computed_tokens + c.num_tokens]
                       for s, c in zip(seqs, sched.prefills)]
             completes = [c.completes for c in sched.prefills]
-            out = self.executor.prefill(PrefillInput(chunks, self._handles(seqs)))
+            inp = PrefillInput(chunks, self._handles(seqs))
+            targets = [self._prompt_logprob_targets(s, len(chunk)) for s, chunk in zip(seqs, chunks)]
+            if any(targets):
+                inp.prompt_logprob_targets = targets
+                inp.num_top_logprobs = max(s.request.params.prompt_logprobs
+                                           for s, t in zip(seqs, targets) if t)
+            out = self.executor.prefill(inp)
+            if out.prompt_logprobs is not None:
+                prompt_lps = (out.prompt_logprobs, [(s.request, t, s.num_computed_tokens)
+                                                    for s, t in zip(seqs, targets) if t])
             if any(completes):
                 idx = [i for i, c in enumerate(completes) if c]
                 if len(idx) < len(seqs):   # an index list would be copied to the device blocking
@@ -377,7 +391,7 @@ class LLMEngine:
             if c.num_tokens > 1 or s.num_computed_tokens % bs == 0:
                 commits.append((s, s.num_computed_tokens))
         if not sample_seqs:
-            return StepInFlight([], [], None, None, None, None, commits, True)
+            return StepInFlight([], [], None, None, None, None, commits, prompt_lps is None, prompt_lps)
         logits = torch.cat(logits_parts) if len(logits_parts) > 1 else logits_parts[0]
         params = [s.request.params for s in sample_seqs]
         # Output ids (a copy per sequence) only when penalties or min_tokens read them.
@@ -405,7 +419,22 @@ class LLMEngine:
             s.token_ids.append(PLACEHOLDER)
             s.sampled_row = i
         return StepInFlight(sample_seqs, positions, ids, host, ready, out.logprobs, commits,
-                            overlappable=not need_out and out.logprobs is None and constrained is None)
+                            not need_out and out.logprobs is None and prompt_lps is None
+                            and constrained is None, prompt_lps)
+
+    @staticmethod
+    def _prompt_logprob_targets(seq: Sequence, num_tokens: int) -> list[int]:
+        """Prompt tokens whose logprobs the next `num_tokens` computed positions of `seq` give
+        (all of them from its first position on, or [] when none is new): position p yields
+        the logprob of prompt token p + 1, for p < num_prompt_tokens - 1 (the last prompt
+        position predicts the first output token). After a preemption the recomputed chunk
+        may repeat positions already done; `_store_prompt_logprobs` skips those."""
+        req, start = seq.request, seq.num_computed_tokens
+        end = min(start + num_tokens, seq.num_prompt_tokens - 1)
+        if not seq.needs_prompt_logprobs or start > req.prompt_logprob_pos or end <= req.prompt_logprob_pos:
+            return []
+        req.prompt_logprob_pos = end
+        return seq.token_ids[start + 1:end + 1]
 
     def _handles(self, seqs: list[Sequence]) -> list[KvCacheHandle]:
         return [KvCacheHandle(s.seq_id, self.block_manager.block_table(s.seq_id),
@@ -423,6 +452,8 @@ class LLMEngine:
                     self.block_manager.commit_full_blocks(seq.seq_id, seq.token_ids, n)
                 except Exception as e:  # noqa: BLE001 - fails this sequence's request only
                     self._fail([seq], e, touched)
+        if in_flight.prompt_logprobs is not None:
+            self._store_prompt_logprobs(*in_flight.prompt_logprobs)
         if not in_flight.seqs:
             return
         try:
@@ -463,6 +494,25 @@ class LLMEngine:
                 self._fail([seq], e, touched)
             touched[req.request_id] = req
         self.stats["generation_tokens"] += generated
+
+    @staticmethod
+    def _store_prompt_logprobs(lps: PromptLogprobs,
+                               groups: list[tuple[Request, list[int], int]]) -> None:
+        """Append a prefill's prompt logprobs to their requests (steps finish in launch order,
+        so a request's entries arrive in prompt order): per target, {token id: logprob} of the
+        request's top-N (N = its prompt_logprobs) followed by the target itself. Rows for
+        prompt tokens that already have an entry (recomputed after preemption) are skipped."""
+        token_lps = lps.token_logprobs.tolist()
+        top_ids, top_lps = lps.top_ids.tolist(), lps.top_logprobs.tolist()
+        row = 0
+        for req, targets, first_pos in groups:
+            n = req.params.prompt_logprobs
+            for j, tok in enumerate(targets):
+                if first_pos + j + 1 == len(req.prompt_logprobs):
+                    entry = dict(zip(top_ids[row][:n], top_lps[row][:n]))
+                    entry.setdefault(tok, token_lps[row])
+                    req.prompt_logprobs.append(entry)
+                row += 1
 
     def _fork(self, req: Request, parent: Sequence) -> None:
         """n > 1: the other samples share the prompt's full blocks with sample 0 and compute
@@ -506,7 +556,7 @@ class LLMEngine:
             self.stats["requests_finished"] += 1
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
                              req.metrics, num_cached_tokens=req.seqs[0].num_cached_tokens,
-                             error=req.error)
+                             error=req.error, prompt_logprobs=req.prompt_logprobs)
 
     # ---- status ---------------------------------------------------------------------------------
     def status(self) -> dict:

@@ -155,12 +155,13 @@ class Scheduler:
             if len(self.running) + reserved + slots > self.config.max_num_seqs:
                 break
             # A prefix-cache hit means fewer tokens to compute; the budget counts computed ones.
-            cached = self.bm.lookup_prefix(seq.token_ids)
+            reuse = not seq.needs_prompt_logprobs
+            cached = self.bm.lookup_prefix(seq.token_ids, reuse)
             n = self._chunk(seq.num_tokens - cached, budget, first=not out.prefills)
-            if n == 0 or not self.bm.can_allocate(seq.token_ids, n):
+            if n == 0 or not self.bm.can_allocate(seq.token_ids, n, reuse):
                 break
             self.waiting.popleft()
-            cached = self.bm.allocate(seq.seq_id, seq.token_ids, cached + n)
+            cached = self.bm.allocate(seq.seq_id, seq.token_ids, cached + n, reuse)
             seq.num_computed_tokens = cached
             seq.num_cached_tokens = max(seq.num_cached_tokens, cached)
             total = cached + n

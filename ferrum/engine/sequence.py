@@ -58,6 +58,15 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Sample 0 of a request with `prompt_logprobs` whose prompt logprobs are not all
+        computed: its prefill computes every prompt position (no prefix-cache hit, whose
+        positions would have no logits; vLLM does the same)."""
+        r = self.request
+        return (r.prompt_logprobs is not None and self.index == 0
+                and r.prompt_logprob_pos < self.num_prompt_tokens - 1)
+
+    @property
     def arrival(self) -> float:
         """The request's arrival time (seconds, time.perf_counter): the FCFS order."""
         return self.request.metrics.arrival_time
@@ -80,6 +89,15 @@ class Request:
     forked: bool = False                    # n > 1: children created after the first prefill
     error: str | None = None                # why a step running it failed (it is then finished)
     grammar: object | None = None           # structured outputs: a CompiledGrammar
+    # With params.prompt_logprobs: entry i is {token id: logprob} for prompt token i (None for
+    # token 0, which has no context), filled as prefill chunks finish; prompt_logprob_pos is
+    # the next prompt position whose logits are still to be computed.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_pos: int = 0
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     def finished(self) -> bool:
         """True when all n samples exist and are finished, or when a step failed it."""

@@ -9,7 +9,8 @@ import torch
 from ferrum.config import EngineConfig, resolve_device, resolve_dtype, resolve_max_model_len
 from ferrum.errors import EngineDeadError
 from ferrum.interfaces import (DecodeInput, DecodeOutput, ExecutorCapabilities, ExecutorStatus,
-                               KvCacheHandle, ModelInfo, PrefillInput, PrefillOutput)
+                               KvCacheHandle, ModelInfo, PrefillInput, PrefillOutput,
+                               PromptLogprobs)
 from ferrum.loader.base import ModelSource
 from ferrum.executor.memory import compute_memory_requirements
 from ferrum.executor.threads import apply_engine_settings
@@ -51,9 +52,10 @@ class ExecutorBase:
         self._steps = {"prefill_steps": 0, "decode_steps": 0, "prefill_tokens": 0, "decode_tokens": 0}
         self._broken: str | None = None   # why no step can run any more (see health)
 
-    # Subclasses implement these two (returning logits [num_seqs, vocab] float32) and set
-    # self.num_blocks; the public prefill/decode below add the bookkeeping.
-    def _prefill(self, inp: PrefillInput) -> torch.Tensor:
+    # Subclasses implement these two (returning logits [num_seqs, vocab] float32; _prefill
+    # with the step's PromptLogprobs or None) and set self.num_blocks; the public
+    # prefill/decode below add the bookkeeping.
+    def _prefill(self, inp: PrefillInput) -> tuple[torch.Tensor, PromptLogprobs | None]:
         raise TypeError(f"{type(self).__name__} must implement _prefill")
 
     def _decode(self, inp: DecodeInput) -> torch.Tensor:
@@ -78,14 +80,15 @@ class ExecutorBase:
 
     def prefill(self, inp: PrefillInput) -> PrefillOutput:
         """Run `_prefill`, then advance each handle's num_tokens by its chunk length and
-        record the sequence as live. Logits: [num_seqs, vocab_size] float32."""
-        logits = self._guarded(self._prefill, inp)
+        record the sequence as live. Logits: [num_seqs, vocab_size] float32; prompt logprobs
+        when the input names targets (see PrefillInput)."""
+        logits, prompt_logprobs = self._guarded(self._prefill, inp)
         for ids, h in zip(inp.token_ids, inp.kv):
             h.num_tokens += len(ids)
             self._live[h.cache_id] = h
         self._steps["prefill_steps"] += 1
         self._steps["prefill_tokens"] += sum(map(len, inp.token_ids))
-        return PrefillOutput(logits, inp.kv)
+        return PrefillOutput(logits, inp.kv, prompt_logprobs)
 
     def decode(self, inp: DecodeInput) -> DecodeOutput:
         """Run `_decode`, then advance each handle's num_tokens by 1 and record the sequence

@@ -15,8 +15,9 @@ from ferrum.executor.cuda_graph import DecodeCudaGraphs, graph_batch_sizes
 from ferrum.executor.memory import compute_memory_requirements
 from ferrum.executor.model_inputs import prepare_decode, prepare_prefill, take_prev_sampled
 from ferrum.executor.prefill_graph import PrefillCudaGraphs, prefill_graph_buckets
+from ferrum.executor.prompt_logprobs import compute_prompt_logprobs
 from ferrum.forward_context import forward_context
-from ferrum.interfaces import KvCacheHandle
+from ferrum.interfaces import KvCacheHandle, PromptLogprobs
 from ferrum.layers.attention import Attention
 from ferrum.layers.linear import LinearBase
 from ferrum.layers.quantization import get_quant_config
@@ -148,18 +149,27 @@ class ModelRunner:
 
     # ---- forward ------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, token_ids: list[list[int]], kv: list[KvCacheHandle]) -> torch.Tensor | None:
-        """Returns logits [num_seqs, vocab] float32 of each chunk's last token (TP rank 0;
-        None on other ranks). One sequence's short chunk replays a prefill CUDA graph."""
-        if self.prefill_graphs is not None and self.prefill_graphs.can_run(token_ids):
-            return self.prefill_graphs.run(token_ids[0], kv[0])
+    def prefill(self, token_ids: list[list[int]], kv: list[KvCacheHandle],
+                prompt_logprob_targets: list[list[int]] | None = None, num_top_logprobs: int = 0
+                ) -> tuple[torch.Tensor | None, PromptLogprobs | None]:
+        """Returns (logits [num_seqs, vocab] float32 of each chunk's last token, prompt
+        logprobs of the rows that `prompt_logprob_targets` names (see PrefillInput)); both
+        None on TP ranks > 0, the second also when no targets are given. One sequence's
+        short chunk without prompt logprobs replays a prefill CUDA graph."""
+        if (prompt_logprob_targets is None and self.prefill_graphs is not None
+                and self.prefill_graphs.can_run(token_ids)):
+            return self.prefill_graphs.run(token_ids[0], kv[0]), None
         dev = self.device
         ids, pos, attn_metadata, cu = prepare_prefill(token_ids, kv, self.block_size, dev)
         with forward_context(attn_metadata, self.attn_backend), cpu_blas_forward(self.cpu_blas):
             hidden = self.model(ids, pos.to(dev, non_blocking=True))
             last = (cu[1:] - 1).to(dev, non_blocking=True)   # blocking, it would wait for the forward
             logits = self.model.compute_logits(hidden[last])
-        return None if logits is None else logits.float()
+            prompt_lps = None
+            if prompt_logprob_targets is not None:
+                prompt_lps = compute_prompt_logprobs(self.model.compute_logits, hidden, cu[:-1].tolist(),
+                                                     prompt_logprob_targets, num_top_logprobs)
+        return (None if logits is None else logits.float()), prompt_lps
 
     def prev_sampled_ids(self, prev_sampled: torch.Tensor | None, num_prev: int) -> torch.Tensor:
         """The previous step's sampled ids [num_prev] int64 on this rank's device (async

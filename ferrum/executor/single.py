@@ -10,7 +10,7 @@ from ferrum.distributed.parallel_state import init_tensor_parallel
 from ferrum.executor.base import ExecutorBase
 from ferrum.executor.memory import num_kv_blocks
 from ferrum.executor.model_runner import ModelRunner
-from ferrum.interfaces import DecodeInput, PrefillInput
+from ferrum.interfaces import DecodeInput, PrefillInput, PromptLogprobs
 from ferrum.loader.base import ModelSource
 
 log = logging.getLogger("ferrum")
@@ -33,8 +33,9 @@ class SingleDeviceExecutor(ExecutorBase):
                                         s.max_num_seqs, s.max_num_batched_tokens)
         self.runner.allocate_kv_cache(self.num_blocks, config.cache.block_size)
 
-    def _prefill(self, inp: PrefillInput) -> torch.Tensor:
-        return self.runner.prefill(inp.token_ids, inp.kv)
+    def _prefill(self, inp: PrefillInput) -> tuple[torch.Tensor, PromptLogprobs | None]:
+        return self.runner.prefill(inp.token_ids, inp.kv, inp.prompt_logprob_targets,
+                                   inp.num_top_logprobs)
 
     def _decode(self, inp: DecodeInput) -> torch.Tensor:
         return self.runner.decode(inp.token_ids, inp.kv, inp.prev_sampled, inp.prev_rows)

@@ -40,7 +40,7 @@ from ferrum.executor.tp_launch import WorkerProcesses
 from ferrum.executor.tp_rank import (agree_num_blocks, broadcast_message, build_runner,
                                      handles_to_wire, init_distributed, launched_by_torchrun,
                                      local_num_blocks, rank_device)
-from ferrum.interfaces import DecodeInput, PrefillInput
+from ferrum.interfaces import DecodeInput, PrefillInput, PromptLogprobs
 from ferrum.loader.base import ModelSource
 
 log = logging.getLogger("ferrum")
@@ -213,9 +213,11 @@ class TensorParallelExecutor(ExecutorBase):
             raise StepMessageError(f"step message cannot be pickled: {type(e).__name__}: {e}") from e
         broadcast_message(msg, self.control)
 
-    def _prefill(self, inp: PrefillInput) -> torch.Tensor:
-        return self._run(("prefill", inp.token_ids, handles_to_wire(inp.kv)),
-                         lambda: self.runner.prefill(inp.token_ids, inp.kv))
+    def _prefill(self, inp: PrefillInput) -> tuple[torch.Tensor, PromptLogprobs | None]:
+        args = (inp.token_ids, inp.kv, inp.prompt_logprob_targets, inp.num_top_logprobs)
+        return self._run(("prefill", inp.token_ids, handles_to_wire(inp.kv),
+                          inp.prompt_logprob_targets, inp.num_top_logprobs),
+                         lambda: self.runner.prefill(*args))
 
     def _decode(self, inp: DecodeInput) -> torch.Tensor:
         num_prev = 0 if inp.prev_rows is None else len(inp.prev_sampled)

@@ -40,7 +40,7 @@ def worker_loop(runner, recv, block_size: int, step_done=None) -> None:
         if op == "shutdown":
             return
         if op == "prefill":
-            runner.prefill(msg[1], handles_from_wire(msg[2], block_size))
+            runner.prefill(msg[1], handles_from_wire(msg[2], block_size), msg[3], msg[4])
         elif op == "decode":
             runner.decode(msg[1], handles_from_wire(msg[2], block_size), None, msg[3], msg[4])
         elif op == "allocate_kv_cache":

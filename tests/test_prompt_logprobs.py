@@ -1,0 +1,139 @@
+"""Prompt logprobs (`SamplingParams.prompt_logprobs`) against HF transformers' log_softmax on the
+same tiny model: whole and chunked prefill, in a batch with other requests, after a prefix-cache
+hit on the same prompt, after preemption, and TP=2 equal to TP=1."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ferrum import LLM, SamplingParams
+from tiny_models import hf_model, make_tiny_model
+
+VOCAB = 128
+MAX_LEN = 128
+TOP = 5
+# fp32 on CPU: ferrum and transformers differ by float rounding only (measured 1.4e-6)
+TOL = 2e-5
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("plp") / "llama"), "llama", num_heads=4,
+                           num_kv_heads=2, hidden=64, layers=2, vocab=VOCAB, seed=11)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(0)
+    return [[rng.randrange(2, VOCAB) for _ in range(n)] for n in (70, 1, 2, 33, 16, 17)]
+
+
+@pytest.fixture(scope="module")
+def reference(folder, prompts):
+    """HF log_softmax over each prompt: [len - 1, V] float32, row p for prompt token p + 1."""
+    model = hf_model(folder)
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            logits = model(torch.tensor([p])).logits[0].float()
+            out.append(logits.log_softmax(-1)[:-1])
+    return out
+
+
+def make_llm(folder, **kw) -> LLM:
+    kw = {"dtype": "float32", "device": "cpu", "max_model_len": MAX_LEN, **kw}
+    return LLM(folder, progress=False, **kw)
+
+
+def max_diff(outs, prompts, reference, top: int = TOP) -> float:
+    """Checks the format and returns the max abs difference to HF over every prompt token
+    and every top-`top` entry (ids must match HF's order where values are not tied)."""
+    worst = 0.0
+    for out, p, ref in zip(outs, prompts, reference):
+        lps = out.prompt_logprobs
+        assert len(lps) == len(p) and lps[0] is None
+        for i, entry in enumerate(lps[1:]):
+            tok = p[i + 1]
+            assert tok in entry and len(entry) in (top, top + 1)
+            worst = max(worst, abs(entry[tok] - ref[i, tok].item()))
+            values, ids = ref[i].topk(top)
+            ours = list(entry.items())[:top]
+            assert [v for _, v in ours] == sorted((v for _, v in ours), reverse=True)
+            for (tid, v), rv, rid in zip(ours, values.tolist(), ids.tolist()):
+                worst = max(worst, abs(v - rv), abs(ref[i, tid].item() - v))
+    return worst
+
+
+def test_prompt_logprobs_equal_hf_whole_and_chunked(folder, prompts, reference):
+    sp = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=TOP, ignore_eos=True)
+    plain = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    for kw in (dict(enable_chunked_prefill=False),
+               dict(enable_chunked_prefill=True, max_num_batched_tokens=24)):
+        with make_llm(folder, **kw) as llm:
+            # in a batch with requests that want none (their rows must not shift the others')
+            outs = llm.generate(prompts + prompts[:2], [sp] * len(prompts) + [plain] * 2,
+                                use_tqdm=False)
+            assert all(o.prompt_logprobs is None for o in outs[len(prompts):])
+            diff = max_diff(outs[:len(prompts)], prompts, reference)
+            assert diff < TOL, f"{kw}: max abs diff to HF {diff:.2e}"
+            # the generated tokens do not change when prompt logprobs are asked for
+            assert [o.outputs[0].token_ids for o in outs[:2]] == \
+                [o.outputs[0].token_ids for o in outs[len(prompts):]]
+            assert llm.engine.executor.status().running_sequences == 0
+
+
+def test_prompt_logprobs_zero_gives_only_the_prompt_token(folder, prompts, reference):
+    with make_llm(folder) as llm:
+        out = llm.generate([prompts[0]], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                           use_tqdm=False)[0]
+    assert all(len(e) == 1 and list(e) == [t] for e, t in zip(out.prompt_logprobs[1:], prompts[0][1:]))
+    diff = max(abs(e[t] - reference[0][i, t].item())
+               for i, (e, t) in enumerate(zip(out.prompt_logprobs[1:], prompts[0][1:])))
+    assert diff < TOL
+
+
+def test_prompt_logprobs_after_prefix_cache_hit(folder, prompts, reference):
+    """The prompt's blocks are cached by a first request: a request for prompt logprobs
+    computes every position anyway (no hit), and its values are the same."""
+    sp = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=TOP)
+    with make_llm(folder, enable_prefix_caching=True) as llm:
+        first = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+        again = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+        assert first.num_cached_tokens == 0 and again.num_cached_tokens == 64
+        out = llm.generate([prompts[0]], sp, use_tqdm=False)[0]
+        assert out.num_cached_tokens == 0
+        assert max_diff([out], prompts[:1], reference[:1]) < TOL
+        # once its prompt logprobs are done, it left its blocks in the cache for others
+        assert llm.generate([prompts[0]], SamplingParams(max_tokens=1),
+                            use_tqdm=False)[0].num_cached_tokens == 64
+
+
+def test_prompt_logprobs_survive_preemption(folder, prompts, reference):
+    """A pool too small for all requests at once: sequences are preempted and recomputed;
+    each prompt logprob is still computed once, in order."""
+    sp = SamplingParams(temperature=0, max_tokens=40, prompt_logprobs=2, ignore_eos=True)
+    with make_llm(folder, num_kv_blocks=10, max_num_batched_tokens=32) as llm:
+        outs = llm.generate([prompts[0], prompts[3], prompts[0]], sp, use_tqdm=False)
+        assert llm.engine.scheduler.num_preemptions > 0
+    ps = [prompts[0], prompts[3], prompts[0]]
+    assert max_diff(outs, ps, [reference[0], reference[3], reference[0]], top=2) < TOL
+
+
+def test_prompt_logprobs_tp2_equal_tp1(folder, prompts):
+    sp = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=TOP)
+    with make_llm(folder, max_num_batched_tokens=24) as llm:
+        ref = llm.generate(prompts, sp, use_tqdm=False)
+    with make_llm(folder, max_num_batched_tokens=24, tensor_parallel_size=2) as llm:
+        got = llm.generate(prompts, sp, use_tqdm=False)
+    worst = 0.0
+    for a, b in zip(ref, got):
+        assert a.prompt_logprobs[0] is None and b.prompt_logprobs[0] is None
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert list(x) == list(y)
+            worst = max(worst, max(abs(x[k] - y[k]) for k in x))
+    assert worst < 1e-5, f"TP=2 vs TP=1 max abs prompt logprob diff {worst:.2e}"
