@@ -643,3 +643,135 @@ def test_server_serves_after_bad_constraints(server, client):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="sometimes")
     assert info.value.body["param"] == "tool_choice"
+
+
+# ---- prompt logprobs, usage details, model retrieval, chat continuation --------------------------
+def _token_text(tok, tid: int) -> str:
+    return tok.decode([tid], skip_special_tokens=False)
+
+
+def test_echo_logprobs_equal_offline(client, offline, tok):
+    """echo + logprobs: the prompt tokens' logprobs (the first null) then the generated ones,
+    equal to LLM.generate's prompt_logprobs / logprobs; streamed the same."""
+    from ferrum import SamplingParams
+    ids = tok.encode(PROMPT)
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=2,
+              extra_body={"ignore_eos": True})
+    r = client.completions.create(**kw)
+    ref = offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4, logprobs=2,
+                                                    prompt_logprobs=2, ignore_eos=True),
+                           use_tqdm=False)[0]
+    out = ref.outputs[0]
+    c = r.choices[0]
+    assert c.text == PROMPT + out.text
+    lp = c.logprobs
+    all_ids = ids + out.token_ids
+    all_lps = ref.prompt_logprobs + out.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 4
+    assert "".join(lp.tokens) == c.text      # the tokens join to the echoed text + answer
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, len(all_ids)):
+        assert lp.token_logprobs[i] == pytest.approx(all_lps[i][all_ids[i]], abs=1e-5)
+        # keys: alternatives by their own text, the chosen token by the text it added
+        want = {(lp.tokens[i] if k == all_ids[i] else _token_text(tok, k)): v
+                for k, v in sorted(all_lps[i].items(), key=lambda kv: -kv[1])}
+        assert lp.top_logprobs[i] == pytest.approx(want, abs=1e-5)
+    offsets = [0]
+    for t in lp.tokens[:len(ids) - 1]:
+        offsets.append(offsets[-1] + len(t))
+    assert lp.text_offset[:len(ids)] == offsets and lp.text_offset[len(ids)] == len(PROMPT)
+    # streamed: the first chunk carries the prompt and its logprobs
+    chunks = [ch.choices[0] for ch in client.completions.create(stream=True, **kw) if ch.choices]
+    assert chunks[0].text == PROMPT and chunks[0].logprobs.token_logprobs[0] is None
+    assert "".join(ch.text for ch in chunks) == c.text
+    joined = [v for ch in chunks for v in ch.logprobs.token_logprobs]
+    assert joined == lp.token_logprobs
+
+
+def test_echo_max_tokens_zero_scores_the_prompt(client, tok):
+    """echo with max_tokens 0 (as lm-eval-harness sends it): the prompt and its logprobs only."""
+    ids = tok.encode(PROMPT)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=0)
+    c = r.choices[0]
+    assert c.text == PROMPT and c.finish_reason == "length"
+    assert len(c.logprobs.token_logprobs) == len(ids) and c.logprobs.token_logprobs[0] is None
+    assert all(v <= 0 for v in c.logprobs.token_logprobs[1:])
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
+    chunks = [ch.choices[0] for ch in client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=0, stream=True) if ch.choices]
+    assert "".join(ch.text for ch in chunks) == PROMPT and chunks[-1].finish_reason == "length"
+    streamed = [v for ch in chunks if ch.logprobs for v in ch.logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(c.logprobs.token_logprobs[1:], abs=1e-5)
+
+
+def test_model_retrieve(server, client):
+    m = client.models.retrieve(MODEL)
+    assert m.id == MODEL and m.object == "model" and m.owned_by == "ferrum"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    e = _err(httpx.get(server + "/v1/models/org/some-model", headers={"Authorization": f"Bearer {KEY}"}), 404)
+    assert "org/some-model" in e["message"] and e["type"] == "not_found_error"
+    assert httpx.get(server + f"/v1/models/{MODEL}").status_code == 401   # the key is needed
+
+
+def test_cached_tokens_and_system_fingerprint(client):
+    prompt = "A repeated prompt that fills more than two blocks of the prefix cache: " * 3
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    first = client.completions.create(**kw)
+    again = client.completions.create(**kw)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.prompt_tokens and cached % 16 == 0
+    fp = first.system_fingerprint
+    assert fp.startswith("fp_") and again.system_fingerprint == fp
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    assert {ch.system_fingerprint for ch in chunks} == {fp}
+    msgs = [{"role": "system", "content": prompt}, {"role": "user", "content": "hi"}]
+    client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
+    assert r.usage.prompt_tokens_details.cached_tokens > 0 and r.system_fingerprint == fp
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+    assert {ch.system_fingerprint for ch in chunks} == {fp}
+
+
+def test_continue_final_message(server, client, offline, tok):
+    from ferrum import SamplingParams
+    from ferrum.errors import InvalidRequestError
+    msgs = [{"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "The colour I pick is"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0,
+                                       extra_body={"add_generation_prompt": False,
+                                                   "continue_final_message": True,
+                                                   "ignore_eos": True})
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True)
+    assert tok.decode(ids, skip_special_tokens=False).endswith("The colour I pick is")
+    assert r.usage.prompt_tokens == len(ids)
+    ref = offline.chat(msgs, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                       add_generation_prompt=False, continue_final_message=True)[0]
+    assert ref.prompt_token_ids == ids and r.choices[0].message.content == ref.outputs[0].text
+    t = _post(server, "/tokenize", {"model": MODEL, "messages": msgs, "add_generation_prompt": False,
+                                    "continue_final_message": True}).json()
+    assert t["tokens"] == ids
+    e = _err(_post(server, "/v1/chat/completions", {"model": MODEL, "messages": msgs,
+                                                   "continue_final_message": True}), 400)
+    assert e["param"] == "continue_final_message" and "add_generation_prompt" in e["message"]
+    with pytest.raises(InvalidRequestError) as info:
+        offline.chat(msgs, continue_final_message=True)
+    assert info.value.param == "continue_final_message"
+
+
+def test_new_fields_bad_values(server):
+    ok = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    for body, param in [({**ok, "echo": True, "logprobs": 21}, "logprobs"),
+                        ({**ok, "echo": "sometimes"}, "echo"),
+                        ({**ok, "max_tokens": 0}, "max_tokens"),
+                        ({**ok, "max_tokens": -1, "echo": True}, "max_tokens")]:
+        e = _err(_post(server, "/v1/completions", body), 400)
+        assert e["param"] == param, (body, e)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for field in ("continue_final_message", "add_generation_prompt"):
+        e = _err(_post(server, "/v1/chat/completions", {**chat, field: "maybe"}), 400)
+        assert e["param"] == field

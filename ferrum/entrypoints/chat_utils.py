@@ -333,14 +333,15 @@ class ChatPrompt:
 def prepare_chat(tokenizer, messages, *, tools=None, tool_choice=None,
                  parallel_tool_calls: bool = True, response_format=None,
                  tool_parser: str = "auto", add_generation_prompt: bool = True,
-                 chat_template: str | None = None,
+                 continue_final_message: bool = False, chat_template: str | None = None,
                  split_special_tokens: bool | None = None) -> ChatPrompt:
     """OpenAI chat fields -> ChatPrompt (prompt ids, constraint, tool parser).
 
     tokenizer: ferrum Tokenizer (None: InvalidRequestError, chat needs one). tool_parser:
     "auto" (from the chat template, `ferrum.tool_parsers.detect_tool_parser`) or a name in
-    `ferrum.tool_parsers.TOOL_PARSERS`. split_special_tokens: see
-    `Tokenizer.apply_chat_template` (None: the tokenizer's setting). Raises InvalidRequestError
+    `ferrum.tool_parsers.TOOL_PARSERS`. add_generation_prompt / continue_final_message: see
+    `Tokenizer.render_chat`. split_special_tokens: see `Tokenizer.apply_chat_template` (None:
+    the tokenizer's setting). Raises InvalidRequestError
     naming the bad field."""
     if tokenizer is None:
         raise _bad("messages", "this model has no tokenizer, so it cannot chat; use "
@@ -361,6 +362,7 @@ def prepare_chat(tokenizer, messages, *, tools=None, tool_choice=None,
             m.get("tool_calls") or m["role"] == "tool" for m in msgs)):
         msgs, offered = _hermes_messages(msgs, offered), None
     ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
+                                        continue_final_message=continue_final_message,
                                         chat_template=chat_template, tools=offered,
                                         split_special_tokens=split_special_tokens)
     max_calls = None if parallel_tool_calls else 1

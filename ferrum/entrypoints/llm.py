@@ -88,8 +88,8 @@ class LLM:
              add_generation_prompt: bool = True, *, tools: list[dict] | None = None,
              tool_choice: str | dict | None = None, parallel_tool_calls: bool = True,
              response_format: dict | None = None, tool_parser: str | None = None,
-             chat_template: str | None = None,
-             split_special_tokens: bool | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None, split_special_tokens: bool | None = None,
+             continue_final_message: bool = False) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them and generate.
 
         Messages, tools, tool_choice, parallel_tool_calls and response_format as in OpenAI's
@@ -97,7 +97,9 @@ class LLM:
         `ferrum.tool_parsers.TOOL_PARSERS` (None: the engine's `tool_call_parser`). With tools,
         each CompletionOutput's `tool_calls` holds the parsed calls (OpenAI form) and `text`
         the remaining content. split_special_tokens: see Tokenizer.apply_chat_template (None:
-        the engine's setting). Raises InvalidRequestError naming the bad field."""
+        the engine's setting). add_generation_prompt / continue_final_message as in
+        `Tokenizer.render_chat` (to continue the last message, pass add_generation_prompt=False
+        too, as in vLLM). Raises InvalidRequestError naming the bad field."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         params = sampling_params or SamplingParams()
         parser = self.engine.config.tool_call_parser if tool_parser is None else tool_parser
@@ -105,6 +107,7 @@ class LLM:
                               parallel_tool_calls=parallel_tool_calls,
                               response_format=response_format, tool_parser=parser,
                               add_generation_prompt=add_generation_prompt,
+                              continue_final_message=continue_final_message,
                               chat_template=chat_template,
                               split_special_tokens=split_special_tokens) for c in convs]
         outs = self.generate([c.prompt_token_ids for c in chats],

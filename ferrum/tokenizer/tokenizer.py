@@ -250,14 +250,18 @@ class Tokenizer:
         return self.hf.convert_ids_to_tokens(list(ids))
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    chat_template: str | None = None, **template_kwargs) -> str:
+                    chat_template: str | None = None, continue_final_message: bool = False,
+                    **template_kwargs) -> str:
         """The prompt text for `messages` ([{"role": ..., "content": str | text parts}]).
-        `chat_template` overrides the model's; `template_kwargs` (e.g. `tools`, OpenAI function
-        tools) reach the template as `apply_chat_template(..., tools=...)` passes them. Raises
-        InvalidRequestError when there is no template, a message is malformed, or the template
-        rejects the conversation."""
+        `chat_template` overrides the model's. add_generation_prompt: end with the header of a
+        new assistant turn. continue_final_message (vLLM / transformers): end inside the last
+        message, without its end-of-turn tokens, so the model continues it (an assistant
+        "prefill"); it excludes add_generation_prompt. `template_kwargs` (e.g. `tools`, OpenAI
+        function tools) reach the template as `apply_chat_template(..., tools=...)` passes
+        them. Raises InvalidRequestError when both are set, there is no template, a message is
+        malformed, or the template rejects the conversation."""
         return self._render(self._messages(messages), add_generation_prompt, chat_template,
-                            **template_kwargs)
+                            continue_final_message, **template_kwargs)
 
     def _messages(self, messages: list[dict]) -> list[dict]:
         """Validated messages with text parts joined (see _flatten_content)."""
@@ -272,8 +276,13 @@ class Tokenizer:
         return msgs
 
     def _render(self, msgs: list[dict], add_generation_prompt: bool, chat_template: str | None,
-                **template_kwargs) -> str:
+                continue_final_message: bool = False, **template_kwargs) -> str:
         """Render validated messages; `template_kwargs` (e.g. tools) go to the template."""
+        if add_generation_prompt and continue_final_message:
+            raise InvalidRequestError(
+                "continue_final_message and add_generation_prompt cannot both be true: set "
+                "add_generation_prompt to false to continue the final message",
+                param="continue_final_message")
         template = chat_template or self.chat_template
         if not template:
             raise InvalidRequestError(
@@ -282,6 +291,7 @@ class Tokenizer:
         try:
             return self.hf.apply_chat_template(msgs, chat_template=template, tokenize=False,
                                                add_generation_prompt=add_generation_prompt,
+                                               continue_final_message=continue_final_message,
                                                **template_kwargs)
         except Exception as e:  # jinja2 TemplateError, raise_exception() inside templates
             raise InvalidRequestError(f"chat template failed on these messages: {e}",
@@ -289,7 +299,8 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None,
-                            split_special_tokens: bool | None = None, **template_kwargs) -> list[int]:
+                            split_special_tokens: bool | None = None,
+                            continue_final_message: bool = False, **template_kwargs) -> list[int]:
         """Token ids of the rendered conversation, without added BOS / EOS (the template writes
         them when the model wants them).
 
@@ -298,15 +309,17 @@ class Tokenizer:
         contents, text parts, and every string in `template_kwargs`, e.g. tools) as text, so
         only the template's markup yields special tokens (TemplateTextEncoder); False parses
         them as control tokens wherever they appear (the old behaviour: a user could close
-        their turn with `<|im_end|>` and write the assistant's). Same errors as render_chat."""
+        their turn with `<|im_end|>` and write the assistant's). continue_final_message: see
+        render_chat. Same errors as render_chat."""
         msgs = self._messages(messages)
         split = self.split_special_tokens if split_special_tokens is None else split_special_tokens
         if not split:
-            text = self._render(msgs, add_generation_prompt, chat_template, **template_kwargs)
+            text = self._render(msgs, add_generation_prompt, chat_template, continue_final_message,
+                                **template_kwargs)
             return self.encode(text, add_special_tokens=False)
         guard = self.template_text
         text = self._render(guard.protect(msgs), add_generation_prompt, chat_template,
-                            **guard.protect(template_kwargs))
+                            continue_final_message, **guard.protect(template_kwargs))
         return guard.encode(text)
 
     @property

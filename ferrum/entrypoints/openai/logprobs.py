@@ -14,7 +14,7 @@ instead, which also keeps apart tokens whose texts are equal.
 """
 from __future__ import annotations
 
-from ferrum.tokenizer.detokenizer import token_bytes_of
+from ferrum.tokenizer.detokenizer import IncrementalDetokenizer, token_bytes_of
 
 
 def _finite(v: float | None) -> float | None:
@@ -83,10 +83,12 @@ def _name(fmt: TokenFormatter, tid: int, as_ids: bool) -> str:
 def completion_logprobs(fmt: TokenFormatter, token_ids: list[int], logprobs: list[dict[int, float]],
                         texts: list[str] | None, text_offset: int = 0,
                         as_ids: bool = False) -> dict:
-    """Legacy completions format for generated tokens `token_ids` (one logprob dict each).
+    """Legacy completions format for tokens `token_ids` (one logprob dict each; None for the
+    first prompt token with echo, which has no logprob: its entries are null, as OpenAI's).
     texts: what each token added to the choice's text (`token_texts`; None: its own text).
-    text_offset: character offset of the first token in the choice's text (prompt length with
-    echo, text already streamed otherwise). as_ids: return_tokens_as_token_ids.
+    text_offset: character offset of the first token in the choice's text (0 for echoed prompt
+    tokens, prompt length with echo, text already streamed otherwise). as_ids:
+    return_tokens_as_token_ids.
 
     `top_logprobs[i]` is keyed by token text, best first. Equal texts (byte tokens that decode
     to U+FFFD) collide: the chosen token's key always carries its own logprob, and otherwise
@@ -96,6 +98,12 @@ def completion_logprobs(fmt: TokenFormatter, token_ids: list[int], logprobs: lis
     for i, (tid, lp) in enumerate(zip(token_ids, logprobs)):
         text = _name(fmt, tid, True) if as_ids else (texts[i] if texts is not None else fmt.text(tid))
         tokens.append(text)
+        offsets.append(off)
+        off += len(text)
+        if lp is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
         token_lps.append(_finite(lp.get(tid)))
         top: dict[str, float | None] = {}
         for k, v in sorted(lp.items(), key=lambda kv: -kv[1]):
@@ -104,10 +112,20 @@ def completion_logprobs(fmt: TokenFormatter, token_ids: list[int], logprobs: lis
                 continue
             top[key] = _finite(v)
         tops.append(top)
-        offsets.append(off)
-        off += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def prompt_token_texts(tokenizer, token_ids: list[int]) -> list[str] | None:
+    """What each prompt token adds to the prompt's decoded text (special tokens kept), so echoed
+    prompt tokens join to the echoed text like generated ones do; None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False)
+    texts = [detok.add(t) for t in token_ids]
+    if texts:
+        texts[-1] += detok.flush()
+    return texts
 
 
 def chat_logprobs(fmt: TokenFormatter, token_ids: list[int], logprobs: list[dict[int, float]],

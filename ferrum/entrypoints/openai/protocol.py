@@ -114,22 +114,27 @@ PromptType = Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
 
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions. `logprobs`: top-N (0..20) per generated token; `echo`: the prompt
-    text is prepended to each choice's text."""
+    text is prepended to each choice's text, and with `logprobs` the prompt tokens' logprobs
+    come first (the first token's are null). `max_tokens: 0` is allowed with `echo` only
+    (scoring a prompt, as vLLM allows): nothing is generated."""
 
     prompt: PromptType
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
 
+    @property
+    def echo_only(self) -> bool:
+        return self.echo and self.max_tokens == 0
+
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        """max_tokens: what the engine generates (1 for echo_only; its token is dropped)."""
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
                                       param="logprobs")
-        if self.echo and self.logprobs is not None:
-            # OpenAI then returns logprobs of the prompt tokens too; ferrum does not compute them.
-            raise InvalidRequestError("echo together with logprobs is not supported (prompt "
-                                      "logprobs are not computed)", param="echo")
         params = self._params(max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:
+            params.prompt_logprobs = self.logprobs
         fmt = response_format_constraint(self.response_format)
         if fmt is not None:
             if params.structured_outputs is not None:
@@ -170,6 +175,7 @@ class ChatCompletionRequest(_SamplingFields):
     # special-token strings in message text: encoded as text (true), or parsed as control
     # tokens (false); null: the server's --[no-]split-special-tokens
     split_special_tokens: bool | None = None
+    continue_final_message: bool = False    # vLLM: continue the last (assistant) message
 
     def requested_max_tokens(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -199,6 +205,7 @@ class TokenizeRequest(_Strict):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     split_special_tokens: bool | None = None
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(_Strict):

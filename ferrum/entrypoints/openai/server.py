@@ -2,7 +2,7 @@
 
 Endpoints:
   POST /v1/completions, POST /v1/chat/completions   (JSON, or SSE with `stream: true`)
-  GET  /v1/models
+  GET  /v1/models, GET /v1/models/{id}   (404 for a name this server does not answer to)
   POST /tokenize  {prompt | messages} -> {tokens, count, max_model_len}: the ids the
                   completions / chat endpoint would use for that prompt / those messages
   POST /detokenize {tokens} -> {prompt}
@@ -50,8 +50,8 @@ from ferrum.metrics import Metrics
 
 log = logging.getLogger("ferrum")
 
-_COUNTED_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize",
-                  "/detokenize"}
+_COUNTED_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{id}",
+                  "/tokenize", "/detokenize"}
 _RETRY_AFTER_S = "1"
 
 
@@ -70,7 +70,10 @@ class _CountRequests:
         self.app, self.metrics = app, metrics
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] not in _COUNTED_PATHS:
+        path = scope.get("path", "")
+        if path.startswith("/v1/models/"):  # one label for every model id (bounded cardinality)
+            path = "/v1/models/{id}"
+        if scope["type"] != "http" or path not in _COUNTED_PATHS:
             return await self.app(scope, receive, send)
         status = [500]
 
@@ -81,7 +84,7 @@ class _CountRequests:
         try:
             await self.app(scope, receive, send_status)
         finally:
-            self.metrics.count_request(scope["path"], status[0])
+            self.metrics.count_request(path, status[0])
 
 
 class _RequireApiKey:
@@ -189,12 +192,18 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | Non
     async def chat(body: ChatCompletionRequest, raw: Request):
         return await serving.chat(body, raw)
 
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "ferrum",
+                "max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "ferrum",
-             "max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size}
-            for name in model_names[:1]]}
+        return {"object": "list", "data": [model_card(name) for name in model_names[:1]]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        serving.check_model(model_id)   # 404 for a name this server does not answer to
+        return model_card(model_id)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -209,6 +218,7 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | Non
         else:
             ids = prepare_chat(tok, body.messages, tools=body.tools,
                                add_generation_prompt=body.add_generation_prompt,
+                               continue_final_message=body.continue_final_message,
                                split_special_tokens=body.split_special_tokens).prompt_token_ids
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 

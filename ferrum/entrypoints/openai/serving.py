@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from ferrum.engine.async_engine import AsyncLLMEngine
 from ferrum.entrypoints.openai.logprobs import (TokenFormatter, chat_logprobs, completion_logprobs,
-                                                ready_tokens, token_texts)
+                                                prompt_token_texts, ready_tokens, token_texts)
 from ferrum.entrypoints.chat_utils import prepare_chat
 from ferrum.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from ferrum.errors import (FerrumError, InvalidRequestError, ModelNotFoundError, PromptTooLongError,
@@ -51,6 +51,26 @@ def ferrum_error_body(e: FerrumError) -> dict:
 
 def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def system_fingerprint(config) -> str:
+    """OpenAI's `system_fingerprint`: names the backend configuration that produced an answer
+    (with `seed`, equal fingerprints mean equal set-ups). Here "fp_" + 12 hex digits of the
+    SHA-256 of the ferrum version and the whole EngineConfig (model, dtype, device, TP size,
+    cache and scheduler settings)."""
+    import dataclasses
+    import hashlib
+    from ferrum import __version__
+    text = json.dumps([__version__, dataclasses.asdict(config)], sort_keys=True, default=str)
+    return "fp_" + hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI `usage`; `prompt_tokens_details.cached_tokens`: prompt tokens served from the
+    prefix cache (`RequestOutput.num_cached_tokens`)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class _Prompt:
@@ -118,6 +138,7 @@ class OpenAIServing:
         self.tool_parser = engine.engine.config.tool_call_parser
         self.tokenizer = engine.tokenizer
         self.fmt = TokenFormatter(self.tokenizer)
+        self.system_fingerprint = system_fingerprint(engine.engine.config)
 
     # ---- shared ----------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> str:
@@ -214,10 +235,11 @@ class OpenAIServing:
         consumer.result()  # re-raise an engine error
         return finals
 
-    def _usage(self, prompts: list[_Prompt], completion_tokens: int) -> dict:
-        p = sum(len(x.token_ids) for x in prompts)
-        return {"prompt_tokens": p, "completion_tokens": completion_tokens,
-                "total_tokens": p + completion_tokens}
+    def _usage(self, prompts: list[_Prompt], completion_tokens: int,
+               outputs: list[RequestOutput | None]) -> dict:
+        """usage over a request's prompts; `outputs`: the latest output of each prompt."""
+        return usage(sum(len(x.token_ids) for x in prompts), completion_tokens,
+                     sum(o.num_cached_tokens for o in outputs if o is not None))
 
     async def _stream_errors(self, gen: AsyncIterator[str]) -> AsyncIterator[str]:
         """An error after the 200 header went out becomes an SSE error event, then [DONE]."""
@@ -233,7 +255,8 @@ class OpenAIServing:
         t0 = time.perf_counter()
         model = self.check_model(req.model)
         prompts = [self._prompt(p, req.echo) for p in req.prompts()]
-        params = [req.sampling_params(self._max_tokens(len(p.token_ids), req.max_tokens, "max_tokens"))
+        max_tokens = 1 if req.echo_only else req.max_tokens
+        params = [req.sampling_params(self._max_tokens(len(p.token_ids), max_tokens, "max_tokens"))
                   for p in prompts]
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._start(rid, prompts, params)
@@ -245,24 +268,41 @@ class OpenAIServing:
         choices, ntok = [], 0
         for i, (p, out) in enumerate(zip(prompts, finals)):
             for c in out.outputs:
-                ntok += len(c.token_ids)
+                ids, text, reason = c.token_ids, c.text, c.finish_reason
+                if req.echo_only:  # the one token generated is not part of the answer
+                    ids, text, reason = [], "", "length"
+                ntok += len(ids)
                 prefix = (p.text or "") if req.echo else ""
-                lp = (completion_logprobs(
-                    self.fmt, c.token_ids, c.logprobs or [],
-                    token_texts(c.text, c.token_text_ends, 0, len(c.token_ids)), len(prefix),
-                    req.return_tokens_as_token_ids) if req.logprobs is not None else None)
-                choices.append({"index": i * req.n + c.index, "text": prefix + c.text,
-                                "logprobs": lp, "finish_reason": c.finish_reason})
+                lp = None
+                if req.logprobs is not None:
+                    lp = completion_logprobs(
+                        self.fmt, ids, (c.logprobs or [])[:len(ids)],
+                        token_texts(c.text, c.token_text_ends, 0, len(ids)), len(prefix),
+                        req.return_tokens_as_token_ids)
+                    if req.echo:  # the prompt tokens' logprobs first
+                        echoed = self._echo_logprobs(p, out, req.return_tokens_as_token_ids)
+                        lp = {k: echoed[k] + lp[k] for k in lp}
+                choices.append({"index": i * req.n + c.index, "text": prefix + text,
+                                "logprobs": lp, "finish_reason": reason})
         choices.sort(key=lambda c: c["index"])
         return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
-                             "model": model, "choices": choices,
-                             "usage": self._usage(prompts, ntok)})
+                             "model": model, "system_fingerprint": self.system_fingerprint,
+                             "choices": choices, "usage": self._usage(prompts, ntok, finals)})
+
+    def _echo_logprobs(self, p: _Prompt, out: RequestOutput, as_ids: bool) -> dict:
+        """Completions-format logprobs of the echoed prompt tokens (text offsets from 0; the
+        first token's are null). as_ids: return_tokens_as_token_ids."""
+        return completion_logprobs(self.fmt, p.token_ids, out.prompt_logprobs or [],
+                                   prompt_token_texts(self.tokenizer, p.token_ids), 0, as_ids)
 
     async def _completion_stream(self, rid, model, req: CompletionRequest, prompts, streams, t0):
         created = int(time.time())
 
+        fingerprint = self.system_fingerprint
+
         def chunk(index, text, logprobs=None, finish_reason=None):
             return _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                         "system_fingerprint": fingerprint,
                          "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                       "finish_reason": finish_reason}]})
 
@@ -271,16 +311,24 @@ class OpenAIServing:
         text_len: dict[int, int] = {}        # choice index -> characters already streamed
         finished: set[int] = set()
         echo_len = [len(p.text or "") if req.echo else 0 for p in prompts]
-        if req.echo:
-            for i, p in enumerate(prompts):
-                for j in range(n):
-                    text_len[i * n + j] = len(p.text or "")
-                    yield chunk(i * n + j, p.text or "")
+        latest: list[RequestOutput | None] = [None] * len(prompts)
         ntok = 0
         async for i, out in self._tracked(streams, t0):
+            latest[i] = out
             for c in out.outputs:
                 idx = i * n + c.index
                 if idx in finished:
+                    continue
+                if req.echo and idx not in text_len:  # the prompt first, with its logprobs
+                    p = prompts[i]
+                    text_len[idx] = echo_len[i]
+                    yield chunk(idx, p.text or "",
+                                self._echo_logprobs(p, out, req.return_tokens_as_token_ids)
+                                if req.logprobs is not None else None)
+                if req.echo_only:
+                    if c.finished:
+                        finished.add(idx)
+                        yield chunk(idx, "", None, "length")
                     continue
                 start = sent_tokens.get(idx, 0)
                 streamed = text_len.get(idx, 0) + len(c.delta_text)
@@ -305,7 +353,8 @@ class OpenAIServing:
                 yield chunk(idx, c.delta_text, lp, c.finish_reason)
         if req.include_usage:
             yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                        "choices": [], "usage": self._usage(prompts, ntok)})
+                        "system_fingerprint": fingerprint, "choices": [],
+                        "usage": self._usage(prompts, ntok, latest)})
         yield _sse("[DONE]")
 
     # ---- /v1/chat/completions -------------------------------------------------------------------
@@ -316,6 +365,7 @@ class OpenAIServing:
                             tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
                             response_format=req.response_format, tool_parser=self.tool_parser,
                             add_generation_prompt=req.add_generation_prompt,
+                            continue_final_message=req.continue_final_message,
                             split_special_tokens=req.split_special_tokens)
         ids = chat.prompt_token_ids
         prompts = [_Prompt(None, ids)]
@@ -338,15 +388,19 @@ class OpenAIServing:
                    for c in out.outputs]
         ntok = sum(len(c.token_ids) for c in out.outputs)
         return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
-                             "model": model, "choices": choices, "usage": self._usage(prompts, ntok)})
+                             "model": model, "system_fingerprint": self.system_fingerprint,
+                             "choices": choices, "usage": self._usage(prompts, ntok, [out])})
 
     async def _chat_stream(self, rid, model, req: ChatCompletionRequest, prompts, streams, t0, top_n,
                            tool_parser: ToolParser | None):
         created = int(time.time())
 
+        fingerprint = self.system_fingerprint
+
         def chunk(index, delta, logprobs=None, finish_reason=None):
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                         "model": model, "choices": [{"index": index, "delta": delta,
+                         "model": model, "system_fingerprint": fingerprint,
+                         "choices": [{"index": index, "delta": delta,
                                                       "logprobs": logprobs,
                                                       "finish_reason": finish_reason}]})
 
@@ -357,7 +411,9 @@ class OpenAIServing:
         streamed: dict[int, int] = {}       # choice index -> characters already streamed
         finished: set[int] = set()
         ntok = 0
+        latest: list[RequestOutput | None] = [None]
         async for _, out in self._tracked(streams, t0):
+            latest[0] = out
             for c in out.outputs:
                 if c.index in finished:
                     continue
@@ -394,7 +450,8 @@ class OpenAIServing:
                 yield chunk(c.index, delta, lp, finish_reason)
         if req.include_usage:
             yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                        "model": model, "choices": [], "usage": self._usage(prompts, ntok)})
+                        "model": model, "system_fingerprint": fingerprint, "choices": [],
+                        "usage": self._usage(prompts, ntok, latest)})
         yield _sse("[DONE]")
 
 
