@@ -1,7 +1,8 @@
 """`ferrum serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
 Endpoints:
-  POST /v1/completions, POST /v1/chat/completions   (JSON, or SSE with `stream: true`)
+  POST /v1/completions, POST /v1/chat/completions, POST /v1/responses   (JSON, or SSE with
+       `stream: true`; Responses is stateless, see responses.py)
   GET  /v1/models, GET /v1/models/{id}   (404 for a name this server does not answer to)
   POST /tokenize  {prompt | messages} -> {tokens, count, max_model_len}: the ids the
                   completions / chat endpoint would use for that prompt / those messages
@@ -44,14 +45,15 @@ from ferrum.engine.async_engine import AsyncLLMEngine
 from ferrum.entrypoints.chat_utils import prepare_chat
 from ferrum.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                 DetokenizeRequest, TokenizeRequest)
+from ferrum.entrypoints.openai.responses import add_routes as add_responses_routes
 from ferrum.entrypoints.openai.serving import OpenAIServing, error_body, ferrum_error_body
 from ferrum.errors import AddressInUseError, FerrumError, InvalidRequestError, QueueFullError
 from ferrum.metrics import Metrics
 
 log = logging.getLogger("ferrum")
 
-_COUNTED_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{id}",
-                  "/tokenize", "/detokenize"}
+_COUNTED_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models",
+                  "/v1/models/{id}", "/tokenize", "/detokenize"}
 _RETRY_AFTER_S = "1"
 
 
@@ -204,6 +206,8 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | Non
     async def model(model_id: str):
         serving.check_model(model_id)   # 404 for a name this server does not answer to
         return model_card(model_id)
+
+    add_responses_routes(app, serving)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):

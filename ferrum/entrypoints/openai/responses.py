@@ -1,0 +1,389 @@
+"""POST /v1/responses: OpenAI's Responses API over the same engine as chat completions.
+
+Stateless: ferrum stores no response, so `previous_response_id`, `conversation`, `store: true`
+and the retrieval endpoints (GET/DELETE /v1/responses/{id}, .../input_items, .../cancel) are
+answered with an error that says so; a client sends the whole conversation as `input` items
+each time. An absent `store` (OpenAI's default is true) is accepted and the response reports
+`store: false`.
+
+Input (OpenAI API reference, "Create a model response"): a string (one user message) or a
+list of items: messages `{"role": "user" | "assistant" | "system" | "developer", "content":
+str | [{"type": "input_text" | "output_text", "text"}]}` (with or without `"type": "message"`),
+`{"type": "function_call", "call_id", "name", "arguments"}` and `{"type":
+"function_call_output", "call_id", "output"}`. `instructions` becomes a leading system
+message. They are turned into chat messages (tool calls and results as chat completions
+carries them) and rendered with the model's chat template.
+
+Output: a `message` item with one `output_text` part; `status` "completed", or "incomplete"
+with `incomplete_details.reason = "max_output_tokens"` when the token limit cut it. Streaming
+sends OpenAI's events, each with a `sequence_number`: response.created, response.in_progress,
+response.output_item.added, response.content_part.added, response.output_text.delta...,
+response.output_text.done, response.content_part.done, response.output_item.done,
+response.completed (or response.incomplete).
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from ferrum.entrypoints.openai.logprobs import chat_logprobs
+from ferrum.entrypoints.openai.serving import OpenAIServing, _Prompt, ferrum_error_body
+from ferrum.errors import FerrumError, InvalidRequestError
+from ferrum.outputs import RequestOutput
+from ferrum.sampling_params import MAX_LOGPROBS, SamplingParams
+
+_NO_STATE = ("ferrum keeps no stored state (the Responses API is stateless here): send the "
+             "whole conversation as input items")
+_LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+class ResponseNotFoundError(FerrumError):
+    """A stored response was asked for; ferrum stores none."""
+
+    http_status = 404
+    error_type = "not_found_error"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextFormat(_Strict):
+    """`text.format`: {"type": "text"} | {"type": "json_object"} | {"type": "json_schema",
+    "name", "schema", "description", "strict"}."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(_Strict):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None   # accepted; no effect here
+
+
+class StreamOptions(_Strict):
+    include_obfuscation: bool | None = None   # accepted; ferrum never pads its events
+
+
+class ResponsesRequest(_Strict):
+    """POST /v1/responses body. Unknown fields are refused with 400 naming them; fields that
+    need stored state are refused by `check_stateless`."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: StrictInt | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: StrictInt | None = None
+    include: list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    background: bool | None = None
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    truncation: Literal["disabled", "auto"] | None = None
+    reasoning: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None                  # accepted for API compatibility; unused
+    safety_identifier: str | None = None     # accepted; unused
+    prompt_cache_key: str | None = None      # accepted; the prefix cache needs no key
+
+    def check_stateless(self) -> None:
+        """Raises InvalidRequestError (400) for what needs stored state or a feature ferrum
+        lacks, naming the field."""
+        if self.store:  # explicitly true (absent is None: OpenAI's default, accepted)
+            raise InvalidRequestError(f"store: true is not supported: {_NO_STATE} (send "
+                                      "store: false or leave it out)", param="store")
+        if self.previous_response_id is not None:
+            raise InvalidRequestError(f"previous_response_id is not supported: {_NO_STATE}",
+                                      param="previous_response_id")
+        if self.conversation is not None:
+            raise InvalidRequestError(f"conversation is not supported: {_NO_STATE}",
+                                      param="conversation")
+        if self.background:
+            raise InvalidRequestError("background responses need stored state, which ferrum "
+                                      "does not keep; use stream: true instead", param="background")
+        if self.truncation == "auto":
+            raise InvalidRequestError("truncation: auto is not supported: ferrum never drops "
+                                      "input items; send a shorter input", param="truncation")
+        if self.reasoning and any(v is not None for v in self.reasoning.values()):
+            raise InvalidRequestError("reasoning options are not supported by ferrum's models",
+                                      param="reasoning")
+        bad = [x for x in self.include or [] if x != _LOGPROBS_INCLUDE]
+        if bad:
+            raise InvalidRequestError(f"include: {bad[0]!r} is not supported; only "
+                                      f"{_LOGPROBS_INCLUDE!r} is", param="include")
+
+    @property
+    def want_logprobs(self) -> bool:
+        return _LOGPROBS_INCLUDE in (self.include or [])
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """SamplingParams for the request (max_tokens already checked against the context).
+        Raises InvalidRequestError naming the field."""
+        if self.max_output_tokens is not None and self.max_output_tokens < 1:
+            raise InvalidRequestError(f"max_output_tokens must be >= 1, got {self.max_output_tokens}",
+                                      param="max_output_tokens")
+        top = self.top_logprobs
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}",
+                                      param="top_logprobs")
+        fmt = self.text.format if self.text else None
+        if fmt is not None and fmt.type != "text":
+            raise InvalidRequestError(f"text.format {fmt.type!r} is not supported yet: ferrum "
+                                      "has no constrained decoding in this build", param="text")
+        if self.tools and self.tool_choice != "none":
+            raise InvalidRequestError("tools are not supported yet: ferrum has no tool calling "
+                                      "in this build", param="tools")
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, max_tokens=max_tokens,
+            logprobs=(top or 0) if self.want_logprobs else None)
+
+
+# ---- input items -> chat messages ------------------------------------------------------------
+def _text_of(content: Any, where: str) -> str:
+    """A message's content (a string or a list of text parts) as one string."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequestError(f"{where}.content must be a string or a list of content parts",
+                                  param="input")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "refusal" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])
+        elif kind in ("input_image", "input_file", "input_audio"):
+            raise InvalidRequestError(f"{where}.content[{j}] is {kind}: ferrum's models take "
+                                      "text only", param="input")
+        else:
+            raise InvalidRequestError(f"{where}.content[{j}]: expected an input_text or "
+                                      f"output_text part, got {part!r:.200}", param="input")
+    return "\n".join(texts)
+
+
+def _string_field(item: dict, key: str, where: str) -> str:
+    v = item.get(key)
+    if not isinstance(v, str):
+        raise InvalidRequestError(f"{where}.{key} must be a string", param="input")
+    return v
+
+
+def input_messages(req: ResponsesRequest) -> list[dict]:
+    """Chat messages for the request: `instructions` as a system message, then the input
+    items in order. Consecutive function_call items join the assistant message before them
+    (one turn, parallel calls); a function_call_output becomes a `tool` message carrying its
+    call's name. `developer` is rendered as `system` (chat templates know that role).
+    Raises InvalidRequestError (param "input") naming the offending item."""
+    msgs: list[dict] = []
+    if req.instructions:
+        msgs.append({"role": "system", "content": req.instructions})
+    if isinstance(req.input, str):
+        return msgs + [{"role": "user", "content": req.input}]
+    if not req.input:
+        raise InvalidRequestError("input is an empty list; give at least one item", param="input")
+    call_names: dict[str, str] = {}
+    for i, item in enumerate(req.input):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise InvalidRequestError(f"{where}.role must be user, assistant, system or "
+                                          f"developer, got {role!r}", param="input")
+            msgs.append({"role": "system" if role == "developer" else role,
+                         "content": _text_of(item.get("content"), where)})
+        elif kind == "function_call":
+            call_id = _string_field(item, "call_id", where)
+            name = _string_field(item, "name", where)
+            call = {"id": call_id, "type": "function",
+                    "function": {"name": name, "arguments": _string_field(item, "arguments", where)}}
+            call_names[call_id] = name
+            if msgs and msgs[-1]["role"] == "assistant":
+                msgs[-1].setdefault("tool_calls", []).append(call)
+            else:
+                msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            call_id = _string_field(item, "call_id", where)
+            output = item.get("output")
+            msg = {"role": "tool", "tool_call_id": call_id,
+                   "content": output if isinstance(output, str) else _text_of(output, where)}
+            if call_id in call_names:
+                msg["name"] = call_names[call_id]
+            msgs.append(msg)
+        elif kind == "item_reference":
+            raise InvalidRequestError(f"{where} is an item_reference: {_NO_STATE}", param="input")
+        else:
+            raise InvalidRequestError(f"{where}: input items of type {kind!r} are not supported "
+                                      "(message, function_call and function_call_output are)",
+                                      param="input")
+    return msgs
+
+
+# ---- serving ---------------------------------------------------------------------------------
+def _sse_event(event: dict) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+class OpenAIServingResponses:
+    """The handler behind POST /v1/responses, over an OpenAIServing (shared model check,
+    prompt limits, engine requests, metrics)."""
+
+    def __init__(self, serving: OpenAIServing):
+        self.serving = serving
+
+    async def create(self, req: ResponsesRequest, raw: Request):
+        t0 = time.perf_counter()
+        s = self.serving
+        model = s.check_model(req.model)
+        req.check_stateless()
+        if s.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer, so it cannot take chat input; "
+                                      "use /v1/completions with token ids", param="input")
+        ids = s.tokenizer.apply_chat_template(input_messages(req), add_generation_prompt=True)
+        params = req.sampling_params(s._max_tokens(len(ids), req.max_output_tokens,
+                                                   "max_output_tokens"))
+        rid = f"resp_{uuid.uuid4().hex}"
+        prompts = [_Prompt(None, ids)]
+        streams = await s._start(rid, prompts, [params])
+        state = _ResponseState(rid, model, req, len(ids), s.fmt)
+        if req.stream:
+            return StreamingResponse(self._stream(state, streams, t0), media_type="text/event-stream")
+        (out,) = await s._collect(streams, t0, raw)
+        state.update(out)
+        return JSONResponse(state.body())
+
+    async def _stream(self, state: "_ResponseState", streams, t0: float) -> AsyncIterator[str]:
+        seq = 0
+
+        def event(kind: str, **fields) -> str:
+            nonlocal seq
+            seq += 1
+            return _sse_event({"type": kind, "sequence_number": seq - 1, **fields})
+
+        yield event("response.created", response=state.body("in_progress"))
+        yield event("response.in_progress", response=state.body("in_progress"))
+        msg_id, where = state.message_id, {"output_index": 0}
+        yield event("response.output_item.added", item=state.message_item("in_progress"), **where)
+        part = {"item_id": msg_id, "content_index": 0, **where}
+        yield event("response.content_part.added", part=state.text_part("", []), **part)
+        try:
+            async for _, out in self.serving._tracked(streams, t0):
+                c = out.outputs[0]
+                start = len(state.logprobs)
+                state.update(out)
+                if c.delta_text or len(state.logprobs) > start:
+                    yield event("response.output_text.delta", delta=c.delta_text,
+                                logprobs=state.logprobs[start:], **part)
+        except FerrumError as e:
+            err = ferrum_error_body(e)["error"]
+            yield event("error", code=err["type"], message=err["message"], param=err["param"])
+            yield event("response.failed", response=state.body("failed", err))
+            return
+        yield event("response.output_text.done", text=state.text, logprobs=state.logprobs, **part)
+        yield event("response.content_part.done", part=state.text_part(), **part)
+        yield event("response.output_item.done", item=state.message_item(state.status), **where)
+        kind = "response.completed" if state.status == "completed" else "response.incomplete"
+        yield event(kind, response=state.body())
+
+
+class _ResponseState:
+    """What a response has produced so far, and its OpenAI JSON forms."""
+
+    def __init__(self, rid: str, model: str, req: ResponsesRequest, num_prompt: int, fmt):
+        """fmt: the server's TokenFormatter (token text and bytes for logprobs)."""
+        self.rid, self.model, self.req, self.fmt = rid, model, req, fmt
+        self.created = int(time.time())
+        self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.num_prompt = num_prompt
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict] = []
+        self.finish_reason: str | None = None
+        self.cached_tokens = 0
+
+    def update(self, out: RequestOutput) -> None:
+        c = out.outputs[0]
+        self.text, self.finish_reason = c.text, c.finish_reason
+        self.cached_tokens = out.num_cached_tokens
+        if self.req.want_logprobs:
+            new = c.token_ids[len(self.token_ids):]
+            lps = (c.logprobs or [])[len(self.token_ids):]
+            self.logprobs += chat_logprobs(self.fmt, new, lps, self.req.top_logprobs or 0)["content"]
+        self.token_ids = list(c.token_ids)
+
+    @property
+    def status(self) -> str:
+        return "incomplete" if self.finish_reason == "length" else "completed"
+
+    def text_part(self, text: str | None = None, logprobs: list | None = None) -> dict:
+        """An output_text part: by default the whole text so far and its logprobs."""
+        return {"type": "output_text", "text": self.text if text is None else text,
+                "annotations": [], "logprobs": self.logprobs if logprobs is None else logprobs}
+
+    def message_item(self, status: str) -> dict:
+        """The assistant message item; while in progress it has no content yet."""
+        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
+                "content": [] if status == "in_progress" else [self.text_part()]}
+
+    def body(self, status: str | None = None, error: dict | None = None) -> dict:
+        """The Response object; `status` defaults to the final one (completed/incomplete)."""
+        req = self.req
+        status = status or self.status
+        done = status in ("completed", "incomplete")
+        fmt = req.text.format if req.text and req.text.format else None
+        n_out = len(self.token_ids)
+        return {
+            "id": self.rid, "object": "response", "created_at": self.created, "status": status,
+            "background": False, "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "model": self.model,
+            "output": [self.message_item(status)] if done else [],
+            "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": None,
+            "reasoning": None, "store": False,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt
+                     else {"type": "text"}},
+            "tool_choice": req.tool_choice, "tools": req.tools, "top_logprobs": req.top_logprobs,
+            "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled",
+            "usage": {"input_tokens": self.num_prompt,
+                      "input_tokens_details": {"cached_tokens": self.cached_tokens},
+                      "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": self.num_prompt + n_out} if done else None,
+            "user": req.user, "metadata": req.metadata or {},
+        }
+
+
+def add_routes(app, serving: OpenAIServing) -> None:
+    """Register POST /v1/responses and the stored-response endpoints (which answer 404:
+    nothing is stored) on a FastAPI app."""
+    responses = OpenAIServingResponses(serving)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, raw: Request):
+        return await responses.create(body, raw)
+
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    @app.api_route("/v1/responses/{response_id}/{action}", methods=["GET", "POST"])
+    async def stored_response(response_id: str, action: str | None = None):
+        raise ResponseNotFoundError(f"response {response_id!r} cannot be retrieved, listed or "
+                                    f"cancelled: {_NO_STATE}")

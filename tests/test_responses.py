@@ -1,0 +1,154 @@
+"""POST /v1/responses through the official `openai` client against a live server (the fixtures
+of test_server.py: a tiny random Llama carrying SmolLM2's tokenizer and chat template): text and
+item inputs, instructions, streaming events, logprobs, stateless errors, bad values."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from ferrum import SamplingParams
+from ferrum.entrypoints.openai.responses import ResponsesRequest, input_messages
+from test_server import KEY, MODEL, _err, _post, client, model_dir, offline, server, tok  # noqa: F401
+
+QUESTION = "What is the capital of France?"
+
+
+def _offline_text(offline, msgs, max_tokens):
+    out = offline.chat(msgs, SamplingParams(temperature=0, max_tokens=max_tokens))[0]
+    return out.outputs[0], len(out.prompt_token_ids)
+
+
+def test_text_input_equals_offline_chat(client, offline):
+    r = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=9, temperature=0)
+    ref, n_prompt = _offline_text(offline, [{"role": "user", "content": QUESTION}], 9)
+    assert r.object == "response" and r.id.startswith("resp_") and r.model == MODEL
+    assert r.output_text == ref.text
+    msg = r.output[0]
+    assert msg.type == "message" and msg.role == "assistant" and msg.content[0].type == "output_text"
+    assert r.usage.input_tokens == n_prompt and r.usage.output_tokens == len(ref.token_ids)
+    assert r.usage.total_tokens == n_prompt + len(ref.token_ids)
+    assert r.usage.input_tokens_details.cached_tokens >= 0 and r.store is False
+    if ref.finish_reason == "length":
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert r.status == "completed" and r.incomplete_details is None
+
+
+def test_instructions_and_message_items(client, offline):
+    items = [{"role": "developer", "content": "Answer in one word."},
+             {"type": "message", "role": "user",
+              "content": [{"type": "input_text", "text": "Name a colour."}]},
+             {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+              "content": [{"type": "output_text", "text": "Blue.", "annotations": []}]},
+             {"role": "user", "content": "Another one?"}]
+    r = client.responses.create(model=MODEL, instructions="Be brief.", input=items,
+                                max_output_tokens=6, temperature=0)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "system", "content": "Answer in one word."},
+            {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
+            {"role": "user", "content": "Another one?"}]
+    ref, n_prompt = _offline_text(offline, msgs, 6)
+    assert r.output_text == ref.text and r.usage.input_tokens == n_prompt
+    assert r.instructions == "Be brief."
+
+
+def test_function_call_items_become_chat_tool_messages():
+    req = ResponsesRequest(model=MODEL, input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}', "id": "fc_1", "status": "completed"},
+        {"type": "function_call", "call_id": "call_2", "name": "get_time", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "18 C"},
+        {"type": "function_call_output", "call_id": "call_2",
+         "output": [{"type": "input_text", "text": "noon"}]}])
+    assert input_messages(req) == [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C", "name": "get_weather"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "noon", "name": "get_time"}]
+
+
+def test_stream_events_in_order_and_deltas_join(client):
+    kw = dict(model=MODEL, input=QUESTION, max_output_tokens=12, temperature=0)
+    full = client.responses.create(**kw)
+    events = list(client.responses.create(stream=True, **kw))
+    types = [e.type for e in events]
+    n_delta = types.count("response.output_text.delta")
+    final = "response.completed" if full.status == "completed" else "response.incomplete"
+    assert n_delta >= 1
+    assert types == (["response.created", "response.in_progress", "response.output_item.added",
+                      "response.content_part.added"] + ["response.output_text.delta"] * n_delta
+                     + ["response.output_text.done", "response.content_part.done",
+                        "response.output_item.done", final])
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    item_id = events[2].item.id
+    assert all(e.item_id == item_id for e in events[3:-2])
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == full.output_text == events[-4].text == events[-3].part.text
+    assert events[-2].item.content[0].text == text
+    done = events[-1].response
+    assert done.output_text == text and done.status == full.status
+    assert done.usage.output_tokens == full.usage.output_tokens
+    # the raw stream: `event:` lines name each event, and no [DONE] sentinel (as OpenAI)
+    with httpx.stream("POST", str(client.base_url) + "responses", json={**kw, "stream": True},
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as raw:
+        lines = [x for x in raw.iter_lines() if x]
+    assert lines[0] == "event: response.created" and "[DONE]" not in lines[-1]
+    assert json.loads(lines[1].removeprefix("data: "))["type"] == "response.created"
+
+
+def test_output_logprobs(client):
+    r = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=5, temperature=0,
+                                include=["message.output_text.logprobs"], top_logprobs=2)
+    lps = r.output[0].content[0].logprobs
+    assert len(lps) == r.usage.output_tokens
+    for e in lps:
+        assert len(e.top_logprobs) == 2 and e.logprob == pytest.approx(e.top_logprobs[0].logprob, abs=1e-4)
+    assert b"".join(bytes(e.bytes) for e in lps).decode("utf-8", errors="replace") == r.output_text
+
+
+def test_stateless_errors(server, client):
+    for extra, param in [({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
+                         ({"conversation": "conv_1"}, "conversation"), ({"background": True}, "background")]:
+        e = _err(_post(server, "/v1/responses", {"model": MODEL, "input": "hi", **extra}), 400)
+        assert e["param"] == param and ("stored state" in e["message"] or "stateless" in e["message"])
+    ok = client.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=False)
+    assert ok.store is False
+    with pytest.raises(openai.NotFoundError) as info:
+        client.responses.retrieve("resp_123")
+    assert "stored state" in info.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete("resp_123")
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_123")
+
+
+def test_bad_values_name_the_field(server):
+    ok = {"model": MODEL, "input": "hi", "max_output_tokens": 4}
+    image = [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]
+    for body, param, words in [
+            ({**ok, "max_output_tokens": 0}, "max_output_tokens", ">= 1"),
+            ({**ok, "max_output_tokens": 100000}, "max_output_tokens", "max_model_len"),
+            ({**ok, "temperature": -1}, "temperature", ">= 0"),
+            ({**ok, "top_p": 0}, "top_p", "(0, 1]"),
+            ({**ok, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
+            ({**ok, "include": ["file_search_call.results"]}, "include", "not supported"),
+            ({**ok, "truncation": "auto"}, "truncation", "never drops"),
+            ({**ok, "reasoning": {"effort": "high"}}, "reasoning", "reasoning"),
+            ({**ok, "input": image}, "input", "text only"),
+            ({**ok, "input": []}, "input", "empty"),
+            ({**ok, "input": [{"role": "robot", "content": "x"}]}, "input", "input[0].role"),
+            ({**ok, "input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "stored state"),
+            ({**ok, "input": [{"type": "function_call", "call_id": "c"}]}, "input", "input[0].name"),
+            ({**ok, "input": 5}, "input", "input"),
+            ({**ok, "seed": 3}, "seed", "seed"),
+            ({**ok, "model": "gpt-4"}, None, "gpt-4")]:
+        status = 404 if param is None else 400
+        e = _err(_post(server, "/v1/responses", body), status)
+        assert e["param"] == param and words in e["message"], (body, e)
