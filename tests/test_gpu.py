@@ -289,3 +289,26 @@ def test_moe_expert_parallel_tp2_equals_tp1_fp32(tmp_path_factory):
                  tensor_parallel_size=tp, enable_expert_parallel=ep) as llm:
             runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)])
     assert runs[1] == runs[0]
+
+
+def test_prompt_logprobs_match_hf_async(tiny):
+    """Prompt logprobs on CUDA, fp32, with async scheduling on (the CUDA default) and chunked
+    prefill spreading a prompt over several steps, in a batch with plain requests."""
+    prompts = _prompts(6)
+    m = hf_model(tiny).to("cuda", torch.float32)
+    sp = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=3, ignore_eos=True)
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(tiny, progress=False, dtype="float32", device="cuda", max_num_seqs=16, max_model_len=1024,
+             max_num_batched_tokens=64) as llm:
+        assert llm.engine.async_scheduling
+        outs = llm.generate(prompts + prompts, [sp] * 6 + [plain] * 6, use_tqdm=False)
+    worst = 0.0
+    with torch.no_grad():
+        for p, out in zip(prompts, outs[:6]):
+            ref = m(torch.tensor([p], device="cuda")).logits[0].float().log_softmax(-1)[:-1].cpu()
+            assert len(out.prompt_logprobs) == len(p) and out.prompt_logprobs[0] is None
+            for i, entry in enumerate(out.prompt_logprobs[1:]):
+                worst = max(worst, max(abs(v - ref[i, k].item()) for k, v in entry.items()))
+                assert p[i + 1] in entry
+    print(f"[gpu] {tiny.split('/')[-1]} fp32 prompt logprobs max|diff| vs HF = {worst:.3e}")
+    assert worst < 1e-3
