@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator, Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.requests import Request
@@ -262,87 +262,147 @@ class OpenAIServingResponses:
         params = req.sampling_params(s._max_tokens(len(ids), req.max_output_tokens,
                                                    "max_output_tokens"))
         rid = f"resp_{uuid.uuid4().hex}"
-        prompts = [_Prompt(None, ids)]
-        streams = await s._start(rid, prompts, [params])
+        streams = await s._start(rid, [_Prompt(None, ids)], [params])
         state = _ResponseState(rid, model, req, len(ids), s.fmt)
         if req.stream:
             return StreamingResponse(self._stream(state, streams, t0), media_type="text/event-stream")
         (out,) = await s._collect(streams, t0, raw)
-        state.update(out)
+        state.update(out, whole=True)
+        state.finish()
         return JSONResponse(state.body())
 
     async def _stream(self, state: "_ResponseState", streams, t0: float) -> AsyncIterator[str]:
         seq = 0
 
-        def event(kind: str, **fields) -> str:
+        def events() -> Iterator[str]:
             nonlocal seq
-            seq += 1
-            return _sse_event({"type": kind, "sequence_number": seq - 1, **fields})
+            for kind, fields in state.take_events():
+                seq += 1
+                yield _sse_event({"type": kind, "sequence_number": seq - 1, **fields})
 
-        yield event("response.created", response=state.body("in_progress"))
-        yield event("response.in_progress", response=state.body("in_progress"))
-        msg_id, where = state.message_id, {"output_index": 0}
-        yield event("response.output_item.added", item=state.message_item("in_progress"), **where)
-        part = {"item_id": msg_id, "content_index": 0, **where}
-        yield event("response.content_part.added", part=state.text_part("", []), **part)
+        state.emit("response.created", response=state.body("in_progress"))
+        state.emit("response.in_progress", response=state.body("in_progress"))
         try:
             async for _, out in self.serving._tracked(streams, t0):
-                c = out.outputs[0]
-                start = len(state.logprobs)
                 state.update(out)
-                if c.delta_text or len(state.logprobs) > start:
-                    yield event("response.output_text.delta", delta=c.delta_text,
-                                logprobs=state.logprobs[start:], **part)
+                for e in events():
+                    yield e
         except FerrumError as e:
             err = ferrum_error_body(e)["error"]
-            yield event("error", code=err["type"], message=err["message"], param=err["param"])
-            yield event("response.failed", response=state.body("failed", err))
+            state.emit("error", code=err["type"], message=err["message"], param=err["param"])
+            state.emit("response.failed", response=state.body("failed", err))
+            for e in events():
+                yield e
             return
-        yield event("response.output_text.done", text=state.text, logprobs=state.logprobs, **part)
-        yield event("response.content_part.done", part=state.text_part(), **part)
-        yield event("response.output_item.done", item=state.message_item(state.status), **where)
-        kind = "response.completed" if state.status == "completed" else "response.incomplete"
-        yield event(kind, response=state.body())
+        state.finish()
+        state.emit("response.completed" if state.status == "completed" else "response.incomplete",
+                   response=state.body())
+        for e in events():
+            yield e
 
 
 class _ResponseState:
-    """What a response has produced so far, and its OpenAI JSON forms."""
+    """A response as far as the engine has written it: its output items (an assistant message
+    with one output_text part; function calls once tool calling is wired), the OpenAI JSON
+    forms, and the stream events that announce each change (`take_events`).
+
+    Item life cycle in events: output_item.added (+ content_part.added for a message), deltas
+    (output_text.delta), then output_text.done, content_part.done, output_item.done. The
+    message opens at its first text (or at the end, empty, when nothing else was output).
+    """
 
     def __init__(self, rid: str, model: str, req: ResponsesRequest, num_prompt: int, fmt):
         """fmt: the server's TokenFormatter (token text and bytes for logprobs)."""
         self.rid, self.model, self.req, self.fmt = rid, model, req, fmt
         self.created = int(time.time())
-        self.message_id = f"msg_{uuid.uuid4().hex}"
         self.num_prompt = num_prompt
-        self.text = ""
-        self.token_ids: list[int] = []
-        self.logprobs: list[dict] = []
+        self.num_tokens = 0
         self.finish_reason: str | None = None
         self.cached_tokens = 0
+        self.items: list[dict] = []          # output items; the last may still be open
+        self.open: dict | None = None        # the item being written
+        self.pending_logprobs: list[dict] = []   # of tokens whose text has not been sent yet
+        self._events: list[tuple[str, dict]] = []
 
-    def update(self, out: RequestOutput) -> None:
+    # ---- feeding ---------------------------------------------------------------------------
+    def update(self, out: RequestOutput, whole: bool = False) -> None:
+        """Take the engine's latest output: its new text (`delta_text`, or with `whole` the
+        final output's entire text) and logprobs into the output items."""
         c = out.outputs[0]
-        self.text, self.finish_reason = c.text, c.finish_reason
-        self.cached_tokens = out.num_cached_tokens
+        self.finish_reason, self.cached_tokens = c.finish_reason, out.num_cached_tokens
         if self.req.want_logprobs:
-            new = c.token_ids[len(self.token_ids):]
-            lps = (c.logprobs or [])[len(self.token_ids):]
-            self.logprobs += chat_logprobs(self.fmt, new, lps, self.req.top_logprobs or 0)["content"]
-        self.token_ids = list(c.token_ids)
+            new = c.token_ids[self.num_tokens:]
+            lps = (c.logprobs or [])[self.num_tokens:]
+            self.pending_logprobs += chat_logprobs(self.fmt, new, lps, self.req.top_logprobs or 0)["content"]
+        self.num_tokens = len(c.token_ids)
+        self.add_text(c.text if whole else c.delta_text)
+
+    def add_text(self, delta: str) -> None:
+        """Message text: opens the message item if needed, then one output_text.delta."""
+        if not delta and not (self.pending_logprobs and self._is_open("message")):
+            return
+        if not self._is_open("message"):
+            self._close()
+            self._open_message()
+        part = self.open["content"][0]
+        part["text"] += delta
+        lps, self.pending_logprobs = self.pending_logprobs, []
+        part["logprobs"] += lps
+        self.emit("response.output_text.delta", delta=delta, logprobs=lps, **self._where(0))
+
+    def finish(self) -> None:
+        """The output is complete: close the open item (an empty message if there was none)."""
+        if not self.items:
+            self._open_message()
+        self._close()
+
+    # ---- items -----------------------------------------------------------------------------
+    def _is_open(self, kind: str) -> bool:
+        return self.open is not None and self.open["type"] == kind
+
+    def _where(self, content_index: int | None = None) -> dict:
+        where = {"item_id": self.open["id"], "output_index": len(self.items) - 1}
+        if content_index is not None:
+            where["content_index"] = content_index
+        return where
+
+    def _open(self, item: dict) -> None:
+        """Start an output item (copies go into events: the item changes after)."""
+        self.items.append(item)
+        self.open = item
+        self.emit("response.output_item.added", item=dict(item), output_index=len(self.items) - 1)
+
+    def _open_message(self) -> None:
+        self._open({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "in_progress",
+                    "role": "assistant", "content": []})
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        self.open["content"] = [part]
+        self.emit("response.content_part.added", part=dict(part, logprobs=[]), **self._where(0))
+
+    def _close(self) -> None:
+        item, where = self.open, (self._where() if self.open else None)
+        if item is None:
+            return
+        if item["type"] == "message":
+            part = item["content"][0]
+            self.emit("response.output_text.done", text=part["text"], logprobs=part["logprobs"],
+                      **self._where(0))
+            self.emit("response.content_part.done", part=dict(part), **self._where(0))
+        item["status"] = self.status
+        self.open = None
+        self.emit("response.output_item.done", item=item, output_index=where["output_index"])
+
+    # ---- JSON ------------------------------------------------------------------------------
+    def emit(self, kind: str, **fields) -> None:
+        self._events.append((kind, fields))
+
+    def take_events(self) -> list[tuple[str, dict]]:
+        events, self._events = self._events, []
+        return events
 
     @property
     def status(self) -> str:
         return "incomplete" if self.finish_reason == "length" else "completed"
-
-    def text_part(self, text: str | None = None, logprobs: list | None = None) -> dict:
-        """An output_text part: by default the whole text so far and its logprobs."""
-        return {"type": "output_text", "text": self.text if text is None else text,
-                "annotations": [], "logprobs": self.logprobs if logprobs is None else logprobs}
-
-    def message_item(self, status: str) -> dict:
-        """The assistant message item; while in progress it has no content yet."""
-        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
-                "content": [] if status == "in_progress" else [self.text_part()]}
 
     def body(self, status: str | None = None, error: dict | None = None) -> dict:
         """The Response object; `status` defaults to the final one (completed/incomplete)."""
@@ -350,14 +410,12 @@ class _ResponseState:
         status = status or self.status
         done = status in ("completed", "incomplete")
         fmt = req.text.format if req.text and req.text.format else None
-        n_out = len(self.token_ids)
         return {
             "id": self.rid, "object": "response", "created_at": self.created, "status": status,
             "background": False, "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "model": self.model,
-            "output": [self.message_item(status)] if done else [],
+            "model": self.model, "output": list(self.items) if done else [],
             "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": None,
             "reasoning": None, "store": False,
             "temperature": 1.0 if req.temperature is None else req.temperature,
@@ -367,8 +425,9 @@ class _ResponseState:
             "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled",
             "usage": {"input_tokens": self.num_prompt,
                       "input_tokens_details": {"cached_tokens": self.cached_tokens},
-                      "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": 0},
-                      "total_tokens": self.num_prompt + n_out} if done else None,
+                      "output_tokens": self.num_tokens,
+                      "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": self.num_prompt + self.num_tokens} if done else None,
             "user": req.user, "metadata": req.metadata or {},
         }
 
