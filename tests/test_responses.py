@@ -152,3 +152,37 @@ def test_bad_values_name_the_field(server):
         status = 404 if param is None else 400
         e = _err(_post(server, "/v1/responses", body), status)
         assert e["param"] == param and words in e["message"], (body, e)
+
+
+def test_function_call_items_and_their_events():
+    """Text then two tool calls (as a tool parser's streamer hands them over): a message item,
+    then one function_call item per call, each with its events in OpenAI's order."""
+    from ferrum.entrypoints.openai.responses import _ResponseState
+    req = ResponsesRequest(model=MODEL, input="x", tools=[])
+    state = _ResponseState("resp_1", MODEL, req, 5, None)
+    state.add_text("Let me check.")
+    state.add_call_delta({"index": 0, "id": "call_a", "type": "function",
+                          "function": {"name": "get_weather", "arguments": ""}})
+    state.add_call_delta({"index": 0, "function": {"arguments": '{"city": '}})
+    state.add_call_delta({"index": 0, "function": {"arguments": '"Paris"}'}})
+    state.add_call_delta({"index": 1, "id": "call_b", "type": "function",
+                          "function": {"name": "get_time", "arguments": "{}"}})
+    state.finish()
+    events = state.take_events()
+    assert [k for k, _ in events] == [
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done"]
+    assert [f["output_index"] for k, f in events if k == "response.output_item.added"] == [0, 1, 2]
+    assert events[9][1]["arguments"] == '{"city": "Paris"}' and events[9][1]["output_index"] == 1
+    body = state.body()
+    msg, call_a, call_b = body["output"]
+    assert msg["content"][0]["text"] == "Let me check." and msg["status"] == "completed"
+    assert call_a["type"] == "function_call" and call_a["call_id"] == "call_a"
+    assert call_a["name"] == "get_weather" and call_a["arguments"] == '{"city": "Paris"}'
+    assert call_b["arguments"] == "{}" and call_b["status"] == "completed"
+    assert call_a["id"].startswith("fc_") and call_a["id"] != call_b["id"]

@@ -350,6 +350,22 @@ class _ResponseState:
         part["logprobs"] += lps
         self.emit("response.output_text.delta", delta=delta, logprobs=lps, **self._where(0))
 
+    def add_call_delta(self, delta: dict) -> None:
+        """A tool-call delta in chat completions' streaming form (what a tool parser's streamer
+        gives): {"index", "id", "type": "function", "function": {"name", "arguments": ""}}
+        starts a call -> a function_call item (output_item.added); {"index", "function":
+        {"arguments": fragment}} extends it (response.function_call_arguments.delta)."""
+        fn = delta.get("function") or {}
+        if "id" in delta:
+            self._close()
+            self._open({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}",
+                        "call_id": delta["id"], "name": fn["name"], "arguments": "",
+                        "status": "in_progress"})
+        fragment = fn.get("arguments") or ""
+        if fragment and self._is_open("function_call"):
+            self.open["arguments"] += fragment
+            self.emit("response.function_call_arguments.delta", delta=fragment, **self._where())
+
     def finish(self) -> None:
         """The output is complete: close the open item (an empty message if there was none)."""
         if not self.items:
@@ -388,6 +404,9 @@ class _ResponseState:
             self.emit("response.output_text.done", text=part["text"], logprobs=part["logprobs"],
                       **self._where(0))
             self.emit("response.content_part.done", part=dict(part), **self._where(0))
+        else:
+            self.emit("response.function_call_arguments.done", name=item["name"],
+                      arguments=item["arguments"], **self._where())
         item["status"] = self.status
         self.open = None
         self.emit("response.output_item.done", item=item, output_index=where["output_index"])
