@@ -148,6 +148,11 @@ def test_bad_values_name_the_field(server):
             ({**ok, "input": [{"type": "function_call", "call_id": "c"}]}, "input", "input[0].name"),
             ({**ok, "input": 5}, "input", "input"),
             ({**ok, "seed": 3}, "seed", "seed"),
+            ({**ok, "instructions": 5}, "instructions", "instructions"),
+            ({**ok, "metadata": {"k": 1}}, "metadata", "metadata"),
+            ({**ok, "text": {"format": {"type": "xml"}}}, "text", "text.format.type"),
+            ({**ok, "stream": "maybe"}, "stream", "stream"),
+            ({**ok, "parallel_tool_calls": "x"}, "parallel_tool_calls", "parallel_tool_calls"),
             ({**ok, "model": "gpt-4"}, None, "gpt-4")]:
         status = 404 if param is None else 400
         e = _err(_post(server, "/v1/responses", body), status)
