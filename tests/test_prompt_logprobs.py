@@ -137,3 +137,20 @@ def test_prompt_logprobs_tp2_equal_tp1(folder, prompts):
             assert list(x) == list(y)
             worst = max(worst, max(abs(x[k] - y[k]) for k in x))
     assert worst < 1e-5, f"TP=2 vs TP=1 max abs prompt logprob diff {worst:.2e}"
+
+
+def test_abort_mid_prefill_leaves_nothing(folder, prompts, reference):
+    """A request for prompt logprobs aborted between two chunks of its prefill: its blocks go
+    back to the pool and the engine goes on serving (the same prompt, asked again, is right)."""
+    with make_llm(folder, max_num_batched_tokens=16) as llm:
+        eng = llm.engine
+        free = eng.block_manager.num_free_blocks
+        rid = eng.add_request(None, prompts[0], SamplingParams(max_tokens=4, prompt_logprobs=1))
+        eng.step()
+        eng.step()
+        assert 0 < len(eng.requests[rid].prompt_logprobs) < len(prompts[0])
+        assert eng.abort_request(rid)
+        assert eng.block_manager.num_free_blocks == free and not eng.has_unfinished_requests()
+        out = llm.generate([prompts[0]], SamplingParams(max_tokens=1, prompt_logprobs=1),
+                           use_tqdm=False)[0]
+        assert max_diff([out], prompts[:1], reference[:1], top=1) < TOL
