@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from ferrum.entrypoints.openai.logprobs import chat_logprobs
+from ferrum.entrypoints.openai.logprobs import chat_logprobs, ready_tokens, token_texts
 from ferrum.entrypoints.openai.serving import OpenAIServing, _Prompt, ferrum_error_body
 from ferrum.errors import FerrumError, InvalidRequestError
 from ferrum.outputs import RequestOutput
@@ -317,6 +317,8 @@ class _ResponseState:
         self.created = int(time.time())
         self.num_prompt = num_prompt
         self.num_tokens = 0
+        self.text_len = 0                    # characters of output text taken so far
+        self.num_logprob_tokens = 0          # tokens whose logprobs were taken
         self.finish_reason: str | None = None
         self.cached_tokens = 0
         self.items: list[dict] = []          # output items; the last may still be open
@@ -330,12 +332,19 @@ class _ResponseState:
         final output's entire text) and logprobs into the output items."""
         c = out.outputs[0]
         self.finish_reason, self.cached_tokens = c.finish_reason, out.num_cached_tokens
-        if self.req.want_logprobs:
-            new = c.token_ids[self.num_tokens:]
-            lps = (c.logprobs or [])[self.num_tokens:]
-            self.pending_logprobs += chat_logprobs(self.fmt, new, lps, self.req.top_logprobs or 0)["content"]
         self.num_tokens = len(c.token_ids)
-        self.add_text(c.text if whole else c.delta_text)
+        text = c.text if whole else c.delta_text
+        self.text_len += len(text)
+        if self.req.want_logprobs:  # tokens whose text is final and sent (see ready_tokens)
+            start = self.num_logprob_tokens
+            ready = ready_tokens(c.token_text_ends, start, len(c.token_ids), self.text_len,
+                                 c.finished)
+            self.pending_logprobs += chat_logprobs(
+                self.fmt, c.token_ids[start:ready], (c.logprobs or [])[start:ready],
+                token_texts(c.text, c.token_text_ends, start, ready), self.req.top_logprobs or 0
+            )["content"]
+            self.num_logprob_tokens = ready
+        self.add_text(text)
 
     def add_text(self, delta: str) -> None:
         """Message text: opens the message item if needed, then one output_text.delta."""
