@@ -1,6 +1,7 @@
 """POST /v1/responses through the official `openai` client against a live server (the fixtures
 of test_server.py: a tiny random Llama carrying SmolLM2's tokenizer and chat template): text and
-item inputs, instructions, streaming events, logprobs, stateless errors, bad values."""
+item inputs, instructions, streaming events, logprobs, stateless errors, bad values, function
+tools and text.format through chat's conversion (equal to chat completions' answer)."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,8 @@ import pytest
 
 from ferrum import SamplingParams
 from ferrum.entrypoints.openai.responses import ResponsesRequest, input_messages
-from test_server import KEY, MODEL, _err, _post, client, model_dir, offline, server, tok  # noqa: F401
+from test_server import TOOLS as CHAT_TOOLS
+from test_server import KEY, MODEL, SCHEMAS, _err, _post, client, model_dir, offline, server, tok  # noqa: F401
 
 QUESTION = "What is the capital of France?"
 
@@ -191,3 +193,136 @@ def test_function_call_items_and_their_events():
     assert call_a["name"] == "get_weather" and call_a["arguments"] == '{"city": "Paris"}'
     assert call_b["arguments"] == "{}" and call_b["status"] == "completed"
     assert call_a["id"].startswith("fc_") and call_a["id"] != call_b["id"]
+
+
+# ---- tools and text.format ---------------------------------------------------------------------
+TOOLS = [{"type": "function", **t["function"]} for t in CHAT_TOOLS]   # Responses' flat form
+ASK = "What is the weather in Paris?"
+
+
+def _streamed_output(events) -> list[dict]:
+    """Output items rebuilt from stream events alone (deltas joined), checking each item's
+    events arrive between its output_item.added and output_item.done."""
+    items, open_item = [], None
+    for e in events:
+        if e.type == "response.output_item.added":
+            assert open_item is None
+            open_item = {"type": e.item.type, "text": "", "arguments": "",
+                         "name": getattr(e.item, "name", None)}
+        elif e.type == "response.output_text.delta":
+            open_item["text"] += e.delta
+        elif e.type == "response.function_call_arguments.delta":
+            open_item["arguments"] += e.delta
+        elif e.type == "response.function_call_arguments.done":
+            assert e.arguments == open_item["arguments"] and e.name == open_item["name"]
+        elif e.type == "response.output_item.done":
+            item = e.item
+            assert item.type == open_item["type"]
+            if item.type == "function_call":
+                assert item.arguments == open_item["arguments"]
+                items.append(("function_call", item.name, item.arguments))
+            else:
+                assert item.content[0].text == open_item["text"]
+                items.append(("message", item.content[0].text))
+            open_item = None
+    assert open_item is None and events[-1].type == "response.completed"
+    return items
+
+
+def _whole_output(r) -> list[tuple]:
+    return [("function_call", o.name, o.arguments) if o.type == "function_call"
+            else ("message", o.content[0].text) for o in r.output]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "get_time"}],
+                         ids=["required", "named"])
+def test_tools_give_function_call_items_like_chat(client, choice):
+    """Forced tool calls: function_call items whose arguments validate, the same calls chat
+    completions returns for the same request, and a stream that rebuilds the same items."""
+    import jsonschema
+    kw = dict(model=MODEL, input=ASK, tools=TOOLS, tool_choice=choice, temperature=0,
+              max_output_tokens=200)
+    r = client.responses.create(**kw)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert r.status == "completed" and calls and len(calls) == len(r.output)
+    for call in calls:
+        assert call.call_id.startswith("call_") and call.id.startswith("fc_")
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    if isinstance(choice, dict):
+        assert [c.name for c in calls] == ["get_time"]
+    chat_choice = choice if isinstance(choice, str) else {"type": "function", "function": {"name": "get_time"}}
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}],
+                                          tools=CHAT_TOOLS, tool_choice=chat_choice, temperature=0,
+                                          max_tokens=200).choices[0].message
+    assert [(c.function.name, c.function.arguments) for c in chat.tool_calls] == \
+        [(c.name, c.arguments) for c in calls]
+    assert r.usage.input_tokens == client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": ASK}], tools=CHAT_TOOLS,
+        tool_choice=chat_choice, max_tokens=1).usage.prompt_tokens
+    events = list(client.responses.create(stream=True, **kw))
+    assert _streamed_output(events) == _whole_output(r)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    one = client.responses.create(**{**kw, "parallel_tool_calls": False})
+    assert len(one.output) == 1 and one.output[0].type == "function_call"
+
+
+def test_function_call_round_trip_items(client):
+    """A call and its output sent back as input items render as chat's tool messages: the
+    prompt equals chat completions' for the same conversation."""
+    call = client.responses.create(model=MODEL, input=ASK, tools=TOOLS, tool_choice="required",
+                                   temperature=0, max_output_tokens=200).output[0]
+    items = [{"role": "user", "content": ASK},
+             {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+             {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp_c": 18}'}]
+    r = client.responses.create(model=MODEL, input=items, tools=TOOLS, temperature=0, max_output_tokens=8)
+    msgs = [{"role": "user", "content": ASK},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id, "type": "function",
+             "function": {"name": call.name, "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": '{"temp_c": 18}'}]
+    chat = client.chat.completions.create(model=MODEL, messages=msgs, tools=CHAT_TOOLS, temperature=0,
+                                          max_tokens=8)
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.output_text == (chat.choices[0].message.content or "")
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "json_object"])
+def test_text_format_outputs_json_like_chat(client, kind):
+    import jsonschema
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+                                               "score": {"type": "integer", "minimum": 0, "maximum": 10}},
+              "required": ["answer", "score"], "additionalProperties": False}
+    fmt = ({"type": "json_schema", "name": "verdict", "schema": schema, "strict": True}
+           if kind == "json_schema" else {"type": "json_object"})
+    kw = dict(model=MODEL, input=ASK, text={"format": fmt}, temperature=0, max_output_tokens=120)
+    r = client.responses.create(**kw)
+    if kind == "json_schema":
+        jsonschema.validate(json.loads(r.output_text), schema)
+        assert r.status == "completed" and r.text.format.type == "json_schema"
+    elif r.status == "completed":   # json_object: a random model may run out of tokens
+        assert isinstance(json.loads(r.output_text), dict)
+    chat_fmt = ({"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema, "strict": True}}
+                if kind == "json_schema" else {"type": "json_object"})
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}],
+                                          response_format=chat_fmt, temperature=0, max_tokens=120)
+    assert r.output_text == chat.choices[0].message.content
+    events = list(client.responses.create(stream=True, **kw))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == r.output_text
+
+
+def test_tools_and_text_format_bad_values_name_the_field(server):
+    ok = {"model": MODEL, "input": "hi", "max_output_tokens": 4}
+    for body, param in [
+            ({**ok, "tools": [{"type": "web_search"}]}, "tools[0].type"),
+            ({**ok, "tools": [{"type": "function", "name": "a b"}]}, "tools[0].name"),
+            ({**ok, "tools": [{"type": "function", "name": "f", "parameters": 3}]}, "tools[0].parameters"),
+            ({**ok, "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+            ({**ok, "tools": TOOLS, "tool_choice": {"type": "mcp"}}, "tool_choice"),
+            ({**ok, "tool_choice": "required"}, "tool_choice"),
+            ({**ok, "text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format"),
+            ({**ok, "text": {"format": {"type": "json_schema", "name": "n",
+                                        "schema": {"type": "array", "uniqueItems": True}}}}, "text.format"),
+            ({**ok, "tools": TOOLS, "tool_choice": "required", "text": {"format": {"type": "json_object"}}},
+             "text.format")]:
+        e = _err(_post(server, "/v1/responses", body), 400)
+        assert e["param"] == param and e["message"].startswith(param), (body, e)

@@ -14,16 +14,30 @@ str | [{"type": "input_text" | "output_text", "text"}]}` (with or without `"type
 message. They are turned into chat messages (tool calls and results as chat completions
 carries them) and rendered with the model's chat template.
 
-Output: a `message` item with one `output_text` part; `status` "completed", or "incomplete"
-with `incomplete_details.reason = "max_output_tokens"` when the token limit cut it. Streaming
-sends OpenAI's events, each with a `sequence_number`: response.created, response.in_progress,
-response.output_item.added, response.content_part.added, response.output_text.delta...,
-response.output_text.done, response.content_part.done, response.output_item.done,
-response.completed (or response.incomplete).
+`tools` (function tools, `{"type": "function", "name", "description", "parameters",
+"strict"}`), `tool_choice` ("none" | "auto" | "required" | `{"type": "function", "name"}`),
+`parallel_tool_calls` and `text.format` (`text` | `json_object` | `json_schema` with `name`,
+`schema`, `strict`) are turned into their chat completions forms and go through the same
+request -> (prompt, constraint, tool parser) conversion as chat (`chat_utils.prepare_chat`):
+the same prompt, constrained decoding and tool parsing; errors name the Responses field
+(`tools[0].name`, `text.format`).
+
+Output: items in the order the model wrote them: a `message` item with one `output_text`
+part for text, a `function_call` item (`call_id`, `name`, `arguments`) per tool call;
+`status` "completed", or "incomplete" with `incomplete_details.reason = "max_output_tokens"`
+when the token limit cut it. Streaming sends OpenAI's events, each with a `sequence_number`:
+response.created, response.in_progress, then per item response.output_item.added,
+(message) response.content_part.added, response.output_text.delta..., response.output_text.done,
+response.content_part.done / (function call) response.function_call_arguments.delta...,
+response.function_call_arguments.done, and response.output_item.done; last
+response.completed (or response.incomplete). Streamed items equal the whole answer's.
+Output_text logprobs cover the message text only.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import time
 import uuid
 from typing import Any, AsyncIterator, Iterator, Literal
@@ -32,11 +46,13 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
+from ferrum.entrypoints.chat_utils import ChatPrompt, prepare_chat
 from ferrum.entrypoints.openai.logprobs import chat_logprobs, ready_tokens, token_texts
 from ferrum.entrypoints.openai.serving import OpenAIServing, _Prompt, ferrum_error_body
 from ferrum.errors import FerrumError, InvalidRequestError
 from ferrum.outputs import RequestOutput
 from ferrum.sampling_params import MAX_LOGPROBS, SamplingParams
+from ferrum.tool_parsers import ToolCallStreamer, ToolParser
 
 _NO_STATE = ("ferrum keeps no stored state (the Responses API is stateless here): send the "
              "whole conversation as input items")
@@ -134,8 +150,9 @@ class ResponsesRequest(_Strict):
         return _LOGPROBS_INCLUDE in (self.include or [])
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """SamplingParams for the request (max_tokens already checked against the context).
-        Raises InvalidRequestError naming the field."""
+        """SamplingParams for the request (max_tokens already checked against the context),
+        before the chat conversion adds its constraint (`ChatPrompt.sampling_params`). Raises
+        InvalidRequestError naming the field."""
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise InvalidRequestError(f"max_output_tokens must be >= 1, got {self.max_output_tokens}",
                                       param="max_output_tokens")
@@ -143,17 +160,80 @@ class ResponsesRequest(_Strict):
         if top is not None and not 0 <= top <= MAX_LOGPROBS:
             raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}",
                                       param="top_logprobs")
-        fmt = self.text.format if self.text else None
-        if fmt is not None and fmt.type != "text":
-            raise InvalidRequestError(f"text.format {fmt.type!r} is not supported yet: ferrum "
-                                      "has no constrained decoding in this build", param="text")
-        if self.tools and self.tool_choice != "none":
-            raise InvalidRequestError("tools are not supported yet: ferrum has no tool calling "
-                                      "in this build", param="tools")
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, max_tokens=max_tokens,
             logprobs=(top or 0) if self.want_logprobs else None)
+
+
+    def chat_tools(self) -> tuple[list[dict] | None, str | dict, dict | None]:
+        """(tools, tool_choice, response_format) in chat completions' form: each function tool
+        `{"type": "function", "name", ...}` -> `{"type": "function", "function": {"name", ...}}`,
+        `{"type": "function", "name"}` choice -> `{"type": "function", "function": {"name"}}`,
+        text.format -> response_format. Raises InvalidRequestError for a tool type other than
+        function (web search, file search, MCP, ...: ferrum runs no hosted tools), a
+        tool_choice that names no function, or a json_schema format without a schema."""
+        tools = []
+        for i, t in enumerate(self.tools):
+            if not isinstance(t, dict) or t.get("type") != "function":
+                kind = t.get("type") if isinstance(t, dict) else t
+                raise InvalidRequestError(
+                    f"tools[{i}].type: only function tools are supported, got {kind!r} (ferrum "
+                    "runs no hosted tools)", param=f"tools[{i}].type")
+            tools.append({"type": "function", "function": {k: v for k, v in t.items() if k != "type"}})
+        choice = self.tool_choice
+        if not tools and choice == "auto":
+            choice = None   # OpenAI's default, also without tools
+        if isinstance(choice, dict):
+            if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+                raise InvalidRequestError('tool_choice must be "none", "auto", "required" or '
+                                          '{"type": "function", "name": ...}', param="tool_choice")
+            choice = {"type": "function", "function": {"name": choice["name"]}}
+        fmt = self.text.format if self.text else None
+        response_format = None
+        if fmt is not None and fmt.type == "json_object":
+            response_format = {"type": "json_object"}
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.schema_ is None or not fmt.name:
+                raise InvalidRequestError("text.format: json_schema needs \"name\" and \"schema\"",
+                                          param="text.format")
+            response_format = {"type": "json_schema", "json_schema": {
+                "name": fmt.name, "schema": fmt.schema_, "strict": fmt.strict}}
+        return tools or None, choice, response_format
+
+
+def _chat_param(param: str | None) -> str | None:
+    """The Responses field for a chat completions field named in an error."""
+    if param is None:
+        return None
+    if param.startswith("messages"):
+        return "input"
+    if param.startswith("response_format"):
+        return "text.format"
+    param = re.sub(r"^tools\[(\d+)\]\.function", r"tools[\1]", param)
+    return re.sub(r"^tool_choice\.function", "tool_choice", param)
+
+
+def prepare_response(serving: OpenAIServing, req: ResponsesRequest) -> ChatPrompt:
+    """The request through chat's conversion (`chat_utils.prepare_chat`): input items ->
+    messages, tools / tool_choice / text.format -> the same prompt, constraint and tool parser
+    chat completions gets. Errors are re-raised naming the Responses field."""
+    tools, choice, response_format = req.chat_tools()
+    messages = input_messages(req)
+    try:
+        chat = prepare_chat(serving.tokenizer, messages, tools=tools, tool_choice=choice,
+                            parallel_tool_calls=req.parallel_tool_calls,
+                            response_format=response_format, tool_parser=serving.tool_parser)
+    except InvalidRequestError as e:
+        param = _chat_param(e.param)
+        text = str(e)
+        if e.param and text.startswith(f"{e.param}:"):
+            text = f"{param}:" + text[len(e.param) + 1:]
+        raise InvalidRequestError(text, param=param) from e
+    if chat.structured_outputs is not None:   # a grammar that fails to compile names the field
+        where = "text.format" if chat.structured_outputs.param == "response_format" else "tool_choice"
+        chat.structured_outputs = dataclasses.replace(chat.structured_outputs, param=where)
+    return chat
 
 
 # ---- input items -> chat messages ------------------------------------------------------------
@@ -258,12 +338,13 @@ class OpenAIServingResponses:
         if s.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer, so it cannot take chat input; "
                                       "use /v1/completions with token ids", param="input")
-        ids = s.tokenizer.apply_chat_template(input_messages(req), add_generation_prompt=True)
-        params = req.sampling_params(s._max_tokens(len(ids), req.max_output_tokens,
-                                                   "max_output_tokens"))
+        chat = prepare_response(s, req)
+        ids = chat.prompt_token_ids
+        params = chat.sampling_params(req.sampling_params(
+            s._max_tokens(len(ids), req.max_output_tokens, "max_output_tokens")))
         rid = f"resp_{uuid.uuid4().hex}"
         streams = await s._start(rid, [_Prompt(None, ids)], [params])
-        state = _ResponseState(rid, model, req, len(ids), s.fmt)
+        state = _ResponseState(rid, model, req, len(ids), s.fmt, chat.tool_parser)
         if req.stream:
             return StreamingResponse(self._stream(state, streams, t0), media_type="text/event-stream")
         (out,) = await s._collect(streams, t0, raw)
@@ -302,8 +383,8 @@ class OpenAIServingResponses:
 
 
 class _ResponseState:
-    """A response as far as the engine has written it: its output items (an assistant message
-    with one output_text part; function calls once tool calling is wired), the OpenAI JSON
+    """A response as far as the engine has written it: its output items (assistant message
+    text and the function calls a tool parser reads out of the output), the OpenAI JSON
     forms, and the stream events that announce each change (`take_events`).
 
     Item life cycle in events: output_item.added (+ content_part.added for a message), deltas
@@ -311,9 +392,13 @@ class _ResponseState:
     message opens at its first text (or at the end, empty, when nothing else was output).
     """
 
-    def __init__(self, rid: str, model: str, req: ResponsesRequest, num_prompt: int, fmt):
-        """fmt: the server's TokenFormatter (token text and bytes for logprobs)."""
+    def __init__(self, rid: str, model: str, req: ResponsesRequest, num_prompt: int, fmt,
+                 tool_parser: ToolParser | None = None):
+        """fmt: the server's TokenFormatter (token text and bytes for logprobs). tool_parser:
+        reads function calls out of the output (None: all output is message text)."""
         self.rid, self.model, self.req, self.fmt = rid, model, req, fmt
+        self.tool_parser = tool_parser
+        self.streamer = ToolCallStreamer(tool_parser) if tool_parser is not None else None
         self.created = int(time.time())
         self.num_prompt = num_prompt
         self.num_tokens = 0
@@ -329,7 +414,10 @@ class _ResponseState:
     # ---- feeding ---------------------------------------------------------------------------
     def update(self, out: RequestOutput, whole: bool = False) -> None:
         """Take the engine's latest output: its new text (`delta_text`, or with `whole` the
-        final output's entire text) and logprobs into the output items."""
+        final output's entire text) and logprobs into the output items. With a tool parser the
+        text is split into message text and function calls: streamed through its
+        ToolCallStreamer, a whole answer through `extract` (as chat completions does, so both
+        give the items a chat answer's message and tool_calls give)."""
         c = out.outputs[0]
         self.finish_reason, self.cached_tokens = c.finish_reason, out.num_cached_tokens
         self.num_tokens = len(c.token_ids)
@@ -344,7 +432,21 @@ class _ResponseState:
                 token_texts(c.text, c.token_text_ends, start, ready), self.req.top_logprobs or 0
             )["content"]
             self.num_logprob_tokens = ready
-        self.add_text(text)
+        if self.tool_parser is None:
+            self.add_text(text)
+            return
+        if whole:
+            content, found = self.tool_parser.extract(text)
+            calls = [{"index": k, **call.to_openai()} for k, call in enumerate(found)]
+            content = (content or "") if found else text
+        else:
+            content, calls = self.streamer.feed(text)
+            if c.finished:
+                more_content, more_calls = self.streamer.finish()
+                content, calls = content + more_content, calls + more_calls
+        self.add_text(content)
+        for delta in calls:
+            self.add_call_delta(delta)
 
     def add_text(self, delta: str) -> None:
         """Message text: opens the message item if needed, then one output_text.delta."""
