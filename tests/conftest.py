@@ -42,3 +42,37 @@ def tiny_chat_model(tmp_path_factory, smollm2_tokenizer) -> str:
     make_tiny_model(folder, "llama", vocab=49152, hidden=64, layers=2, max_pos=8192, seed=5)
     smollm2_tokenizer.hf.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def server_model_dir(tmp_path_factory, smollm2_tokenizer) -> str:
+    """A tiny random Llama (vocab 49152, hidden 64, 2 layers) carrying the SmolLM2 tokenizer and
+    chat template: the model of the shared test server."""
+    from tiny_models import make_tiny_model
+    folder = str(tmp_path_factory.mktemp("tiny_server"))
+    make_tiny_model(folder, "llama", vocab=49152, hidden=64, layers=2, max_pos=1024, seed=3)
+    smollm2_tokenizer.hf.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def server(server_model_dir, tmp_path_factory):
+    """Base URL of one `ferrum serve` of server_model_dir (API key `live_server.KEY`, served as
+    `live_server.MODEL`) for the session: test_server and test_responses share it, so tests
+    must not rely on a fresh server (compare counters before / after, use their own prompts)."""
+    from live_server import KEY, MAX_MODEL_LEN, MODEL, live_server
+    with live_server([server_model_dir, "--api-key", KEY, "--served-model-name", MODEL, "--device", "cpu",
+                      "--max-model-len", str(MAX_MODEL_LEN)],
+                     tmp_path_factory.mktemp("server_log") / "server.log") as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def offline(server_model_dir):
+    """The offline LLM API on the shared server's weights and max_model_len (the reference
+    its answers are compared with)."""
+    from ferrum import LLM
+    from live_server import MAX_MODEL_LEN
+    llm = LLM(server_model_dir, progress=False, device="cpu", max_model_len=MAX_MODEL_LEN)
+    yield llm
+    llm.shutdown()

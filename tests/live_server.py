@@ -1,4 +1,5 @@
-"""Start `ferrum serve` in a subprocess on a free loopback port for a test module."""
+"""Start `ferrum serve` in a subprocess on a free loopback port (a module's or the session's), and
+the settings of the tiny server that test_server and test_responses share (conftest.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -10,6 +11,10 @@ import time
 
 import httpx
 import pytest
+
+KEY = "sk-test-key"
+MODEL = "tiny"
+MAX_MODEL_LEN = 768   # room for a tool prompt
 
 
 def free_port() -> int:

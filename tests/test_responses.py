@@ -1,7 +1,8 @@
-"""POST /v1/responses through the official `openai` client against a live server (the fixtures
-of test_server.py: a tiny random Llama carrying SmolLM2's tokenizer and chat template): text and
-item inputs, instructions, streaming events, logprobs, stateless errors, bad values, function
-tools and text.format through chat's conversion (equal to chat completions' answer)."""
+"""POST /v1/responses through the official `openai` client against the live server that
+test_server.py uses (conftest.py `server`: a tiny random Llama carrying SmolLM2's tokenizer
+and chat template): text and item inputs, instructions, streaming events, logprobs, stateless
+errors, bad values, function tools and text.format through chat's conversion (equal to chat
+completions' answer)."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ import pytest
 from ferrum import SamplingParams
 from ferrum.entrypoints.openai.responses import ResponsesRequest, input_messages
 from test_server import TOOLS as CHAT_TOOLS
-from test_server import KEY, MODEL, SCHEMAS, _err, _post, client, model_dir, offline, server, tok  # noqa: F401
+from test_server import KEY, MODEL, SCHEMAS, _err, _post, client, tok  # noqa: F401
 
 QUESTION = "What is the capital of France?"
 

@@ -1,5 +1,6 @@
 """`ferrum serve` end to end: a real server in a subprocess on a free loopback port (started once
-for the module, with an API key), driven by the official `openai` client and by httpx.
+for the session with an API key, shared with test_responses: conftest.py `server`), driven by
+the official `openai` client and by httpx.
 
 The model is a tiny random Llama (vocab 49152) that carries the SmolLM2 tokenizer and chat
 template, so a step takes milliseconds on CPU. Greedy outputs are compared with the offline
@@ -19,29 +20,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ferrum.tokenizer import Tokenizer
-from live_server import live_server
-from tiny_models import make_tiny_model
-
-KEY = "sk-test-key"
-MODEL = "tiny"
-MAX_MODEL_LEN = 768   # room for a tool prompt
+from live_server import KEY, MAX_MODEL_LEN, MODEL
 PROMPT = "The quick brown fox jumps over the lazy dog because"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, smollm2_tokenizer):
-    folder = str(tmp_path_factory.mktemp("tiny_server"))
-    make_tiny_model(folder, "llama", vocab=49152, hidden=64, layers=2, max_pos=1024, seed=3)
-    smollm2_tokenizer.hf.save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    with live_server([model_dir, "--api-key", KEY, "--served-model-name", MODEL, "--device", "cpu",
-                      "--max-model-len", str(MAX_MODEL_LEN)],
-                     tmp_path_factory.mktemp("server_log") / "server.log") as url:
-        yield url
 
 
 @pytest.fixture(scope="module")
@@ -50,16 +30,8 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def tok(model_dir):
-    return Tokenizer.from_folder(model_dir)
-
-
-@pytest.fixture(scope="module")
-def offline(model_dir):
-    from ferrum import LLM
-    llm = LLM(model_dir, progress=False, device="cpu", max_model_len=MAX_MODEL_LEN)
-    yield llm
-    llm.shutdown()
+def tok(server_model_dir):
+    return Tokenizer.from_folder(server_model_dir)
 
 
 def _post(server, path, body=None, key=KEY, content: bytes | None = None):

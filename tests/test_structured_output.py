@@ -1,6 +1,6 @@
 """Structured outputs through the engine: random JSON schemas (hypothesis) produce JSON that
 validates (`jsonschema`), choice / regex / Lark / GBNF outputs match, n > 1, penalties, async
-scheduling and TP=2 keep the constraint, matchers are released on finish and abort, bad
+scheduling and TP=2 (test_tensor_parallel.py) keep the constraint, matchers are released on finish and abort, bad
 constraints are named errors that leave nothing behind; and the sampler's bitmask unpacking
 and masking checked against a per-token reference.
 
@@ -25,7 +25,6 @@ from ferrum import LLM, SamplingParams
 from ferrum.errors import InvalidRequestError
 from ferrum.layers.sampler import SamplingMetadata, bitmask_bias, process_logits
 from ferrum.structured_output import StructuredOutputsParams
-from tiny_models import make_tiny_model
 
 MAX_LEN = 1024
 
@@ -39,11 +38,9 @@ def _one_thread():
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, smollm2_tokenizer):
-    folder = str(tmp_path_factory.mktemp("structured") / "llama")
-    make_tiny_model(folder, "llama", vocab=49152, hidden=64, layers=2, max_pos=MAX_LEN, seed=3)
-    smollm2_tokenizer.hf.save_pretrained(folder)
-    return folder
+def tiny_dir(server_model_dir):
+    """The shared test server's model (conftest.py): max_position_embeddings = MAX_LEN."""
+    return server_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -213,21 +210,6 @@ def test_compiled_grammars_are_cached(llm):
     n = compiler.num_cached
     again = llm.engine.structured.compile(StructuredOutputsParams(json=dict(so.json)))
     assert again is first and compiler.num_cached == n
-
-
-def test_tp2_constrained_equals_tp1(tiny_dir, llm):
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9999},
-                                               "s": {"type": "string", "maxLength": 6}},
-              "required": ["n", "s"], "additionalProperties": False}
-    params = [SamplingParams(temperature=0, max_tokens=100, structured_outputs={"json": schema}),
-              SamplingParams(temperature=0.8, seed=9, max_tokens=100, structured_outputs={"json": schema})]
-    ref = llm.generate(["Hi", "Ho"], params, use_tqdm=False)
-    with LLM(tiny_dir, progress=False, device="cpu", max_model_len=MAX_LEN,
-             tensor_parallel_size=2) as tp:
-        got = tp.generate(["Hi", "Ho"], params, use_tqdm=False)
-    assert _texts(got) == _texts(ref)
-    for t in _texts(got):
-        jsonschema.validate(json.loads(t), schema)
 
 
 # ---- the sampler's bitmask ------------------------------------------------------------------

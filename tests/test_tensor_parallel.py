@@ -1,5 +1,6 @@
-"""Tensor parallelism on CPU (gloo): TP=N equals TP=1, faults become named errors, and a
-torchrun (SPMD) launch gives the same tokens as the spawned launch."""
+"""Tensor parallelism on CPU (gloo): TP=N equals TP=1 (logits, greedy batches, prompt logprobs,
+structured outputs), faults become named errors, and a torchrun (SPMD) launch gives the same
+tokens as the spawned launch."""
 from __future__ import annotations
 
 import os
@@ -94,21 +95,67 @@ def test_expert_parallel_tp2_equals_tp1(tmp_path_factory, family, kw):
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
-def test_tp2_greedy_batch_identical(tmp_path_factory):
-    d = make_tiny_model(str(tmp_path_factory.mktemp("batch")), "llama", num_kv_heads=1)
+@pytest.fixture(scope="module")
+def chat_tiny(tmp_path_factory, smollm2_tokenizer):
+    """A tiny random Llama with one KV head and SmolLM2's tokenizer (vocab 49152), so structured
+    outputs have a vocabulary to walk."""
+    d = make_tiny_model(str(tmp_path_factory.mktemp("batch")), "llama", num_kv_heads=1, vocab=49152)
+    smollm2_tokenizer.hf.save_pretrained(d)
+    return d
+
+
+def _prompt_logprobs_equal(tp1, tp2) -> None:
+    """Prompt logprobs over chunked prefill (rank 0 gathers each chunk's logits; prompts of 70,
+    1, 2 and 33 tokens): TP=2 equals TP=1 within 1e-5, with the same top-5 ids."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(20, 49152, (n,), generator=g).tolist() for n in (70, 1, 2, 33)]
+    sp = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=5)
+    ref, got = (llm.generate(prompts, sp, use_tqdm=False) for llm in (tp1, tp2))
+    worst = 0.0
+    for a, b in zip(ref, got):
+        assert len(b.prompt_logprobs) == len(b.prompt_token_ids) and b.prompt_logprobs[0] is None
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert list(x) == list(y)
+            worst = max(worst, max(abs(x[k] - y[k]) for k in x))
+    assert worst < 1e-5, f"TP=2 vs TP=1 max abs prompt logprob diff {worst:.2e}"
+
+
+def _structured_outputs_equal(tp1, tp2) -> None:
+    """JSON-schema constrained requests, greedy and seeded sampling (the grammar masks rank 0's
+    logits): TP=2 gives TP=1's texts, and they validate."""
+    import json
+
+    import jsonschema
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9999},
+                                               "s": {"type": "string", "maxLength": 6}},
+              "required": ["n", "s"], "additionalProperties": False}
+    params = [SamplingParams(temperature=0, max_tokens=100, structured_outputs={"json": schema}),
+              SamplingParams(temperature=0.8, seed=9, max_tokens=100, structured_outputs={"json": schema})]
+    ref, got = ([o.outputs[0].text for o in llm.generate(["Hi", "Ho"], params, use_tqdm=False)]
+                for llm in (tp1, tp2))
+    assert got == ref
+    for text in got:
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_tp2_greedy_batch_prompt_logprobs_and_structured_outputs_equal_tp1(chat_tiny):
+    """One TP=2 engine (a start costs seconds) and its TP=1 reference, token budget 24 so that
+    prefills run in chunks: a greedy batch, prompt logprobs and structured outputs equal."""
+    kw = dict(progress=False, dtype="float32", max_model_len=256, max_num_batched_tokens=24)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, 128, (int(n),), generator=g).tolist() for n in torch.randint(3, 60, (8,), generator=g)]
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    with LLM(d, progress=False, max_model_len=256) as llm:
-        ref = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    with LLM(d, progress=False, max_model_len=256, tensor_parallel_size=2) as llm:
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-        assert llm.engine.executor.status().running_sequences == 0
-    assert all(len(t) == 64 for t in got)
-    assert got == ref
+    with LLM(chat_tiny, **kw) as tp1, LLM(chat_tiny, tensor_parallel_size=2, **kw) as tp2:
+        ref = [o.outputs[0].token_ids for o in tp1.generate(prompts, sp, use_tqdm=False)]
+        got = [o.outputs[0].token_ids for o in tp2.generate(prompts, sp, use_tqdm=False)]
+        assert tp2.engine.executor.status().running_sequences == 0
+        assert all(len(t) == 64 for t in got)
+        assert got == ref
+        _prompt_logprobs_equal(tp1, tp2)
+        _structured_outputs_equal(tp1, tp2)
     # async scheduling: decode inputs come from the previous step's samples, which rank 0
     # broadcasts to rank 1 on the TP group
-    with LLM(d, progress=False, max_model_len=256, tensor_parallel_size=2, async_scheduling=True) as llm:
+    with LLM(chat_tiny, tensor_parallel_size=2, async_scheduling=True, **kw) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
         assert llm.engine.stats["overlapped_steps"] >= 60
     assert got == ref
