@@ -8,7 +8,8 @@
 # Sections, run in the order given, each under its own time limit (LIMIT_<section> seconds
 # overrides it); a section that fails or runs out of time is recorded and the next one runs:
 #   tests     (a) pytest -m gpu -rA over $GPU_TESTS (default tests/test_gpu.py, test_sampler.py,
-#             test_triton_kernels.py, test_quant_kernels.py                     limit 210 s
+#             test_triton_kernels.py, test_quant_kernels.py, test_moe.py, test_sliding_window.py,
+#             test_structured_output.py                    limit 210 s
 #   latency   (b) Llama-3-8B (dummy bf16) batch 1, 128 in / 512 out: decode tok/s, TTFT, MBU
 #             (spec 4.8 TB/s and the measured GEMV roofline), vLLM and gpt-fast side by side   330 s
 #   ttft      (c) TTFT at 128 / 1024 / 8000-token prompts, cached and cold, vLLM cold        300 s
@@ -145,7 +146,7 @@ for sec in "${sections[@]}"; do
     case $sec in
     tests)
         # GPU_TESTS (space-separated files or test ids) replaces the default list
-        read -r -a tests <<<"${GPU_TESTS:-tests/test_gpu.py tests/test_sampler.py tests/test_triton_kernels.py tests/test_quant_kernels.py}"
+        read -r -a tests <<<"${GPU_TESTS:-tests/test_gpu.py tests/test_sampler.py tests/test_triton_kernels.py tests/test_quant_kernels.py tests/test_moe.py tests/test_sliding_window.py tests/test_structured_output.py}"
         extra=()
         "$PY" -c "import pytest_timeout" 2>/dev/null && extra+=(--timeout 150)
         if ! "$PY" -c "import gguf" 2>/dev/null; then
