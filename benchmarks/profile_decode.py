@@ -114,7 +114,7 @@ def _replay_rank(rank, world, port, args, q):
     from ferrum.executor.model_runner import ModelRunner
     from ferrum.executor.tp_rank import init_distributed
     from ferrum.interfaces import KvCacheHandle
-    from ferrum.model_store import resolve_model
+    from ferrum.loader.resolve import resolve_model
     dev = f"cuda:{rank}"
     if world > 1:
         init_distributed(rank, world, dev, f"tcp://127.0.0.1:{port}", 600)

@@ -24,7 +24,7 @@ from ferrum import LLM, SamplingParams
 from ferrum.config import EngineConfig
 from ferrum.executor.single import SingleDeviceExecutor
 from ferrum.interfaces import DecodeInput, KvCacheHandle, PrefillInput
-from ferrum.model_store import resolve_model
+from ferrum.loader.resolve import resolve_model
 from tiny_models import hf_model, make_tiny_model
 
 ATOL = 1e-4

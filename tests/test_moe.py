@@ -222,7 +222,7 @@ def test_moe_under_quantization(tmp_path):
     from ferrum.config import EngineConfig
     from ferrum.errors import UnsupportedModelError
     from ferrum.executor.single import SingleDeviceExecutor
-    from ferrum.model_store import resolve_model
+    from ferrum.loader.resolve import resolve_model
     folder = make_tiny_model(str(tmp_path / "m"), "qwen2_moe", num_experts=4, num_experts_per_tok=2,
                              moe_intermediate_size=32, shared_expert_intermediate_size=48, seed=7)
 

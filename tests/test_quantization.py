@@ -165,7 +165,7 @@ def test_gguf_blocks_kept_until_placed_equal_dense_loader(tmp_path, monkeypatch)
     on CPU) gives the same logits as the dense loader, at TP=1 and TP=2 (row-parallel ranks
     take whole blocks)."""
     path = _tiny_gguf(tmp_path / "m.gguf", o_type="Q8_0")
-    from ferrum.model_store import resolve_model
+    from ferrum.loader.resolve import resolve_model
     src = resolve_model(path)
 
     def logits(tp=1):
@@ -194,7 +194,7 @@ def test_gguf_block_split_over_tp_is_named_error(tmp_path):
 
 
 def _logits_gguf(path, tp):
-    from ferrum.model_store import resolve_model
+    from ferrum.loader.resolve import resolve_model
     cfg = EngineConfig(model=path, parallel=ParallelConfig(tensor_parallel_size=tp))
     TensorParallelExecutor(resolve_model(path), cfg, progress=False).shutdown()
 

@@ -403,7 +403,7 @@ def check_prefill_graph(device: str) -> None:
     from ferrum.executor.model_runner import ModelRunner
     from ferrum.executor.prefill_graph import PrefillCudaGraphs, PrefillGraphInputs
     from ferrum.interfaces import KvCacheHandle
-    from ferrum.model_store import resolve_model
+    from ferrum.loader.resolve import resolve_model
     from ferrum.ops import attention_triton
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 128,
            "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -119,7 +119,7 @@ class _Run:
 def main(args) -> int:
     """ferrum at each TP size (HF interleaved on CPU), then HF on CUDA, then the peers; print
     and optionally write the record; returns the exit status (2: lengths exceed max_model_len)."""
-    from ferrum.model_store import resolve_model
+    from ferrum.loader.resolve import resolve_model
     threads = setup_threads(args.threads)
     tp_sizes = args.tp_sizes or [args.tensor_parallel_size]
     runs, hf_times, hf = {}, ([], []), None

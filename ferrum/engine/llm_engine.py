@@ -84,7 +84,7 @@ class LLMEngine:
     drives it (AsyncLLMEngine's for the server)."""
 
     def __init__(self, config: EngineConfig, progress: bool = True):
-        from ferrum.model_store import resolve_model
+        from ferrum.loader.resolve import resolve_model
         self.config = config
         source = resolve_model(config.model)
         # fail before loading the tokenizer / weights

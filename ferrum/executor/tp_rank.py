@@ -59,7 +59,7 @@ def build_runner(config: EngineConfig, device: str, progress: bool):
     is set up by ExecutorBase). Raises what the loader raises."""
     from ferrum.executor.model_runner import ModelRunner
     from ferrum.executor.threads import apply_engine_settings
-    from ferrum.model_store import resolve_model
+    from ferrum.loader.resolve import resolve_model
     apply_engine_settings(config)
     source = resolve_model(config.model)
     dtype = resolve_dtype(config.dtype, device)
