@@ -340,6 +340,11 @@ class LLMEngine:
         prev = self._in_flight
         logits_parts, sample_seqs = [], []
         prompt_lps = None
+        # the grammar masks of the rows this step samples (decodes, then prefills that end
+        # their prompt: sample_seqs' order) are computed while the forward runs
+        grammar_mask = self.structured.bitmask_async(
+            [c.seq.seq_id for c in sched.decodes]
+            + [c.seq.seq_id for c in sched.prefills if c.completes])
         if sched.decodes:
             seqs = [c.seq for c in sched.decodes]
             tokens = [s.token_ids[-1] for s in seqs]
@@ -401,7 +406,7 @@ class LLMEngine:
             params, [s.request.prompt_token_ids for s in sample_seqs],
             [s.output_token_ids for s in sample_seqs] if need_out else [()] * len(sample_seqs),
             [s.generator for s in sample_seqs], self.eos_token_ids, self.vocab_size, logits.device)
-        constrained = self.structured.bitmask([s.seq_id for s in sample_seqs])
+        constrained = None if grammar_mask is None else grammar_mask.result()
         if constrained is not None:
             # the matcher must have seen every earlier token: such steps are never overlapped
             assert all(sample_seqs[r].token_ids[-1] != PLACEHOLDER for r in constrained[0])

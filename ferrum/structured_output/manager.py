@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import llguidance
 import llguidance.torch as llt
@@ -47,7 +48,9 @@ class StructuredOutputManager:
         self.eos_token_ids = list(eos_token_ids)
         self._compiler: GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
-        self._executor = None
+        self._executor = None       # llguidance's thread pool for filling masks
+        self._pool: ThreadPoolExecutor | None = None   # runs bitmask_async
+        self._pending: Future | None = None
         self.matchers: dict[str, object] = {}     # seq_id -> llguidance.LLMatcher
 
     @property
@@ -83,11 +86,33 @@ class StructuredOutputManager:
         rows = [i for i, s in enumerate(seq_ids) if s in self.matchers]
         if not rows:
             return None
+        return self._fill(rows, [self.matchers[seq_ids[r]] for r in rows])
+
+    def bitmask_async(self, seq_ids: list[str]) -> Future | None:
+        """`bitmask(seq_ids)` computed in a worker thread, so that it overlaps the step's
+        forward pass (llguidance fills masks without the GIL): a Future of bitmask's result,
+        or None when no row is constrained. The matchers must not advance (`accept`) before
+        the result is taken."""
+        rows = [i for i, s in enumerate(seq_ids) if s in self.matchers]
+        if not rows:
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="ferrum-grammar")
+        self._pending = self._pool.submit(self._fill, rows, [self.matchers[seq_ids[r]] for r in rows])
+        return self._pending
+
+    def _settle(self) -> None:
+        """Wait for a mask fill still running (a step whose forward raised leaves one behind):
+        a matcher must not advance while it is read."""
+        if self._pending is not None:
+            wait([self._pending])
+            self._pending = None
+
+    def _fill(self, rows: list[int], matchers: list) -> tuple[list[int], torch.Tensor]:
         mask = torch.empty(len(rows), bitmask_width(self.vocab_size), dtype=torch.int32)
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
-        llt.fill_next_token_bitmask_par(
-            self._executor, [(self.matchers[seq_ids[r]], k) for k, r in enumerate(rows)], mask)
+        llt.fill_next_token_bitmask_par(self._executor, [(m, k) for k, m in enumerate(matchers)], mask)
         return rows, mask
 
     def accept(self, seq_id: str, token_id: int) -> bool:
@@ -97,6 +122,7 @@ class StructuredOutputManager:
         m = self.matchers.get(seq_id)
         if m is None:
             return True
+        self._settle()
         if m.consume_token(token_id):
             return True
         log.error("structured output: %s: token %d rejected by its grammar: %s", seq_id,
