@@ -8,6 +8,7 @@ import pytest
 
 import ferrum.model_store as store
 from ferrum.errors import ModelNotFoundError, WeightLoadError
+from ferrum.loader.resolve import resolve_model
 
 PAYLOAD = b"GGUF fake model bytes " * 100
 
@@ -113,9 +114,9 @@ def test_unknown_name_raises(fake_store):
     with pytest.raises(ModelNotFoundError, match="known: .*smollm2"):
         store.pull("no-such-model")
     with pytest.raises(ModelNotFoundError, match="smollm2.*gguf.*org/name.*dummy:"):
-        store.resolve_model("no-such-model")
+        resolve_model("no-such-model")
     with pytest.raises(ModelNotFoundError):
-        store.resolve_model("./missing/dir")
+        resolve_model("./missing/dir")
 
 
 def test_list_empty_without_cache(tmp_path, monkeypatch):
@@ -133,19 +134,19 @@ def test_known_names_and_resolution_rules():
 
 
 def test_resolve_paths_and_names(smollm2_gguf_path, tmp_path, monkeypatch):
-    by_file = store.resolve_model(smollm2_gguf_path)
+    by_file = resolve_model(smollm2_gguf_path)
     assert by_file.fmt == "gguf" and by_file.config.num_hidden_layers == 30
-    assert store.resolve_model(os.path.dirname(smollm2_gguf_path)).path == smollm2_gguf_path
+    assert resolve_model(os.path.dirname(smollm2_gguf_path)).path == smollm2_gguf_path
     # a known name loads from the cache the fixture filled, without downloading
     monkeypatch.setattr(store, "_download_wheel", lambda *a: pytest.fail("downloaded again"))
-    by_name = store.resolve_model("smollm2-135m-instruct")
+    by_name = resolve_model("smollm2-135m-instruct")
     assert by_name.name == "smollm2" and by_name.path == smollm2_gguf_path
     assert {"name": "smollm2", "path": smollm2_gguf_path, "size": 98_362_432,
             "format": "gguf"} in store.list_models()
     other = tmp_path / "notes.txt"
     other.write_text("x")
     with pytest.raises(ModelNotFoundError, match="not a .gguf"):
-        store.resolve_model(str(other))
+        resolve_model(str(other))
 
 
 def test_dummy_hook_calls_dummy_loader(monkeypatch):
@@ -154,7 +155,7 @@ def test_dummy_hook_calls_dummy_loader(monkeypatch):
     mod = types.ModuleType("ferrum.loader.dummy")
     mod.load_dummy = lambda spec: ("dummy", spec)
     monkeypatch.setitem(sys.modules, "ferrum.loader.dummy", mod)
-    assert store.resolve_model("dummy:/x/config.json") == ("dummy", "/x/config.json")
+    assert resolve_model("dummy:/x/config.json") == ("dummy", "/x/config.json")
 
 
 def test_hub_id_unreachable_is_model_not_found(monkeypatch, tmp_path):
@@ -166,4 +167,4 @@ def test_hub_id_unreachable_is_model_not_found(monkeypatch, tmp_path):
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     with pytest.raises(ModelNotFoundError, match="could not be reached"):
-        store.resolve_model("someorg/some-model")
+        resolve_model("someorg/some-model")
