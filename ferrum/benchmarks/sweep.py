@@ -85,20 +85,20 @@ def sampler_ms(eng, batch: int, params, iters: int = 20) -> float:
     from ferrum.layers.sampler import SamplingMetadata
     dev = eng.sample_device
     logits = torch.randn(batch, eng.vocab_size, device=dev)
-    md = SamplingMetadata.build([params] * batch, [[1]] * batch, [()] * batch, [None] * batch,
+    metadata = SamplingMetadata.build([params] * batch, [[1]] * batch, [()] * batch, [None] * batch,
                                 eng.eos_token_ids, eng.vocab_size, dev)
-    eng.sampler(logits, md)
+    eng.sampler(logits, metadata)
     if dev.startswith("cuda"):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         for _ in range(iters):
-            eng.sampler(logits, md)
+            eng.sampler(logits, metadata)
         b.record()
         torch.cuda.synchronize()
         return a.elapsed_time(b) / iters
     t = time.perf_counter()
     for _ in range(iters):
-        eng.sampler(logits, md)
+        eng.sampler(logits, metadata)
     return (time.perf_counter() - t) / iters * 1e3
 
 

@@ -150,38 +150,38 @@ class SamplingMetadata:
                              f"per row; got {batch}, {len(prompt_ids)}, {len(output_ids)}, "
                              f"{len(generators)}")
         greedy = [p.greedy for p in params]
-        md = cls(vocab_size=vocab_size,
+        metadata = cls(vocab_size=vocab_size,
                  greedy=_to_device(greedy, torch.bool, device),
                  all_greedy=all(greedy), any_greedy=any(greedy), generators=list(generators),
                  num_logprobs=[p.logprobs for p in params])
 
-        if not md.all_greedy:
+        if not metadata.all_greedy:
             # Sampling options of greedy rows are ignored: they take the argmax anyway.
-            md.temperature = _column([1.0 if g else p.temperature
+            metadata.temperature = _column([1.0 if g else p.temperature
                                       for p, g in zip(params, greedy)], torch.float32, device)
             top_k = [p.top_k if (p.top_k > 0 and not g) else vocab_size
                      for p, g in zip(params, greedy)]
             if any(k < vocab_size for k in top_k):
-                md.top_k = _column(top_k, torch.long, device)
+                metadata.top_k = _column(top_k, torch.long, device)
             top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
             if any(v < 1.0 for v in top_p):
-                md.top_p = _column(top_p, torch.float32, device)
+                metadata.top_p = _column(top_p, torch.float32, device)
             min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
             if any(v > 0.0 for v in min_p):
-                md.min_p = _column(min_p, torch.float32, device)
+                metadata.min_p = _column(min_p, torch.float32, device)
 
         if any(p.repetition_penalty != 1.0 for p in params):
-            md.repetition_penalty = _column([p.repetition_penalty for p in params],
+            metadata.repetition_penalty = _column([p.repetition_penalty for p in params],
                                             torch.float32, device)
-            md.seen = _counts([pr + out if p.repetition_penalty != 1.0 else []
+            metadata.seen = _counts([pr + out if p.repetition_penalty != 1.0 else []
                                for p, pr, out in zip(params, prompt_ids, output_ids)],
                               vocab_size, device) > 0
         if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
-            md.presence_penalty = _column([p.presence_penalty for p in params],
+            metadata.presence_penalty = _column([p.presence_penalty for p in params],
                                           torch.float32, device)
-            md.frequency_penalty = _column([p.frequency_penalty for p in params],
+            metadata.frequency_penalty = _column([p.frequency_penalty for p in params],
                                            torch.float32, device)
-            md.output_counts = _counts([out if (p.presence_penalty or p.frequency_penalty)
+            metadata.output_counts = _counts([out if (p.presence_penalty or p.frequency_penalty)
                                         else [] for p, out in zip(params, output_ids)],
                                        vocab_size, device)
 
@@ -190,8 +190,8 @@ class SamplingMetadata:
             for i, p in enumerate(params):
                 for tok, bias in (p.logit_bias or {}).items():
                     rows.append(i), cols.append(tok), vals.append(bias)
-            md.logit_bias = torch.zeros(batch, vocab_size, dtype=torch.float32, device=device)
-            md.logit_bias.index_put_((_to_device(rows, torch.long, device),
+            metadata.logit_bias = torch.zeros(batch, vocab_size, dtype=torch.float32, device=device)
+            metadata.logit_bias.index_put_((_to_device(rows, torch.long, device),
                                       _to_device(cols, torch.long, device)),
                                      _to_device(vals, torch.float32, device))
 
@@ -202,9 +202,9 @@ class SamplingMetadata:
                 rows += [i] * len(stoppers)
                 cols += sorted(stoppers)
         if rows:
-            md.min_tokens_rows = _to_device(rows, torch.long, device)
-            md.min_tokens_cols = _to_device(cols, torch.long, device)
-        return md
+            metadata.min_tokens_rows = _to_device(rows, torch.long, device)
+            metadata.min_tokens_cols = _to_device(cols, torch.long, device)
+        return metadata
 
     def set_grammar_bitmask(self, rows: list[int], bitmask: torch.Tensor) -> None:
         """Constrain `rows` (G row indices) to the tokens their bitmask allows: bitmask is
@@ -240,61 +240,62 @@ def bitmask_bias(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return by_byte.flatten(1)[:, :vocab_size]
 
 
-def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Steps 1-5 of the module docstring: logit_bias, repetition, presence/frequency penalties,
     min_tokens mask, grammar mask. logits: [B, V], not modified; returns [B, V] float32: a new
     tensor, or `logits` itself when it is float32 and nothing applies (a batch-256 copy of a
     128k vocab is 131 MB of traffic per step for nothing)."""
-    if (md.logit_bias is None and md.repetition_penalty is None and md.output_counts is None
-            and md.min_tokens_rows is None and md.grammar_rows is None):
+    if (metadata.logit_bias is None and metadata.repetition_penalty is None and metadata.output_counts is None
+            and metadata.min_tokens_rows is None and metadata.grammar_rows is None):
         return logits.float()
     logits = logits.to(torch.float32, copy=True)
-    if md.logit_bias is not None:
-        logits += md.logit_bias
-    if md.repetition_penalty is not None:
-        penalised = torch.where(logits > 0, logits / md.repetition_penalty,
-                                logits * md.repetition_penalty)
-        logits = torch.where(md.seen, penalised, logits)
-    if md.output_counts is not None:
-        logits -= (md.frequency_penalty * md.output_counts
-                   + md.presence_penalty * (md.output_counts > 0))
-    if md.min_tokens_rows is not None:
-        logits[md.min_tokens_rows, md.min_tokens_cols] = float("-inf")
-    if md.grammar_rows is not None:
-        logits.index_add_(0, md.grammar_rows, bitmask_bias(md.grammar_bitmask, md.vocab_size))
+    if metadata.logit_bias is not None:
+        logits += metadata.logit_bias
+    if metadata.repetition_penalty is not None:
+        penalised = torch.where(logits > 0, logits / metadata.repetition_penalty,
+                                logits * metadata.repetition_penalty)
+        logits = torch.where(metadata.seen, penalised, logits)
+    if metadata.output_counts is not None:
+        logits -= (metadata.frequency_penalty * metadata.output_counts
+                   + metadata.presence_penalty * (metadata.output_counts > 0))
+    if metadata.min_tokens_rows is not None:
+        logits[metadata.min_tokens_rows, metadata.min_tokens_cols] = float("-inf")
+    if metadata.grammar_rows is not None:
+        logits.index_add_(0, metadata.grammar_rows,
+                          bitmask_bias(metadata.grammar_bitmask, metadata.vocab_size))
     return logits
 
 
-def sampling_probs(processed: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+def sampling_probs(processed: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Step 6: the distribution each row is sampled from. processed: [B, V] float32 (output of
     `process_logits`); returns [B, V] float32 probabilities, zeros on filtered-out tokens; greedy
     rows are one-hot on their argmax."""
-    if md.all_greedy:
-        return torch.nn.functional.one_hot(processed.argmax(-1), md.vocab_size).float()
-    logits = processed / md.temperature
-    if md.top_k is not None or md.top_p is not None:
+    if metadata.all_greedy:
+        return torch.nn.functional.one_hot(processed.argmax(-1), metadata.vocab_size).float()
+    logits = processed / metadata.temperature
+    if metadata.top_k is not None or metadata.top_p is not None:
         # One sort serves both filters; positions are ranks in descending order.
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(md.vocab_size, device=logits.device)
+        ranks = torch.arange(metadata.vocab_size, device=logits.device)
         drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
-        if md.top_k is not None:
-            drop |= ranks >= md.top_k
-        if md.top_p is not None:
+        if metadata.top_k is not None:
+            drop |= ranks >= metadata.top_k
+        if metadata.top_p is not None:
             sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
             # Mass strictly before each rank: a token is kept while the tokens above it hold
             # less than top_p, which keeps the smallest prefix reaching top_p (and rank 0).
             mass_before = sorted_probs.cumsum(-1) - sorted_probs
-            drop |= mass_before >= md.top_p
+            drop |= mass_before >= metadata.top_p
         logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = logits.softmax(-1)
-    if md.min_p is not None:
-        threshold = md.min_p * probs.max(dim=-1, keepdim=True).values
+    if metadata.min_p is not None:
+        threshold = metadata.min_p * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
-    if not md.any_greedy:   # no row to overwrite: skip a [B, V] one-hot and a [B, V] select
+    if not metadata.any_greedy:   # no row to overwrite: skip a [B, V] one-hot and a [B, V] select
         return probs
-    one_hot = torch.nn.functional.one_hot(processed.argmax(-1), md.vocab_size).float()
-    return torch.where(md.greedy.unsqueeze(1), one_hot, probs)
+    one_hot = torch.nn.functional.one_hot(processed.argmax(-1), metadata.vocab_size).float()
+    return torch.where(metadata.greedy.unsqueeze(1), one_hot, probs)
 
 
 def _exponential_race(probs: torch.Tensor,
@@ -313,17 +314,17 @@ def _exponential_race(probs: torch.Tensor,
 
 
 def _format_logprobs(processed: torch.Tensor, token_ids: torch.Tensor,
-                     md: SamplingMetadata) -> list[dict[int, float] | None]:
+                     metadata: SamplingMetadata) -> list[dict[int, float] | None]:
     logprobs = processed.log_softmax(-1)
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
     ids = token_ids.tolist()
-    top_n = md.max_num_logprobs or 0
+    top_n = metadata.max_num_logprobs or 0
     top_vals, top_ids = [[]] * len(ids), [[]] * len(ids)
     if top_n:
         values, indices = logprobs.topk(top_n, dim=-1)
         top_vals, top_ids = values.tolist(), indices.tolist()
     result: list[dict[int, float] | None] = []
-    for i, n in enumerate(md.num_logprobs):
+    for i, n in enumerate(metadata.num_logprobs):
         if n is None:
             result.append(None)
             continue
@@ -335,10 +336,10 @@ def _format_logprobs(processed: torch.Tensor, token_ids: torch.Tensor,
 
 
 class Sampler:
-    """`Sampler()(logits, md) -> SamplerOutput`.
+    """`Sampler()(logits, metadata) -> SamplerOutput`.
 
     logits: [B, V] float32 (any float dtype is upcast), on CPU or CUDA; not modified.
-    md: `SamplingMetadata.build(...)` for the same B rows and V.
+    metadata: `SamplingMetadata.build(...)` for the same B rows and V.
     Logprobs (when any row asks): log-softmax of the processed logits, i.e. after logit_bias,
     penalties, the min_tokens mask and the grammar mask but before temperature, top-k, top-p
     and min-p, so they describe the model's (penalised, constrained) distribution rather than
@@ -346,15 +347,15 @@ class Sampler:
     Raises ValueError when the shapes of logits and metadata disagree.
     """
 
-    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        if logits.dim() != 2 or logits.shape != (md.greedy.shape[0], md.vocab_size):
-            raise ValueError(f"logits must be [{md.greedy.shape[0]}, {md.vocab_size}], "
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape != (metadata.greedy.shape[0], metadata.vocab_size):
+            raise ValueError(f"logits must be [{metadata.greedy.shape[0]}, {metadata.vocab_size}], "
                              f"got {list(logits.shape)}")
-        processed = process_logits(logits, md)
-        if md.all_greedy:
+        processed = process_logits(logits, metadata)
+        if metadata.all_greedy:
             token_ids = processed.argmax(-1)
         else:
-            token_ids = _exponential_race(sampling_probs(processed, md), md.generators)
-        logprobs = (_format_logprobs(processed, token_ids, md)
-                    if md.max_num_logprobs is not None else None)
+            token_ids = _exponential_race(sampling_probs(processed, metadata), metadata.generators)
+        logprobs = (_format_logprobs(processed, token_ids, metadata)
+                    if metadata.max_num_logprobs is not None else None)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
