@@ -12,6 +12,7 @@ are not a JSON object, an unfinished call) is returned as plain content, never h
 """
 from __future__ import annotations
 
+import abc
 import json
 import secrets
 import string
@@ -130,7 +131,7 @@ def _is_json_object(text: str) -> bool:
         return False
 
 
-class ToolParser:
+class ToolParser(abc.ABC):
     """Base class. Subclasses set `markers` (texts that start the tool-call part of the
     output, held back while streaming) and implement `scan`.
 
@@ -146,8 +147,10 @@ class ToolParser:
     def __init__(self, max_calls: int | None = None):
         self.max_calls = max_calls
 
+    @abc.abstractmethod
     def scan(self, text: str, final: bool) -> Scan:
-        raise NotImplementedError
+        """The calls in `text` (the output so far; `final`: it is complete), each family's
+        format read by its subclass."""
 
     def new_call_id(self) -> str:
         alphabet = string.ascii_letters + string.digits
