@@ -18,9 +18,14 @@ Timing, per batch of prompts: TTFT = generate(max_new_tokens=1); TPOT = (generat
 """
 from __future__ import annotations
 
+import os
 import time
+from typing import TYPE_CHECKING
 
 from ferrum.benchmarks.common import sync_device
+
+if TYPE_CHECKING:
+    import torch
 
 
 class HFBaseline:
@@ -81,3 +86,64 @@ class HFBaseline:
         if self.mode == "compile" and self.label == "compile" and not hasattr(self.model, "_compiled_call"):
             self.label = "static cache, not compiled (transformers did not compile the decode step)"
         return ttft, max(total - ttft, 0.0) / max(1, output_len - 1)
+
+
+def load_hf_model(source, dtype: torch.dtype, device: str):
+    """The same weights in HF transformers: `from_pretrained` for a HF folder, `gguf_file=` for
+    a GGUF (HF dequantizes it; needs `accelerate`), `from_config` + ferrum's loader for a GGUF
+    when that is unavailable, and `from_config` (random weights) for dummy models."""
+    import transformers
+    path = source.path
+    if source.fmt == "safetensors" and path:
+        m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    elif source.fmt == "gguf" and path:
+        try:
+            m = transformers.AutoModelForCausalLM.from_pretrained(
+                os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype)
+        except (ImportError, ValueError) as e:   # e.g. accelerate missing
+            print(f"HF cannot load the GGUF itself ({e}); loading ferrum's dequantized tensors into it")
+            m = _hf_from_ferrum_weights(source, dtype)
+    elif source.fmt == "dummy" and path:   # the config.json itself: every family transformers knows
+        import json
+        with open(path) as f:
+            d = json.load(f)
+        cfg = transformers.AutoConfig.for_model(d.pop("model_type"), **d)
+        m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    else:
+        m = _hf_from_config(source.config, dtype)
+    m.generation_config.eos_token_id = None      # never stop early: time exactly output_len tokens
+    m.generation_config.pad_token_id = 0
+    return m.to(device).eval()
+
+
+def _hf_config(cfg):
+    import transformers
+    kw = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+              num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+              num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+              max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
+              rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_word_embeddings)
+    if cfg.rope_scaling:
+        kw["rope_scaling"] = dict(cfg.rope_scaling)
+    names = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+    if cfg.family not in names:
+        from ferrum.errors import UnsupportedModelError
+        raise UnsupportedModelError(f"no HF reference for {cfg.architecture} built from ferrum's "
+                                    "config; load the model from an HF folder or GGUF instead")
+    return getattr(transformers, names[cfg.family])(**kw)
+
+
+def _hf_from_config(cfg, dtype):
+    import transformers
+    return transformers.AutoModelForCausalLM.from_config(_hf_config(cfg), dtype=dtype)
+
+
+def _hf_from_ferrum_weights(source, dtype):
+    m = _hf_from_config(source.config, dtype)
+    ws = source.weights()
+    sd = {n: ws.get(n).load() for n in ws.names()}
+    missing, _ = m.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and source.config.tie_word_embeddings)]
+    if missing:
+        raise RuntimeError(f"HF model lacks weights for {missing[:5]}")
+    return m

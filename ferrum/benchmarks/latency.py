@@ -28,8 +28,9 @@ from __future__ import annotations
 import statistics
 import time
 
-from ferrum.benchmarks.common import (add_common_args, busy_processes, llm_from_config, load_hf_model, load_note,
-                                      random_prompts, record, setup_threads, sync_device, write_json)
+from ferrum.benchmarks.common import add_common_args, llm_from_config, random_prompts, sync_device
+from ferrum.benchmarks.hf_baseline import load_hf_model
+from ferrum.benchmarks.run_record import busy_processes, load_note, record, setup_threads, write_json
 from ferrum.benchmarks.mbu import decode_bytes_per_step, mbu_columns, measure_roofline_gbs, spec_bandwidth_gbs
 from ferrum.benchmarks.peers import add_peer_args, ratio, run_gpt_fast, run_vllm
 
@@ -70,7 +71,7 @@ def summarize(ttfts: list[float], tpots: list[float], batch: int, input_len: int
 
 def ferrum_iter(llm, args, vocab: int, device: str, it: int) -> tuple[float, float]:
     """One batch through LLM.generate -> (TTFT, TPOT) in seconds, from the request metrics."""
-    from ferrum import SamplingParams
+    from ferrum.sampling_params import SamplingParams
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     prompts = random_prompts(args.batch_size, args.input_len, vocab, args.seed + 1000 * it)
     sync_device(device)
@@ -85,7 +86,7 @@ def ferrum_iter(llm, args, vocab: int, device: str, it: int) -> tuple[float, flo
 
 def _profile(llm, args, vocab: int) -> None:
     from torch.profiler import profile
-    from ferrum import SamplingParams
+    from ferrum.sampling_params import SamplingParams
     prompts = random_prompts(args.batch_size, args.input_len, vocab, args.seed + 7)
     with profile() as prof:
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=min(16, args.output_len), ignore_eos=True),

@@ -39,8 +39,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from ferrum.benchmarks.common import (add_common_args, llm_from_config, random_prompts, record,
-                                      setup_threads, write_json)
+from ferrum.benchmarks.common import add_common_args, llm_from_config, random_prompts
+from ferrum.benchmarks.run_record import record, setup_threads, write_json
 
 _PCTS = (50, 90, 99)
 

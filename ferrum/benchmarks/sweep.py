@@ -22,8 +22,8 @@ from __future__ import annotations
 import statistics
 import time
 
-from ferrum.benchmarks.common import (add_common_args, llm_from_config, random_prompts, record, setup_threads,
-                                      write_json)
+from ferrum.benchmarks.common import add_common_args, llm_from_config, random_prompts
+from ferrum.benchmarks.run_record import record, setup_threads, write_json
 from ferrum.benchmarks.mbu import decode_bytes_per_step, mbu_columns, measure_roofline_gbs, spec_bandwidth_gbs
 
 
@@ -104,7 +104,7 @@ def sampler_ms(eng, batch: int, params, iters: int = 20) -> float:
 
 def main(args) -> int:
     """Run the sweep; print a table, write the record (and the plot)."""
-    from ferrum import SamplingParams
+    from ferrum.sampling_params import SamplingParams
     from ferrum.entrypoints.args import config_from_args
     setup_threads(args.threads)
     config = config_from_args(args)

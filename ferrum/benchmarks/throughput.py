@@ -36,8 +36,8 @@ import random
 import statistics
 import time
 
-from ferrum.benchmarks.common import (add_common_args, llm_from_config, random_prompts, record,
-                                      setup_threads, write_json)
+from ferrum.benchmarks.common import add_common_args, llm_from_config, random_prompts
+from ferrum.benchmarks.run_record import record, setup_threads, write_json
 from ferrum.benchmarks.peers import add_peer_args, ratio, run_vllm
 
 
@@ -68,7 +68,7 @@ def workload(args, vocab: int):
     """Random prompts and greedy SamplingParams (ignore_eos, max_tokens drawn from
     args.output_len) from args.seed, or nano-vllm's workload: (prompts, params, input lengths,
     output lengths)."""
-    from ferrum import SamplingParams
+    from ferrum.sampling_params import SamplingParams
     if args.workload == "nanovllm":
         return nanovllm_workload()
     rng = random.Random(args.seed)
@@ -82,7 +82,7 @@ def workload(args, vocab: int):
 def nanovllm_workload():
     """nano-vllm's bench.py workload as `vllm_bench.py nanovllm` draws it (random.Random(0)):
     (prompts, params, input lengths, output lengths)."""
-    from ferrum import SamplingParams
+    from ferrum.sampling_params import SamplingParams
     rng = random.Random(0)
     prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(256)]
     out_lens = [rng.randint(100, 1024) for _ in range(256)]
@@ -190,7 +190,7 @@ def load_schema(text: str) -> dict:
 
 def structured_comparison(llm, prompts, out_lens, schema: dict, repeats: int, timeline) -> dict:
     """Constrained vs unconstrained batches, interleaved (see the module docstring)."""
-    from ferrum import SamplingParams
+    from ferrum.sampling_params import SamplingParams
     from ferrum.structured_output import StructuredOutputsParams
     so = StructuredOutputsParams(json=schema)
     constrained = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, structured_outputs=so)
@@ -282,7 +282,7 @@ def main(args) -> int:
           f"output {expected} tokens ({min(out_lens)}-{max(out_lens)})")
     timeline = _Timeline(eng)
     # Warm-up: one short request, so neither phase pays for first-call setup.
-    from ferrum import SamplingParams
+    from ferrum.sampling_params import SamplingParams
     llm.generate([prompts[0][:8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
 
     if args.json_schema:

@@ -23,8 +23,8 @@ from __future__ import annotations
 import statistics
 import time
 
-from ferrum.benchmarks.common import (add_common_args, llm_from_config, random_prompts, record, setup_threads,
-                                      sync_device, write_json)
+from ferrum.benchmarks.common import add_common_args, llm_from_config, random_prompts, sync_device
+from ferrum.benchmarks.run_record import record, setup_threads, write_json
 from ferrum.benchmarks.peers import add_peer_args, ratio, run_vllm
 
 MODES = ("cached", "cold")
@@ -49,7 +49,7 @@ def add_parser(subparsers, add_engine_args) -> None:
 
 def time_first_token(llm, prompt: list[int], device: str) -> tuple[float, int]:
     """(seconds, prompt tokens computed) of one `generate([prompt], max_tokens=1)`."""
-    from ferrum import SamplingParams
+    from ferrum.sampling_params import SamplingParams
     sync_device(device)
     t = time.perf_counter()
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)[0]
@@ -62,7 +62,7 @@ def time_first_token(llm, prompt: list[int], device: str) -> tuple[float, int]:
 def measure(llm, prompt_len: int, mode: str, iters: int, vocab: int, device: str, seed: int) -> dict:
     """TTFT of `iters` runs in `mode` after two 16-token warm-ups: best / median / all (ms) and
     the prompt tokens each run computed."""
-    from ferrum import SamplingParams
+    from ferrum.sampling_params import SamplingParams
     fixed = random_prompts(1, prompt_len, vocab, seed)[0]
     for _ in range(2):
         llm.generate([fixed], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)

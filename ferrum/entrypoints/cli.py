@@ -15,6 +15,7 @@ import sys
 
 from ferrum.entrypoints.args import HelpFormatter, add_engine_args, config_from_args
 from ferrum.errors import FerrumError
+from ferrum.sampling_params import SamplingParams
 
 
 def _port(text: str) -> int:
@@ -88,15 +89,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system", default=None, help="system message (default: none)")
     g.add_argument("--raw", action="store_true", help="send --prompt as is, without the chat template")
     g.add_argument("--max-tokens", type=int, default=256,
-                   help="most tokens per reply (SamplingParams() defaults to 16)")
+                   help=f"most tokens per reply (SamplingParams() defaults to {SamplingParams.max_tokens})")
     g.add_argument("--temperature", type=float, default=0.7,
-                   help="sampling temperature, 0 = greedy (SamplingParams() defaults to 1.0)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the top tokens "
+                   help="sampling temperature, 0 = greedy "
+                        f"(SamplingParams() defaults to {SamplingParams.temperature})")
+    g.add_argument("--top-p", type=float, default=SamplingParams.top_p, help="nucleus sampling: keep the top tokens "
                    "whose probabilities sum to this")
-    g.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens; -1 = all")
-    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than this "
+    g.add_argument("--top-k", type=int, default=SamplingParams.top_k, help="keep the k most likely tokens; -1 = all")
+    g.add_argument("--min-p", type=float, default=SamplingParams.min_p, help="drop tokens less likely than this "
                    "fraction of the most likely one")
-    g.add_argument("--repetition-penalty", type=float, default=1.0,
+    g.add_argument("--repetition-penalty", type=float, default=SamplingParams.repetition_penalty,
                    help="> 1 discourages tokens already in the prompt or output")
     g.add_argument("--seed", type=int, default=None,
                    help="sampling seed, for repeatable replies (default: random)")

@@ -18,7 +18,6 @@ import threading
 import time
 from concurrent.futures import Future
 
-import ferrum
 from ferrum.errors import TensorParallelError
 
 _POLL_S = 0.05
@@ -37,7 +36,7 @@ class WorkerProcesses:
         self.deadline = time.monotonic() + startup_timeout_s
         env = dict(os.environ)
         # the workers import the same ferrum as we do, wherever the caller's sys.path found it
-        root = os.path.dirname(os.path.dirname(os.path.abspath(ferrum.__file__)))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         self.procs: list[subprocess.Popen] = []
         self.tails: list[collections.deque] = []

@@ -34,12 +34,17 @@ class StreamOptions(_Strict):
     include_usage: bool = False     # one last chunk with `usage` and no choices
 
 
+# Sampling fields a client may leave out (null): SamplingParams' defaults apply.
+_OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                      "presence_penalty", "frequency_penalty")
+
+
 class _SamplingFields(_Strict):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None    # None -> 1.0 (OpenAI default)
+    n: int = SamplingParams.n
+    temperature: float | None = None    # None: SamplingParams' default (1.0, OpenAI's too)
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
@@ -50,10 +55,10 @@ class _SamplingFields(_Strict):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None   # token id (as a string key) -> bias in [-100, 100]
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    ignore_eos: bool = SamplingParams.ignore_eos
+    min_tokens: int = SamplingParams.min_tokens
+    include_stop_str_in_output: bool = SamplingParams.include_stop_str_in_output
+    skip_special_tokens: bool = SamplingParams.skip_special_tokens
     user: str | None = None                      # accepted for API compatibility; only logged
     # logprobs name every token `token_id:<id>` (vLLM), so tokens with equal text stay apart
     return_tokens_as_token_ids: bool = False
@@ -88,15 +93,11 @@ class _SamplingFields(_Strict):
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed with stream: true",
                                       param="stream_options")
-        def d(v, default):
-            return default if v is None else v
+        # A field the client left out (None) takes SamplingParams' own default: one place.
+        given = {name: value for name in _OPTIONAL_SAMPLING
+                 if (value := getattr(self, name)) is not None}
         return SamplingParams(
-            n=self.n, temperature=d(self.temperature, 1.0), top_p=d(self.top_p, 1.0),
-            top_k=d(self.top_k, -1), min_p=d(self.min_p, 0.0),
-            repetition_penalty=d(self.repetition_penalty, 1.0),
-            presence_penalty=d(self.presence_penalty, 0.0),
-            frequency_penalty=d(self.frequency_penalty, 0.0),
-            logit_bias=self.logit_bias, seed=self.seed, max_tokens=max_tokens,
+            n=self.n, **given, logit_bias=self.logit_bias, seed=self.seed, max_tokens=max_tokens,
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
@@ -119,7 +120,7 @@ class CompletionRequest(_SamplingFields):
     (scoring a prompt, as vLLM allows): nothing is generated."""
 
     prompt: PromptType
-    max_tokens: int | None = 16
+    max_tokens: int | None = SamplingParams.max_tokens   # 16, OpenAI's documented default too
     logprobs: int | None = None
     echo: bool = False
 

@@ -160,9 +160,10 @@ class ResponsesRequest(_Strict):
         if top is not None and not 0 <= top <= MAX_LOGPROBS:
             raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}",
                                       param="top_logprobs")
+        given = {name: value for name in ("temperature", "top_p")   # None: SamplingParams' default
+                 if (value := getattr(self, name)) is not None}
         return SamplingParams(
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, max_tokens=max_tokens,
+            **given, max_tokens=max_tokens,
             logprobs=(top or 0) if self.want_logprobs else None)
 
 
