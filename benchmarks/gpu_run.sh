@@ -96,7 +96,7 @@ header() {   # $1: section, $2...: its command
     echo "== peers here: ${peers[*]:-none}; GPUs: $ngpus"
     "$PY" - "$DEVICE" <<'EOF' 2>&1
 import json, subprocess, sys
-from ferrum.benchmarks.common import environment_vars, hardware, software_versions
+from ferrum.benchmarks.run_record import environment_vars, hardware, software_versions
 dev = sys.argv[1]
 try:
     gpus = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout.strip()
