@@ -59,6 +59,29 @@ def step_bytes(cfg, batch: int, ctx_tokens: int) -> float:
     return 2 * (dense + experts * distinct + kv)
 
 
+_ENGINE = None   # one engine serves latency, batch256 and nanovllm (vllm_moe_peer.py does the same)
+
+
+def _engine():
+    """The LLM the engine sections share: 256 sequences, 4096 positions, 16384-token steps."""
+    global _ENGINE
+    if _ENGINE is None:
+        _ENGINE = make_llm(MODEL, 1, max_num_seqs=256, max_model_len=4096, max_num_batched_tokens=16384)
+    return _ENGINE
+
+
+def _with_vllm(args, section: str, res: dict, key: str) -> dict:
+    """res plus vLLM's figure `key` of the same section and `<key>_vs_vllm` (ferrum / vLLM),
+    when vllm_moe_peer.py left its JSON in --vllm-dir."""
+    import json
+    path = os.path.join(args.vllm_dir or "", f"vllm_moe_{section}.json")
+    if args.vllm_dir and os.path.exists(path):
+        with open(path) as f:
+            peer = json.load(f)
+        res.update({f"vllm_{key}": peer[key], f"{key}_vs_vllm": res[key] / peer[key]})
+    return res
+
+
 def _generate_s(llm, prompts, max_tokens, temperature=0.0):
     from ferrum import SamplingParams
     sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
@@ -100,7 +123,7 @@ def sec_kernels(args):
 
 def sec_latency(args):
     cfg = _cfg()
-    llm = make_llm(MODEL, 1, max_num_seqs=8, max_model_len=P_LAT + 600)
+    llm = _engine()
     rng = random.Random(2)
     p = [[rng.randrange(10, 128000) for _ in range(P_LAT)]]
     _generate_s(llm, p, 16)
@@ -113,14 +136,13 @@ def sec_latency(args):
            "bytes_per_step": b, "active_params": cfg.num_params(active=True),
            "mbu_vs_roofline": b * tps / ROOFLINE, "mbu": b * tps / SPEC_BW,
            "cuda_graphs": llm.engine.executor.capabilities().cuda_graphs}
-    free(llm)
-    save(args, "moe_latency", res)
+    save(args, "moe_latency", _with_vllm(args, "latency", res, "decode_tok_s"))
 
 
 def sec_batch256(args):
     cfg = _cfg()
     B, G = 256, 128
-    llm = make_llm(MODEL, 1, max_num_seqs=B, max_model_len=P_LAT + G + 16, max_num_batched_tokens=16384)
+    llm = _engine()
     rng = random.Random(3)
     prompts = [[rng.randrange(10, 128000) for _ in range(P_LAT)] for _ in range(B)]
     _generate_s(llm, prompts[:16], 8)
@@ -130,12 +152,11 @@ def sec_batch256(args):
     b = step_bytes(cfg, B, B * (P_LAT + G // 2))
     res = {"model": MODEL, "batch": B, "prompt_len": P_LAT, "new_tokens": G, "prefill_s": t1, "total_s": tg,
            "decode_tok_s": tps, "bytes_per_step": b, "mbu_vs_roofline": b * tps / B / ROOFLINE, "mbu": b * tps / B / SPEC_BW}
-    free(llm)
-    save(args, "moe_batch256", res)
+    save(args, "moe_batch256", _with_vllm(args, "batch256", res, "decode_tok_s"))
 
 
 def sec_nanovllm(args):
-    llm = make_llm(MODEL, 1, max_num_seqs=256, max_model_len=4096, max_num_batched_tokens=16384)
+    llm = _engine()
     rng = random.Random(0)
     prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(256)]
     outs_len = [rng.randint(100, 1024) for _ in range(256)]
@@ -145,15 +166,17 @@ def sec_nanovllm(args):
     t0 = time.perf_counter()
     llm.generate(prompts, sps, use_tqdm=True)
     dt = time.perf_counter() - t0
-    free(llm)
-    save(args, "moe_nanovllm", {"model": MODEL, "requests": 256, "output_tokens": sum(outs_len),
-                                "wall_s": dt, "output_tokens_per_s": sum(outs_len) / dt})
+    res = {"model": MODEL, "requests": 256, "output_tokens": sum(outs_len), "wall_s": dt,
+           "output_tok_s": sum(outs_len) / dt}
+    save(args, "moe_nanovllm", _with_vllm(args, "nanovllm", res, "output_tok_s"))
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("sections", nargs="+", choices=["kernels", "latency", "batch256", "nanovllm"])
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    p.add_argument("--vllm-dir", default=None, help="folder of vllm_moe_<section>.json from "
+                   "vllm_moe_peer.py run just before, on this machine: adds `*_vs_vllm` ratios")
     args = p.parse_args()
     # bytes/s of the headline MBU (the device's spec bandwidth) and of the roofline column (the
     # batch-1 GEMV's read rate measured in this run), as ferrum.benchmarks.mbu defines them
@@ -161,6 +184,8 @@ def main():
     ROOFLINE = measure_roofline_gbs("cuda")[0] * 1e9
     SPEC_BW = (spec_bandwidth_gbs("cuda")[0] or float("nan")) * 1e9
     run_sections(args, globals(), lambda s, e: save(args, f"moe_failed_{s}", {"error": f"{type(e).__name__}: {e}"}))
+    if _ENGINE is not None:
+        free(_ENGINE)
 
 
 if __name__ == "__main__":
