@@ -16,6 +16,12 @@
 #   nanovllm  (d) nano-vllm's workload on Qwen3-0.6B (dummy bf16) vs vLLM                  240 s
 #   tp2       (e) Llama-3-8B batch 1 at TP=1 and TP=2 (tp2_speedup), vLLM at TP=2; skipped
 #             with fewer than 2 GPUs                                                     240 s
+#   quantkern issue 15: every batch-1 GEMV (bf16, FP8, 4-bit, GGUF) at the Llama-3-8B matrices
+#             over a grid of tile configs (benchmarks/quant_bench.py kernels)            180 s
+#   quant     issue 15: vLLM AWQ batch 1 (its driver), then ferrum in every weight format and
+#             Llama-3-70B FP8 on one GPU (quant_bench.py latency big, *_vs_vllm)         420 s
+#   moe       issue 17: vLLM on the Qwen3-30B-A3B shape (benchmarks/vllm_moe_peer.py), then
+#             ferrum (benchmarks/moe_bench.py latency batch256 nanovllm, *_vs_vllm)      480 s
 # Groups: `bench` = latency ttft nanovllm tp2; `all` = tests + bench. Planned as two commands
 # of <= 9 min: `tests latency` and `ttft nanovllm` (+ `tp2` on a 2-GPU machine).
 #
@@ -67,8 +73,8 @@ for s in "${@:-all}"; do
     case $s in
         all) sections+=(tests latency ttft nanovllm tp2) ;;
         bench) sections+=(latency ttft nanovllm tp2) ;;
-        tests|latency|ttft|nanovllm|tp2) sections+=("$s") ;;
-        *) echo "unknown section $s (tests latency ttft nanovllm tp2 | bench | all)" >&2; exit 2 ;;
+        tests|latency|ttft|nanovllm|tp2|quantkern|quant|moe) sections+=("$s") ;;
+        *) echo "unknown section $s (tests latency ttft nanovllm tp2 quantkern quant moe | bench | all)" >&2; exit 2 ;;
     esac
 done
 
@@ -119,7 +125,7 @@ free_gpu() {
     fi
 }
 
-declare -A LIMIT=([tests]=210 [latency]=330 [ttft]=300 [nanovllm]=240 [tp2]=240)
+declare -A LIMIT=([quant_vllm_awq]=200 [moe_vllm]=300 [tests]=210 [latency]=330 [ttft]=300 [nanovllm]=240 [tp2]=240 [quantkern]=180 [quant]=420 [moe]=480)
 summary=$OUT/summary.txt
 echo "gpu_run.sh ${sections[*]} at commit $FERRUM_GIT_COMMIT, $(date -u +%FT%TZ), device $DEVICE, $ngpus GPU(s), peers: ${peers[*]:-none}" >>"$summary"
 
@@ -187,6 +193,25 @@ for sec in "${sections[@]}"; do
             --device "$DEVICE" --max-num-seqs 8 --max-model-len $((LAT_IN_LEN + LAT_OUT_LEN + 16)) \
             --input-len "$LAT_IN_LEN" --output-len "$LAT_OUT_LEN" --num-iters 3 --no-hf --tp-sizes 1 2 \
             --peer-tp-sizes 2 $(peers_of vllm) "${peer_flags[@]}" --peer-timeout 200 --out "$OUT/tp2.json"
+        ;;
+    quantkern)
+        run_section quantkern "$PY" benchmarks/quant_bench.py kernels --out "$OUT"
+        ;;
+    quant)
+        # vLLM's AWQ figure first (its own process group, killed by free_gpu), then ferrum's
+        # formats, which read it from $OUT for the *_vs_vllm ratios
+        if has_peer vllm; then
+            run_section quant_vllm_awq env "PYTHONPATH=$VLLM_SITE" VLLM_USE_FLASHINFER_SAMPLER=0 VB_QUANT=awq \
+                PEER_CONFIGS=benchmarks/configs OUT="$OUT" setsid "$PY" "$PEERS_DIR/vllm_bench.py" latency 1
+        fi
+        run_section quant "$PY" benchmarks/quant_bench.py latency big --out "$OUT" --vllm-dir "$OUT"
+        ;;
+    moe)
+        if has_peer vllm; then
+            run_section moe_vllm env "PYTHONPATH=$VLLM_SITE" VLLM_USE_FLASHINFER_SAMPLER=0 OUT="$OUT" \
+                setsid "$PY" benchmarks/vllm_moe_peer.py latency batch256 nanovllm
+        fi
+        run_section moe "$PY" benchmarks/moe_bench.py latency batch256 nanovllm --out "$OUT" --vllm-dir "$OUT"
         ;;
     esac
 done
