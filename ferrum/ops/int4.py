@@ -9,9 +9,14 @@ ferrum/layers/quantization/gptq.py and awq.py):
     g_idx   [K] int32 or None.
 Rows are output features, so a GEMV program streams whole rows like the bf16 GEMV does.
 
-- `int4_gemv` (1-8 rows, CUDA): Triton; each [BLOCK_N, BLOCK_K // 8] tile of words is widened
-  to [BLOCK_N, BLOCK_K] nibbles in registers (`tl.interleave`), dequantized with the gathered
-  group scales and zeros and multiplied by x; PDL as the bf16 GEMV.
+- `int4_gemv` (1-8 rows, CUDA): Triton; each program streams [BLOCK_N, BLOCK_K // 8] tiles of
+  words, unpacks the 8 nibbles of a word by broadcast shifts into [BLOCK_N, BLOCK_K // 8, 8]
+  against x laid out [BLOCK_K // 8, 8] (feature 8w + j), and factors the dequantization per
+  group as GPTQ/Marlin/llama.cpp kernels do: y_n += s_n * (sum_k q[n, k] x[k] - z_n * sum_k x[k]),
+  so the scale and zero are read once per tile (per word when a tile spans several groups; per
+  element, gathered, with act-order g_idx). Optional split-K (float32 partials, then a small
+  reduce kernel) for matrices with few rows; PDL as the bf16 GEMV. Configurations:
+  `W4_GEMV_CONFIGS`.
 - `int4_gemm` (more rows, CUDA): Triton tensor-core GEMM that dequantizes each weight tile in
   registers before `tl.dot` (x [BLOCK_M, BLOCK_K] x w^T [BLOCK_K, BLOCK_N]).
 - CPU and the reference: `dequantize_int4`, then F.linear.
@@ -91,45 +96,121 @@ if HAS_TRITON:
         return (q.to(tl.float32) - z) * s
 
     @triton.jit
-    def _x_rows(x_ptr, stride_xm, offs_m, m_mask, k0, K, BLOCK_K: tl.constexpr):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        return tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                       mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)
+    def _w4_words(qw_rows, k0, n_mask, K, EVEN: tl.constexpr, BLOCK_K: tl.constexpr):
+        """[BLOCK_N, BLOCK_K // 8, 8] int32 nibbles of input features k0 .. k0 + BLOCK_K:
+        element [n, w, j] is feature k0 + 8w + j (bits 4j..4j+3 of word k0 // 8 + w)."""
+        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        if EVEN:
+            words = tl.load(qw_rows + offs_w[None, :], eviction_policy="evict_first")
+        else:
+            words = tl.load(qw_rows + offs_w[None, :], mask=n_mask[:, None] & (offs_w * 8 < K)[None, :],
+                            other=0, eviction_policy="evict_first")
+        shifts = 4 * tl.arange(0, 8)
+        return (words[:, :, None] >> shifts[None, None, :]) & 0xF
 
     @triton.jit
-    def _w4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, y_ptr, M, N, K,
-                        stride_xm, stride_qn, stride_sn, stride_ym,
+    def _w4_x(x_ptr, k0, K, valid, BLOCK_K: tl.constexpr):
+        """x[k0 + 8w + j] as [BLOCK_K // 8, 8] float32 (0 past K or when not `valid`)."""
+        offs = k0 + 8 * tl.arange(0, BLOCK_K // 8)[:, None] + tl.arange(0, 8)[None, :]
+        return tl.load(x_ptr + offs, mask=(offs < K) & valid, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _w4_tile_dot(q, x, s_rows, z_rows, g_ptr, k0, n_mask, K, GROUP: tl.constexpr, HAS_GIDX: tl.constexpr,
+                     EVEN: tl.constexpr, BLOCK_K: tl.constexpr):
+        """[BLOCK_N, BLOCK_K // 8] float32: per weight word, sum_j w[n, 8w + j] x[8w + j] of the
+        nibbles q ([BLOCK_N, BLOCK_K // 8, 8], `_w4_words`) and x ([BLOCK_K // 8, 8]).
+        Without g_idx the group is constant over a word (GROUP is a multiple of 8), so the sum
+        is factored: s * (sum_j q x - z * sum_j x) (scale and zero read per tile when
+        BLOCK_K <= GROUP, else per word); with g_idx each element's group is gathered."""
+        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        if HAS_GIDX:
+            offs_k = 8 * offs_w[:, None] + tl.arange(0, 8)[None, :]
+            g = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0)[None, :, :]
+            gmask = n_mask[:, None, None] & (offs_k < K)[None, :, :]
+            s = tl.load(s_rows[:, :, None] + g, mask=gmask, other=0.0).to(tl.float32)
+            z = tl.load(z_rows[:, :, None] + g, mask=gmask, other=0.0).to(tl.float32)
+            return tl.sum((q.to(tl.float32) - z) * s * x[None, :, :], axis=2)
+        qx = tl.sum(q.to(tl.float32) * x[None, :, :], axis=2)
+        xs = tl.sum(x, axis=1)[None, :]
+        if BLOCK_K <= GROUP:  # one group per tile: [BLOCK_N, 1] scale and zero
+            g0 = k0 // GROUP
+            if EVEN:
+                s = tl.load(s_rows + g0).to(tl.float32)
+                z = tl.load(z_rows + g0).to(tl.float32)
+            else:
+                s = tl.load(s_rows + g0, mask=n_mask[:, None] & (k0 < K), other=0.0).to(tl.float32)
+                z = tl.load(z_rows + g0, mask=n_mask[:, None] & (k0 < K), other=0.0).to(tl.float32)
+        else:  # several groups per tile: one scale and zero per word
+            g = (8 * offs_w // GROUP)[None, :]
+            gmask = n_mask[:, None] & (offs_w * 8 < K)[None, :]
+            s = tl.load(s_rows + g, mask=gmask, other=0.0).to(tl.float32)
+            z = tl.load(z_rows + g, mask=gmask, other=0.0).to(tl.float32)
+        return s * (qx - z * xs)
+
+    @triton.jit
+    def _w4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, y_ptr, M, N, K, K_SPLIT,
+                        stride_xm, stride_qn, stride_sn, stride_ym, stride_ys,
                         GROUP: tl.constexpr, HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr,
                         EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr):
+        """Program (pid_n, pid_k): rows pid_n * BLOCK_N.., input features pid_k * K_SPLIT ..
+        (K_SPLIT a multiple of BLOCK_K). SPLIT_K == 1 writes y [M, N] (+ bias) in y's dtype;
+        else float32 partial sums into y [SPLIT_K, M, N] (stride_ys), reduced by
+        `_splitk_reduce_kernel`."""
         pid = tl.program_id(0)
+        pid_k = tl.program_id(1)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         offs_m = tl.arange(0, BLOCK_M)
-        m_mask = offs_m < M
         qw_rows = qw_ptr + offs_n[:, None].to(tl.int64) * stride_qn
         s_rows = s_ptr + offs_n[:, None].to(tl.int64) * stride_sn
         z_rows = z_ptr + offs_n[:, None].to(tl.int64) * stride_sn
-        w = _w4_tile(qw_rows, s_rows, z_rows, g_ptr, 0, n_mask, K, GROUP, HAS_GIDX, EVEN, BLOCK_K)
+        k_start = pid_k * K_SPLIT
+        k_end = tl.minimum(k_start + K_SPLIT, K)
+        q = _w4_words(qw_rows, k_start, n_mask, K, EVEN, BLOCK_K)  # first tile: weights only
         if USE_PDL:
             pdl_start()  # x (the previous kernel's output) is ready after this
-        x = _x_rows(x_ptr, stride_xm, offs_m, m_mask, 0, K, BLOCK_K)
-        if BLOCK_M == 1:  # one row: accumulate the tile, reduce once at the end
-            acc = w * x
-            for k0 in range(BLOCK_K, K, BLOCK_K):
-                w = _w4_tile(qw_rows, s_rows, z_rows, g_ptr, k0, n_mask, K, GROUP, HAS_GIDX, EVEN, BLOCK_K)
-                acc += w * _x_rows(x_ptr, stride_xm, offs_m, m_mask, k0, K, BLOCK_K)
+        if BLOCK_M == 1:  # one row: accumulate per word, reduce once at the end
+            acc = _w4_tile_dot(q, _w4_x(x_ptr, k_start, K, True, BLOCK_K), s_rows, z_rows, g_ptr, k_start,
+                               n_mask, K, GROUP, HAS_GIDX, EVEN, BLOCK_K)
+            for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+                q = _w4_words(qw_rows, k0, n_mask, K, EVEN, BLOCK_K)
+                acc += _w4_tile_dot(q, _w4_x(x_ptr, k0, K, True, BLOCK_K), s_rows, z_rows, g_ptr, k0,
+                                    n_mask, K, GROUP, HAS_GIDX, EVEN, BLOCK_K)
             y = tl.sum(acc, axis=1)[None, :]
-        else:  # 2-8 rows: [M, N, K] products reduced over K per tile
-            y = tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-            for k0 in range(BLOCK_K, K, BLOCK_K):
-                w = _w4_tile(qw_rows, s_rows, z_rows, g_ptr, k0, n_mask, K, GROUP, HAS_GIDX, EVEN, BLOCK_K)
-                x = _x_rows(x_ptr, stride_xm, offs_m, m_mask, k0, K, BLOCK_K)
-                y += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        else:  # 2-8 rows: the nibbles of a tile are widened once and used by every row
+            y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(k_start, k_end, BLOCK_K):
+                if k0 > k_start:
+                    q = _w4_words(qw_rows, k0, n_mask, K, EVEN, BLOCK_K)
+                for mi in tl.static_range(BLOCK_M):
+                    x = _w4_x(x_ptr + mi * stride_xm, k0, K, mi < M, BLOCK_K)
+                    part = tl.sum(_w4_tile_dot(q, x, s_rows, z_rows, g_ptr, k0, n_mask, K, GROUP, HAS_GIDX,
+                                               EVEN, BLOCK_K), axis=1)
+                    y += tl.where(offs_m[:, None] == mi, part[None, :], 0.0)
+        out_mask = (offs_m < M)[:, None] & n_mask[None, :]
+        if SPLIT_K == 1:
+            if HAS_BIAS:
+                y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
+                     mask=out_mask)
+        else:
+            tl.store(y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=out_mask)
+
+    @triton.jit
+    def _splitk_reduce_kernel(p_ptr, b_ptr, y_ptr, MN, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                              BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+        """y [M, N] (contiguous) = sum over the SPLIT_K float32 partials p [SPLIT_K, M, N] + bias."""
+        if USE_PDL:
+            pdl_start()
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < MN
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for i in tl.static_range(SPLIT_K):
+            acc += tl.load(p_ptr + i * MN + offs, mask=mask, other=0.0)
         if HAS_BIAS:
-            y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
-                 mask=m_mask[:, None] & n_mask[None, :])
+            acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _w4_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, y_ptr, M, N, K,
@@ -168,22 +249,66 @@ def _launch_args(x, qweight, scales, zeros, g_idx, bias, y, group_size):
                                                   HAS_BIAS=bias is not None)
 
 
+# Tuned configurations of `int4_gemv`: (N, K, rows) -> (BLOCK_N, BLOCK_K, num_warps, num_stages,
+# SPLIT_K), rows 1 (M == 1) or 4 (2-8 rows), for group size 128 without g_idx; printed by
+# `benchmarks/quant_bench.py kernels` (paste its W4_GEMV_CONFIGS here). Shapes not listed take
+# `_w4_default_config`.
+W4_GEMV_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {}
+
+
+def _w4_default_config(N: int, K: int, M: int) -> tuple[int, int, int, int, int]:
+    """Heuristic for shapes without a tuned entry: the FP8 GEMV's tiles (`gemv_rows_config`), one
+    K split."""
+    bn, bk, warps, stages = gemv_rows_config(N, K, M)
+    return bn, bk, warps, stages, 1
+
+
+def int4_gemv_config(N: int, K: int, M: int, group_size: int,
+                     has_g_idx: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) of `int4_gemv` for an [N, K] weight and
+    M rows: `W4_GEMV_CONFIGS[(N, K, 1 or 4)]`, else `_w4_default_config`. Without g_idx BLOCK_K
+    is capped at the group size (one scale / zero load per tile) unless the group is under 64
+    features (then one per word); BLOCK_K is halved until it divides K (the unmasked path)."""
+    bn, bk, warps, stages, split = W4_GEMV_CONFIGS.get((N, K, 1 if M == 1 else 4)) or _w4_default_config(N, K, M)
+    if not has_g_idx and group_size >= 64:
+        bk = min(bk, group_size)
+    while bk > 8 and K % bk:
+        bk //= 2
+    return bn, bk, warps, stages, split
+
+
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
               group_size: int, g_idx: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-              config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+              config: tuple[int, ...] | None = None) -> torch.Tensor:
     """x: [M, K] (M <= 8, unit stride along K); packed weight as in the module docstring
-    (scales / zeros with unit stride along G); bias [N] or None -> [M, N] in x's dtype."""
+    (scales / zeros with unit stride along G; group_size a multiple of 8); bias [N] or None ->
+    [M, N] in x's dtype (float32 accumulation). `config` (BLOCK_N, BLOCK_K, warps, stages[,
+    SPLIT_K]) overrides `int4_gemv_config`. SPLIT_K > 1 splits K over that many programs per
+    row block (more programs for matrices with few rows), whose float32 partial sums a second
+    kernel adds."""
     M, K = x.shape
     N = qweight.shape[0]
-    assert M <= MAX_GEMV_ROWS and qweight.shape[1] * 8 == K and x.stride(1) == 1
-    bn, bk, warps, stages = config or gemv_rows_config(N, K, M)
+    assert M <= MAX_GEMV_ROWS and qweight.shape[1] * 8 == K and x.stride(1) == 1 and group_size % 8 == 0
+    bn, bk, warps, stages, *split = config or int4_gemv_config(N, K, M, group_size, g_idx is not None)
     bk = max(bk, 8)
+    n_tiles = triton.cdiv(K, bk)
+    split = min(split[0] if split else 1, n_tiles)
+    k_split = triton.cdiv(n_tiles, split) * bk
+    split = triton.cdiv(K, k_split)  # every split non-empty
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    args, kw = _launch_args(x, qweight, scales, zeros, g_idx, bias, y, group_size)
+    out = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
     pdl = pdl_ok(x)
-    _w4_gemv_kernel[(triton.cdiv(N, bn),)](
-        *args, **kw, EVEN=N % bn == 0 and K % bk == 0, BLOCK_M=triton.next_power_of_2(M),
-        BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
+    _w4_gemv_kernel[(triton.cdiv(N, bn), split)](
+        x, qweight, scales, zeros, g_idx if g_idx is not None else qweight,
+        bias if bias is not None else scales, out, M, N, K, k_split, x.stride(0), qweight.stride(0),
+        scales.stride(0), N, M * N, GROUP=group_size, HAS_GIDX=g_idx is not None, HAS_BIAS=bias is not None,
+        EVEN=N % bn == 0 and K % bk == 0, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_K=bk,
+        SPLIT_K=split, USE_PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
+    if split > 1:
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](
+            out, bias if bias is not None else out, y, M * N, N, SPLIT_K=split, HAS_BIAS=bias is not None,
+            BLOCK=block, USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
     return y
 
 
