@@ -115,39 +115,135 @@ if HAS_TRITON:
         return w
 
     @triton.jit
+    def _gguf_step(rows, kb, n_mask, K, QTYPE: tl.constexpr, A: tl.constexpr, B: tl.constexpr,
+                   L: tl.constexpr):
+        """Elements 256 kb .. 256 kb + 255 of the rows at byte pointers `rows` [BLOCK_N, 1],
+        laid out [BLOCK_N, A, B, L] (element 256 kb + (B a + b) L + l) as w = scale * q - minc:
+        returns q [BLOCK_N, A, B, L] float32 and scale, minc [BLOCK_N, A, B] float32 (one per
+        sub-block of L elements; sub-block (a, b) of a K-quant super-block is the one whose
+        header entry the formats' docs name). K-quants: one super-block; Q4_0 / Q8_0: 8 blocks
+        (past K: zeros)."""
+        a3 = tl.arange(0, A)[None, :, None]
+        b3 = tl.arange(0, B)[None, None, :]
+        a4 = a3[:, :, :, None]
+        b4 = b3[:, :, :, None]
+        l4 = tl.arange(0, L)[None, None, None, :]
+        if QTYPE == 2 or QTYPE == 8:  # Q4_0 / Q8_0: 32-element blocks a = 0..7 of this step
+            BPB: tl.constexpr = 18 if QTYPE == 2 else 34
+            bmask = n_mask[:, :, None] & ((kb * 8 + a3) * 32 < K)
+            blk = rows[:, :, None] + (kb * 8 + a3) * BPB            # [BLOCK_N, A, 1]
+            d = _f16(blk, bmask)
+            if QTYPE == 2:  # byte l holds elements l (low nibble, b = 0) and l + 16 (b = 1)
+                byte = _u8(blk[:, :, :, None] + 2 + l4, bmask[:, :, :, None])
+                q = (byte >> (4 * b4)) & 15
+                scale = d + 0.0 * b3
+                minc = 8.0 * scale
+            else:
+                q = tl.load(blk[:, :, :, None] + 2 + l4, mask=bmask[:, :, :, None], other=0
+                            ).to(tl.int8, bitcast=True).to(tl.int32)
+                scale = d
+                minc = 0.0 * d
+        else:  # K-quants: super-block kb
+            BPB2: tl.constexpr = 144 if QTYPE == 12 else (176 if QTYPE == 13 else 210)
+            blk = rows[:, :, None] + kb * BPB2                       # [BLOCK_N, 1, 1]
+            mask3 = n_mask[:, :, None]
+            mask4 = mask3[:, :, :, None]
+            blk4 = blk[:, :, :, None]
+            if QTYPE == 14:  # Q6_K: a = 4 H + Q (half, quarter), b = l // 16, L = 16
+                H = a4 // 4
+                Q = a4 % 4
+                ql = _u8(blk4 + 64 * H + 32 * (Q % 2) + 16 * b4 + l4, mask4)
+                qh = _u8(blk4 + 128 + 32 * H + 16 * b4 + l4, mask4)
+                q = ((ql >> (4 * (Q // 2))) & 15) | (((qh >> (2 * Q)) & 3) << 4)
+                sc = tl.load(blk + 192 + 2 * a3 + b3, mask=mask3, other=0).to(tl.int8, bitcast=True)
+                scale = _f16(blk + 208, mask3) * sc.to(tl.float32)
+                minc = 32.0 * scale
+            else:  # Q4_K / Q5_K: a = chunk of 64, b = nibble: sub-block s = 2a + b, L = 32
+                QS: tl.constexpr = 16 if QTYPE == 12 else 48
+                byte = _u8(blk4 + QS + 32 * a4 + l4, mask4)             # [BLOCK_N, A, 1, L]
+                s4 = 2 * a4 + b4
+                q = (byte >> (4 * b4)) & 15
+                if QTYPE == 13:
+                    qh = _u8(blk4 + 16 + l4, mask4)
+                    q += ((qh >> s4) & 1) << 4
+                sc, m = _scale_min_k4(blk + 4, 2 * a3 + b3, mask3)
+                scale = _f16(blk, mask3) * sc
+                minc = _f16(blk + 2, mask3) * m
+        return q.to(tl.float32), scale, minc
+
+    @triton.jit
+    def _gguf_x(x_ptr, kb, K, valid, A: tl.constexpr, B: tl.constexpr, L: tl.constexpr):
+        """x[256 kb + (B a + b) L + l] as [A, B, L] float32 (0 past K or when not `valid`)."""
+        offs = (256 * kb + (B * tl.arange(0, A)[:, None, None] + tl.arange(0, B)[None, :, None]) * L
+                + tl.arange(0, L)[None, None, :])
+        return tl.load(x_ptr + offs, mask=(offs < K) & valid, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _gguf_step_dot(q, scale, minc, x):
+        """[BLOCK_N, A, B]: sum_l w x per sub-block, factored as scale * sum(q x) - minc * sum(x)."""
+        return scale * tl.sum(q * x[None, :, :, :], axis=3) - minc * tl.sum(x, axis=2)[None, :, :]
+
+    @triton.jit
     def _gguf_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                           QTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+                          BLOCK_N: tl.constexpr, A: tl.constexpr, B: tl.constexpr, L: tl.constexpr,
+                          USE_PDL: tl.constexpr):
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         offs_m = tl.arange(0, BLOCK_M)
-        m_mask = offs_m < M
         rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-        w = _decode(rows, 0, n_mask, K, QTYPE)
+        n_mask2 = n_mask[:, None]
+        q, scale, minc = _gguf_step(rows, 0, n_mask2, K, QTYPE, A, B, L)  # weights before waiting for x
         if USE_PDL:
             pdl_start()
-        offs_k = tl.arange(0, 256)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)
-        if BLOCK_M == 1:
-            acc = w * x
-            for k0 in range(256, K, 256):
-                offs_k = k0 + tl.arange(0, 256)
-                x = tl.load(x_ptr + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0).to(tl.float32)
-                acc += _decode(rows, k0, n_mask, K, QTYPE) * x
-            y = tl.sum(acc, axis=1)[None, :]
-        else:
-            y = tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-            for k0 in range(256, K, 256):
-                offs_k = k0 + tl.arange(0, 256)
-                x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                            mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)
-                y += tl.sum(x[:, None, :] * _decode(rows, k0, n_mask, K, QTYPE)[None, :, :], axis=2)
+        steps = tl.cdiv(K, 256)
+        if BLOCK_M == 1:  # one row: accumulate per sub-block, reduce once at the end
+            acc = _gguf_step_dot(q, scale, minc, _gguf_x(x_ptr, 0, K, True, A, B, L))
+            for kb in range(1, steps):
+                q, scale, minc = _gguf_step(rows, kb, n_mask2, K, QTYPE, A, B, L)
+                acc += _gguf_step_dot(q, scale, minc, _gguf_x(x_ptr, kb, K, True, A, B, L))
+            y = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]
+        else:  # 2-8 rows: each step is decoded once and used by every row
+            y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kb in range(0, steps):
+                if kb > 0:
+                    q, scale, minc = _gguf_step(rows, kb, n_mask2, K, QTYPE, A, B, L)
+                for mi in tl.static_range(BLOCK_M):
+                    x = _gguf_x(x_ptr + mi * stride_xm, kb, K, mi < M, A, B, L)
+                    part = tl.sum(tl.sum(_gguf_step_dot(q, scale, minc, x), axis=2), axis=1)
+                    y += tl.where(offs_m[:, None] == mi, part[None, :], 0.0)
         if HAS_BIAS:
             y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
-                 mask=m_mask[:, None] & n_mask[None, :])
+                 mask=(offs_m < M)[:, None] & n_mask[None, :])
+
+    @triton.jit
+    def _gguf_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                          QTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, A: tl.constexpr, B: tl.constexpr, L: tl.constexpr,
+                          DOT_PREC: tl.constexpr):
+        """y = x W^T (+ bias) for any M: each 256-element step of a [BLOCK_N] row block is
+        decoded in registers (`_gguf_step`) and fed to tensor cores (tl.dot)."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, tl.cdiv(K, 256)):
+            offs_k = kb * 256 + tl.arange(0, 256)
+            x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                        mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+            q, scale, minc = _gguf_step(rows, kb, n_mask[:, None], K, QTYPE, A, B, L)
+            w = tl.reshape(scale[:, :, :, None] * q - minc[:, :, :, None], (BLOCK_N, 256))
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PREC)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
+                 acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
     @triton.jit
     def _gguf_dequant_kernel(w_ptr, out_ptr, N, K, stride_wn, stride_on, QTYPE: tl.constexpr,
@@ -161,21 +257,69 @@ if HAS_TRITON:
                  w.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & (offs_k < K)[None, :])
 
 
+# Sub-block layout of one 256-element kernel step per type (`_gguf_step`): (A, B, L).
+STEP_LAYOUT = {Q4_0: (8, 2, 16), Q8_0: (8, 1, 32), Q4_K: (4, 2, 32), Q5_K: (4, 2, 32), Q6_K: (8, 2, 16)}
+
+# Tuned configurations of `gguf_gemv`: (qtype, N, K, rows) -> (BLOCK_N, num_warps, num_stages),
+# rows 1 (M == 1) or 4 (2-8 rows); printed by `benchmarks/quant_bench.py kernels` (paste its
+# GGUF_GEMV_CONFIGS here). Shapes not listed take `_gguf_default_config`.
+GGUF_GEMV_CONFIGS: dict[tuple[int, int, int, int], tuple[int, int, int]] = {}
+
+
+def _gguf_default_config(qtype: int, N: int, K: int, M: int) -> tuple[int, int, int]:
+    """Heuristic for shapes without a tuned entry."""
+    return (8, 4, 2) if M == 1 else (4, 4, 2)
+
+
+def gguf_gemv_config(qtype: int, N: int, K: int, M: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of `gguf_gemv`: `GGUF_GEMV_CONFIGS[(qtype, N, K, 1 or 4)]`,
+    else `_gguf_default_config`."""
+    return GGUF_GEMV_CONFIGS.get((qtype, N, K, 1 if M == 1 else 4)) or _gguf_default_config(qtype, N, K, M)
+
+
 def gguf_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: int, bias: torch.Tensor | None = None,
-              block_n: int | None = None) -> torch.Tensor:
+              config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """x: [M, K] (M <= 8, unit stride along K); raw: [N, K // QK * BPB] uint8 (rows
-    contiguous); bias [N] or None -> [M, N] in x's dtype."""
+    contiguous); bias [N] or None -> [M, N] in x's dtype (float32 accumulation). Each program
+    streams BLOCK_N rows one 256-element step at a time: the step's quant bytes are loaded
+    once, its block headers (d, dmin, 6-bit scales) decoded once per sub-block, and the
+    product factored per sub-block, scale * sum(q x) - min * sum(x) (as llama.cpp's
+    vec_dot_q*_K kernels). `config` (BLOCK_N, warps, stages) overrides `gguf_gemv_config`."""
     M, K = x.shape
     N = raw.shape[0]
     qk, bpb = BLOCK[qtype]
     assert M <= MAX_GEMV_ROWS and raw.shape[1] * qk == K * bpb and raw.stride(1) == 1 and x.stride(1) == 1
-    bn = block_n or (8 if M == 1 else 4)
+    bn, warps, stages = config or gguf_gemv_config(qtype, N, K, M)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     pdl = pdl_ok(x)
+    A, B, L = STEP_LAYOUT[qtype]
     _gguf_gemv_kernel[(triton.cdiv(N, bn),)](
         x, raw, bias if bias is not None else x, y, M, N, K, x.stride(0), raw.stride(0), y.stride(0),
         QTYPE=qtype, HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=bn,
-        USE_PDL=pdl, num_warps=4, num_stages=2, launch_pdl=pdl)
+        A=A, B=B, L=L, USE_PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
+    return y
+
+
+def gguf_gemm_config(M: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of `gguf_gemm`."""
+    bm = 16 if M <= 16 else 32 if M <= 32 else 64
+    return bm, 64, 4 if bm <= 32 else 8, 2
+
+
+def gguf_gemm(x: torch.Tensor, raw: torch.Tensor, qtype: int, bias: torch.Tensor | None = None,
+              config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """As `gguf_gemv` for any number of rows: the weight is decoded tile by tile in registers
+    and multiplied on tensor cores (tl.dot), never written out. `config` (BLOCK_M, BLOCK_N,
+    warps, stages) overrides `gguf_gemm_config`."""
+    M, K = x.shape
+    N = raw.shape[0]
+    bm, bn, warps, stages = config or gguf_gemm_config(M)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    A, B, L = STEP_LAYOUT[qtype]
+    _gguf_gemm_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+        x, raw, bias if bias is not None else x, y, M, N, K, x.stride(0), raw.stride(0), y.stride(0),
+        QTYPE=qtype, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, A=A, B=B, L=L,
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
     return y
 
 
@@ -194,5 +338,5 @@ def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, bias: torch.Tens
     if use_triton(x) and x.stride(1) == 1:
         if x.shape[0] <= MAX_GEMV_ROWS:
             return gguf_gemv(x, raw, qtype, bias)
-        return F.linear(x, gguf_dequantize_triton(raw, qtype, K, x.dtype), bias)
+        return gguf_gemm(x, raw, qtype, bias)
     return F.linear(x, gguf_dequantize(raw, qtype, K).to(x.dtype), bias)
