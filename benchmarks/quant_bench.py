@@ -12,9 +12,11 @@ peer driver (../shared/peers/vllm_bench.py), so the figures compare one to one:
 - throughput: 1000 requests x (1000 in, 1000 out), ignore_eos, greedy, FP8 weights with the
   `--throughput-kv` KV cache dtype, and bf16 for the ratio.
 - big: Llama-3-70B with FP8 weights on one GPU, batch 1, 128 in / 128 out.
-- kernels: each batch-1 GEMV (bf16, fp8, 4-bit g128, GGUF Q4_K / Q6_K / Q8_0) on the four
-  Llama-3-8B matrices, default tile shape and a small grid of others (GB/s of weight bytes read;
-  the best shape per matrix is what `gemv_rows_config` should pick).
+- kernels: each 1-8 row GEMV (bf16, fp8, 4-bit g128, GGUF Q4_K / Q6_K / Q8_0) on the four
+  Llama-3-8B matrices at 1 and 4 rows, every candidate config (GB/s of weight bytes read, CUDA
+  graphs over weight copies larger than L2); prints the best configs as the dict literals
+  `W4_GEMV_CONFIGS` / `GGUF_GEMV_CONFIGS` to paste into ferrum/ops/int4.py / gguf.py.
+  `kernels --small` runs on CPU under TRITON_INTERPRET=1 (crash check).
 Each section writes `<out>/quant_<section>.json` with the keys `fp8_speedup_vs_bf16`,
 `w4a16_speedup_vs_bf16` (AWQ), `gptq_speedup_vs_bf16`, `gguf_q4_k_speedup_vs_bf16` and, with
 vLLM's files (`vllm_latency_<quant>_p128_tp1.json`, `vllm_throughput_<quant>_p128_tp1.json`),
@@ -122,66 +124,150 @@ def sec_big(args):
     save(args, "quant_big", res)
 
 
-def _time_us(fn, iters: int = 200) -> float:
+LLAMA3_8B_MATRICES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+SMALL_MATRICES = {"qkv": (48, 512), "down": (16, 1024)}  # --small: the interpreter smoke run
+OLD_W4_GBS = 770.0  # the int4 GEMV before the per-group factoring: 161 tok/s, 0.77 TB/s (issue 15)
+L2_FLUSH_BYTES = 256 * 2**20  # > 4x the H200's L2: each timed call reads its weights from HBM
+
+
+def _kernel_candidates(small: bool, M: int, N: int, K: int) -> dict[str, list[tuple]]:
+    """Configs timed per kernel (the first is the current default). Tuples as each kernel's
+    `config` argument: bf16 / fp8 (BLOCK_N, BLOCK_K, warps, stages); w4 (BLOCK_N, BLOCK_K,
+    warps, stages, SPLIT_K); gguf (BLOCK_N, warps, stages)."""
+    from ferrum.ops import fp8, gemv, gguf, int4
+    if small:
+        return {"bf16": [(4, 128, 4, 1)], "fp8": [(4, 128, 4, 1)],
+                "w4": [int4.int4_gemv_config(N, K, M, 128, False), (8, 128, 4, 1, 2), (4, 256, 4, 1, 1)],
+                **{f"gguf_{q}": [gguf.gguf_gemv_config(q, N, K, M), (4, 4, 1)] for q in (gguf.Q4_K, gguf.Q6_K, gguf.Q8_0)}}
+    splits = (1, 2, 4, 8) if N <= 4096 else (1, 2)
+    if M == 1:
+        w4 = [(bn, bk, w, st, sp) for bn in (4, 8, 16, 32) for bk in (128, 256, 512) for w in (4, 8)
+              for st in (2, 4) for sp in (1,)]
+        w4 += [(bn, bk, 4, 3, sp) for bn in (8, 16, 32) for bk in (128, 256) for sp in splits[1:]]
+        gg = [(bn, w, st) for bn in (2, 4, 8, 16) for w in (2, 4, 8) for st in (2, 3)]
+        dense = [(bn, bk, 4, st) for bn in (4, 8, 16) for bk in (256, 512, 1024) for st in (2, 4)]
+    else:
+        w4 = [(bn, bk, w, st, sp) for bn in (4, 8, 16) for bk in (64, 128) for w in (4, 8) for st in (2, 3)
+              for sp in (1,)]
+        w4 += [(bn, 128, 4, 3, sp) for bn in (8, 16) for sp in splits[1:]]
+        gg = [(bn, w, st) for bn in (2, 4, 8) for w in (4, 8) for st in (2,)]
+        dense = [(bn, bk, 4, 3) for bn in (8, 16) for bk in (64, 128)]
+    cands = {"bf16": [gemv.gemv_config(N, K)] + dense if M == 1 else [],
+             "fp8": [fp8.gemv_rows_config(N, K, M)] + dense,
+             "w4": [int4.int4_gemv_config(N, K, M, 128, False)] + w4}
+    for q in (gguf.Q4_K, gguf.Q6_K, gguf.Q8_0):
+        cands[f"gguf_{q}"] = [gguf.gguf_gemv_config(q, N, K, M)] + gg
+    return {k: list(dict.fromkeys(v)) for k, v in cands.items()}
+
+
+def _timer(device: str, copies: int):
+    """fn(i) over weight copy i -> microseconds per call: CUDA graph of every copy's call,
+    best of 5 replays (no launch gaps, weights from HBM); on CPU (the interpreter) one call's
+    wall time."""
+    def time_us(fn) -> float:
+        if device == "cuda":
+            from ferrum.benchmarks.mbu import cuda_graph_time_ms
+            return 1e3 * cuda_graph_time_ms(lambda: [fn(i) for i in range(copies)], iters=2) / copies
+        t = time.perf_counter()
+        fn(0)
+        return 1e6 * (time.perf_counter() - t)
+    return time_us
+
+
+def _kernel_inputs(N: int, K: int, copies: int, device: str, gen):
+    """Random weights of one [N, K] matrix in every timed format, `copies` of each, and the
+    float32 dequantized reference of copy 0 per format."""
     import torch
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return 1e3 * start.elapsed_time(end) / iters
+    from ferrum.ops import fp8, gguf, int4
+    w = {}
+    w["bf16"] = [torch.randn(N, K, device=device, generator=gen).bfloat16() * 0.02 for _ in range(copies)]
+    w["fp8"] = [fp8.quantize_fp8_per_channel(t) for t in w["bf16"]]
+    w["w4"] = [(torch.randint(-2**31, 2**31 - 1, (N, K // 8), dtype=torch.int32, device=device, generator=gen),
+                (torch.rand(N, K // 128, device=device, generator=gen) * 0.004 + 0.001).half(),
+                torch.randint(0, 16, (N, K // 128), device=device, generator=gen).half()) for _ in range(copies)]
+    for q in (gguf.Q4_K, gguf.Q6_K, gguf.Q8_0):
+        qk, bpb = gguf.BLOCK[q]
+        raws = []
+        for _ in range(copies):
+            raw = torch.randint(0, 256, (N, K // qk, bpb), dtype=torch.uint8, device=device, generator=gen)
+            for at in {gguf.Q6_K: [208], gguf.Q4_K: [0, 2]}.get(q, [0]):
+                d = (torch.rand(N, K // qk, device=device, generator=gen) * 0.002 + 0.0005).half()
+                raw[:, :, at:at + 2] = d.view(torch.uint8).view(N, K // qk, 2)
+            raws.append(raw.view(N, -1))
+        w[f"gguf_{q}"] = raws
+    ref = {"bf16": w["bf16"][0].float(), "fp8": fp8.dequantize_fp8(*w["fp8"][0]),
+           "w4": int4.dequantize_int4(*w["w4"][0], 128)}
+    for q in (gguf.Q4_K, gguf.Q6_K, gguf.Q8_0):
+        ref[f"gguf_{q}"] = gguf.gguf_dequantize_triton(w[f"gguf_{q}"][0], q, K, torch.float32)
+    nbytes = {"bf16": N * K * 2, "fp8": N * K + N * 4, "w4": N * K // 2 + 2 * N * (K // 128) * 2,
+              **{f"gguf_{q}": w[f"gguf_{q}"][0].numel() for q in (gguf.Q4_K, gguf.Q6_K, gguf.Q8_0)}}
+    return w, ref, nbytes
 
 
 def sec_kernels(args):
+    """Every candidate config of each 1-8 row GEMV (bf16 reference, FP8, the 4-bit W4A16 GEMV
+    with group 128, GGUF Q4_K / Q6_K / Q8_0) on the Llama-3-8B matrices at 1 and 4 rows: GB/s
+    of weight bytes, max relative error of the default and best config against the
+    dequantized weight, and the best config per matrix printed as the dict literals
+    `W4_GEMV_CONFIGS` (ferrum/ops/int4.py) and `GGUF_GEMV_CONFIGS` (ferrum/ops/gguf.py).
+    `--small`: tiny matrices and three configs, for a crash check under TRITON_INTERPRET=1."""
     import torch
-    from ferrum.ops import gemv
-    from ferrum.ops import fp8, gguf, int4
-    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-    grid = [(bn, bk, 4, st) for bn in (4, 8, 16) for bk in (256, 512, 1024) for st in (2, 4)]
-    res = {"rows": 1, "matrices": {}}
-    for name, (N, K) in shapes.items():
-        x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
-        wb = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
-        w8, s8 = fp8.quantize_fp8_per_channel(wb)
-        q4 = torch.randint(-2**31, 2**31 - 1, (N, K // 8), dtype=torch.int32, device="cuda")
-        sc = torch.full((N, K // 128), 0.004, dtype=torch.float16, device="cuda")
-        zr = torch.full_like(sc, 8)
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        raws = {}
-        for qt in (gguf.Q4_K, gguf.Q6_K, gguf.Q8_0):
-            qk, bpb = gguf.BLOCK[qt]
-            raw = torch.randint(0, 256, (N, K // qk, bpb), dtype=torch.uint8, device="cuda", generator=gen)
-            for at in {gguf.Q6_K: [208], gguf.Q4_K: [0, 2]}.get(qt, [0]):
-                raw[:, :, at:at + 2] = torch.full((N, K // qk), 0.001, dtype=torch.float16,
-                                                  device="cuda").view(torch.uint8).view(N, K // qk, 2)
-            raws[qt] = raw.view(N, -1)
-        row = {}
-
-        def record(key, nbytes, fn_of_cfg, configs):
-            times = {}
-            for cfg in configs:
-                try:
-                    times[cfg] = _time_us(lambda: fn_of_cfg(cfg))
-                except Exception as e:  # a shape that does not compile / fit
-                    times[cfg] = float("inf")
-                    print(key, cfg, type(e).__name__, str(e)[:200], flush=True)
-            best = min(times, key=times.get)
-            row[key] = {"default_us": times[configs[0]], "default_GBs": nbytes / times[configs[0]] / 1e3,
-                        "best_us": times[best], "best_GBs": nbytes / times[best] / 1e3, "best_config": best}
-            print(name, key, row[key], flush=True)
-
-        record("bf16", N * K * 2, lambda c: gemv.gemv(x, wb, config=c), [gemv.gemv_config(N, K)] + grid)
-        record("fp8", N * K, lambda c: fp8.fp8_gemv(x, w8, s8, config=c), [fp8.gemv_rows_config(N, K, 1)] + grid)
-        record("int4_g128", N * K // 2 + sc.numel() * 4, lambda c: int4.int4_gemv(x, q4, sc, zr, 128, config=c),
-               [fp8.gemv_rows_config(N, K, 1)] + grid)
-        for qt, raw in raws.items():
-            record(f"gguf_{qt}", raw.numel(), lambda c, r=raw, q=qt: gguf.gguf_gemv(x, r, q, block_n=c[0]),
-                   [(8, 0, 0, 0), (2, 0, 0, 0), (4, 0, 0, 0), (16, 0, 0, 0)])
-        res["matrices"][name] = row
+    from ferrum.ops import fp8, gemv, gguf, int4
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    matrices = SMALL_MATRICES if args.small else LLAMA3_8B_MATRICES
+    gen = torch.Generator(device=device).manual_seed(0)
+    res = {"old_w4_GBs": OLD_W4_GBS, "matrices": {}}
+    best_w4, best_gguf = {}, {}
+    call = {"bf16": lambda x, w, c: gemv.gemv(x, w, config=c),
+            "fp8": lambda x, w, c: fp8.fp8_gemv(x, *w, config=c),
+            "w4": lambda x, w, c: int4.int4_gemv(x, *w, 128, config=c)}
+    for q in (gguf.Q4_K, gguf.Q6_K, gguf.Q8_0):
+        call[f"gguf_{q}"] = lambda x, w, c, q=q: gguf.gguf_gemv(x, w, q, config=c)
+    for name, (N, K) in matrices.items():
+        if args.matrices and name not in args.matrices:
+            continue
+        copies = 1 if device == "cpu" else max(1, -(-L2_FLUSH_BYTES // (N * K // 2)))
+        weights, refs, nbytes = _kernel_inputs(N, K, copies, device, gen)
+        for M in args.rows:
+            x = torch.randn(M, K, device=device, generator=gen).bfloat16()
+            row = {}
+            for kern, configs in _kernel_candidates(args.small, M, N, K).items():
+                if args.kernels and kern not in args.kernels or not configs:
+                    continue
+                ws = weights[kern]
+                times = {}
+                for cfg in configs:
+                    try:
+                        times[cfg] = _timer(device, len(ws))(lambda i: call[kern](x, ws[i], cfg))
+                    except Exception as e:  # a config that does not compile / fit
+                        times[cfg] = float("inf")
+                        print(name, M, kern, cfg, type(e).__name__, str(e)[:200], flush=True)
+                best = min(times, key=times.get)
+                ref = x.float() @ refs[kern].t()
+                errs = {c: ((call[kern](x, ws[0], c).float() - ref).abs().max() / ref.abs().max()).item()
+                        for c in dict.fromkeys([configs[0], best])}
+                gbs = {c: nbytes[kern] / t / 1e3 for c, t in times.items()}
+                row[kern] = {"default_config": configs[0], "default_us": times[configs[0]],
+                             "default_GBs": gbs[configs[0]], "best_config": best, "best_us": times[best],
+                             "best_GBs": gbs[best], "max_rel_err": {str(c): e for c, e in errs.items()},
+                             "all": {str(c): round(g, 1) for c, g in gbs.items()}}
+                if kern == "w4":
+                    best_w4[(N, K, M)] = best
+                    row[kern]["best_vs_old"] = gbs[best] / OLD_W4_GBS
+                elif kern.startswith("gguf_"):
+                    best_gguf[(int(kern[5:]), N, K, M)] = best
+                print(f"{name} M={M} {kern}: default {configs[0]} {gbs[configs[0]]:.0f} GB/s, best {best} "
+                      f"{gbs[best]:.0f} GB/s, max rel err {max(errs.values()):.1e}", flush=True)
+            res["matrices"][f"{name}_m{M}"] = row
+            save(args, "quant_kernels", res)  # after every matrix: a timeout keeps what was measured
+        del weights, refs
+    res["W4_GEMV_CONFIGS"] = {str(k): v for k, v in best_w4.items()}
+    res["GGUF_GEMV_CONFIGS"] = {str(k): v for k, v in best_gguf.items()}
     save(args, "quant_kernels", res)
+    print("# paste into ferrum/ops/int4.py:")
+    print(f"W4_GEMV_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {best_w4!r}")
+    print("# paste into ferrum/ops/gguf.py:")
+    print(f"GGUF_GEMV_CONFIGS: dict[tuple[int, int, int, int], tuple[int, int, int]] = {best_gguf!r}")
 
 
 def _ratios(args, res: dict, section: str, key: str) -> None:
@@ -207,6 +293,13 @@ def main():
     p.add_argument("--throughput-kv", default="fp8", choices=["auto", "fp8"],
                    help="KV cache dtype of the quantized throughput runs")
     p.add_argument("--num-requests", type=int, default=1000)
+    p.add_argument("--small", action="store_true",
+                   help="kernels: tiny matrices and few configs (a crash check under TRITON_INTERPRET=1 on CPU)")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4], help="kernels: activation rows M")
+    p.add_argument("--kernels", nargs="+", default=None,
+                   help="kernels: only these (bf16 fp8 w4 gguf_12 gguf_14 gguf_8)")
+    p.add_argument("--matrices", nargs="+", default=None, choices=list(LLAMA3_8B_MATRICES),
+                   help="kernels: only these matrices")
     args = p.parse_args()
     run_sections(args, globals(), lambda s, e: save(args, f"failed_quant_{s}", {"error": f"{type(e).__name__}: {e}"}))
 

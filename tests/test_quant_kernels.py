@@ -258,28 +258,43 @@ def check_sm90_compile(device: str) -> None:
     from ferrum.ops import fp8, gguf, int4
 
     def build(fn, consts, ptrs, warps, stages, what):
-        sm90_compile(fn, consts, ptrs, warps, stages, what, no_hint=("M",))
+        sm90_compile(fn, consts, ptrs, warps, stages, what, no_hint=("M", "MN"))
 
+    w4_ptrs = dict(x_ptr="*bf16", qw_ptr="*i32", s_ptr="*fp16", z_ptr="*fp16", g_ptr="*i32", b_ptr="*fp16",
+                   y_ptr="*bf16")
     for M in (1, 8):
-        for n, k in ((6144, 4096),):
+        for n, k in LLAMA3_8B:
             bn, bk, w, st = fp8.gemv_rows_config(n, k, M)
             common = dict(HAS_BIAS=False, EVEN=True, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=bn,
                           BLOCK_K=bk, USE_PDL=True)
             build(fp8._w8_gemv_kernel, common, dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32",
                                                    b_ptr="*fp32", y_ptr="*bf16"), w, st, f"fp8 gemv M={M} {n}x{k}")
-            build(int4._w4_gemv_kernel, dict(common, GROUP=128, HAS_GIDX=False),
-                  dict(x_ptr="*bf16", qw_ptr="*i32", s_ptr="*fp16", z_ptr="*fp16", g_ptr="*i32", b_ptr="*fp16",
-                       y_ptr="*bf16"), w, st, f"int4 gemv M={M} {n}x{k}")
-        for qtype in gguf.PACKED_TYPES:
-            build(gguf._gguf_gemv_kernel, dict(QTYPE=qtype, HAS_BIAS=False, BLOCK_M=triton.next_power_of_2(M),
-                                                BLOCK_N=8 if M == 1 else 4, USE_PDL=True),
-                  dict(x_ptr="*bf16", w_ptr="*u8", b_ptr="*bf16", y_ptr="*bf16"), 4, 2, f"gguf {qtype} gemv M={M}")
+            for gidx in (False, True) if (n, k) == LLAMA3_8B[0] else (False,):
+                bn, bk, w, st, split = int4.int4_gemv_config(n, k, M, 128, gidx)
+                for sp in sorted({split, 4} if k > n else {split}):  # and a split-K one for down_proj
+                    build(int4._w4_gemv_kernel, dict(common, GROUP=128, HAS_GIDX=gidx, BLOCK_N=bn, BLOCK_K=bk,
+                                                     SPLIT_K=sp),
+                          dict(w4_ptrs, y_ptr="*bf16" if sp == 1 else "*fp32"), w, st,
+                          f"int4 gemv M={M} {n}x{k} g_idx={gidx} split={sp}")
+            for qtype in gguf.PACKED_TYPES:
+                bn, w, st = gguf.gguf_gemv_config(qtype, n, k, M)
+                A, B, L = gguf.STEP_LAYOUT[qtype]
+                build(gguf._gguf_gemv_kernel, dict(QTYPE=qtype, HAS_BIAS=False, BLOCK_M=triton.next_power_of_2(M),
+                                                    BLOCK_N=bn, A=A, B=B, L=L, USE_PDL=True),
+                      dict(x_ptr="*bf16", w_ptr="*u8", b_ptr="*bf16", y_ptr="*bf16"), w, st,
+                      f"gguf {qtype} gemv M={M} {n}x{k}")
+    build(int4._splitk_reduce_kernel, dict(SPLIT_K=4, HAS_BIAS=True, BLOCK=1024, USE_PDL=True),
+          dict(p_ptr="*fp32", b_ptr="*bf16", y_ptr="*bf16"), 4, 1, "split-K reduce")
     for M in (16, 512):
         bm, bn, bk, w, st = int4.int4_gemm_config(M, 4096, 4096)
         build(int4._w4_gemm_kernel, dict(GROUP=128, HAS_GIDX=True, HAS_BIAS=False, EVEN=True, BLOCK_M=bm,
-                                         BLOCK_N=bn, BLOCK_K=bk, DOT_PREC="tf32"),
-              dict(x_ptr="*bf16", qw_ptr="*i32", s_ptr="*fp16", z_ptr="*fp16", g_ptr="*i32", b_ptr="*fp16",
-                   y_ptr="*bf16"), w, st, f"int4 gemm M={M}")
+                                         BLOCK_N=bn, BLOCK_K=bk, DOT_PREC="tf32"), w4_ptrs, w, st, f"int4 gemm M={M}")
+        bm, bn, w, st = gguf.gguf_gemm_config(M)
+        for qtype in gguf.PACKED_TYPES:
+            A, B, L = gguf.STEP_LAYOUT[qtype]
+            build(gguf._gguf_gemm_kernel, dict(QTYPE=qtype, HAS_BIAS=False, BLOCK_M=bm, BLOCK_N=bn, A=A, B=B, L=L,
+                                               DOT_PREC="tf32"),
+                  dict(x_ptr="*bf16", w_ptr="*u8", b_ptr="*bf16", y_ptr="*bf16"), w, st, f"gguf {qtype} gemm M={M}")
     for qtype in gguf.PACKED_TYPES:
         build(gguf._gguf_dequant_kernel, dict(QTYPE=qtype, BLOCK_N=gguf.DEQUANT_BLOCK_N), dict(w_ptr="*u8", out_ptr="*bf16"),
               4, 2, f"gguf {qtype} dequant")

@@ -96,65 +96,62 @@ if HAS_TRITON:
         return (q.to(tl.float32) - z) * s
 
     @triton.jit
-    def _w4_words(qw_rows, k0, n_mask, K, EVEN: tl.constexpr, BLOCK_K: tl.constexpr):
-        """[BLOCK_N, BLOCK_K // 8, 8] int32 nibbles of input features k0 .. k0 + BLOCK_K:
-        element [n, w, j] is feature k0 + 8w + j (bits 4j..4j+3 of word k0 // 8 + w)."""
-        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    def _w4_words(qw_rows, k0, n_mask, K, EVEN: tl.constexpr, GT: tl.constexpr, WG: tl.constexpr):
+        """[BLOCK_N, GT, WG, 8] int32 nibbles of input features k0 .. k0 + 8 GT WG: element
+        [n, g, w, j] is feature k0 + 8 (WG g + w) + j (bits 4j..4j+3 of its word)."""
+        offs_w = k0 // 8 + WG * tl.arange(0, GT)[:, None] + tl.arange(0, WG)[None, :]   # [GT, WG]
         if EVEN:
-            words = tl.load(qw_rows + offs_w[None, :], eviction_policy="evict_first")
+            words = tl.load(qw_rows[:, :, None] + offs_w[None, :, :], eviction_policy="evict_first")
         else:
-            words = tl.load(qw_rows + offs_w[None, :], mask=n_mask[:, None] & (offs_w * 8 < K)[None, :],
-                            other=0, eviction_policy="evict_first")
+            words = tl.load(qw_rows[:, :, None] + offs_w[None, :, :],
+                            mask=n_mask[:, None, None] & (offs_w * 8 < K)[None, :, :], other=0,
+                            eviction_policy="evict_first")
         shifts = 4 * tl.arange(0, 8)
-        return (words[:, :, None] >> shifts[None, None, :]) & 0xF
+        return (words[:, :, :, None] >> shifts[None, None, None, :]) & 0xF
 
     @triton.jit
-    def _w4_x(x_ptr, k0, K, valid, BLOCK_K: tl.constexpr):
-        """x[k0 + 8w + j] as [BLOCK_K // 8, 8] float32 (0 past K or when not `valid`)."""
-        offs = k0 + 8 * tl.arange(0, BLOCK_K // 8)[:, None] + tl.arange(0, 8)[None, :]
+    def _w4_x(x_ptr, k0, K, valid, GT: tl.constexpr, WG: tl.constexpr):
+        """x[k0 + 8 (WG g + w) + j] as [GT, WG, 8] float32 (0 past K or when not `valid`)."""
+        offs = (k0 + 8 * (WG * tl.arange(0, GT)[:, None, None] + tl.arange(0, WG)[None, :, None])
+                + tl.arange(0, 8)[None, None, :])
         return tl.load(x_ptr + offs, mask=(offs < K) & valid, other=0.0).to(tl.float32)
 
     @triton.jit
     def _w4_tile_dot(q, x, s_rows, z_rows, g_ptr, k0, n_mask, K, GROUP: tl.constexpr, HAS_GIDX: tl.constexpr,
-                     EVEN: tl.constexpr, BLOCK_K: tl.constexpr):
-        """[BLOCK_N, BLOCK_K // 8] float32: per weight word, sum_j w[n, 8w + j] x[8w + j] of the
-        nibbles q ([BLOCK_N, BLOCK_K // 8, 8], `_w4_words`) and x ([BLOCK_K // 8, 8]).
-        Without g_idx the group is constant over a word (GROUP is a multiple of 8), so the sum
-        is factored: s * (sum_j q x - z * sum_j x) (scale and zero read per tile when
-        BLOCK_K <= GROUP, else per word); with g_idx each element's group is gathered."""
-        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+                     EVEN: tl.constexpr, GT: tl.constexpr, WG: tl.constexpr):
+        """[BLOCK_N, GT, WG] float32: per weight word, sum_j w[n, k] x[k] over its 8 features, of
+        the nibbles q ([BLOCK_N, GT, WG, 8], `_w4_words`) and x ([GT, WG, 8]). Without g_idx,
+        [.., g, ..] is one quantization group (tiles never straddle groups), so the sum is
+        factored as s * (sum_j q x - z * sum_j x) with the scale and zero loaded once per group
+        ([BLOCK_N, GT]); with g_idx (GT == 1) each element's group is gathered."""
         if HAS_GIDX:
-            offs_k = 8 * offs_w[:, None] + tl.arange(0, 8)[None, :]
-            g = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0)[None, :, :]
-            gmask = n_mask[:, None, None] & (offs_k < K)[None, :, :]
-            s = tl.load(s_rows[:, :, None] + g, mask=gmask, other=0.0).to(tl.float32)
-            z = tl.load(z_rows[:, :, None] + g, mask=gmask, other=0.0).to(tl.float32)
-            return tl.sum((q.to(tl.float32) - z) * s * x[None, :, :], axis=2)
-        qx = tl.sum(q.to(tl.float32) * x[None, :, :], axis=2)
-        xs = tl.sum(x, axis=1)[None, :]
-        if BLOCK_K <= GROUP:  # one group per tile: [BLOCK_N, 1] scale and zero
-            g0 = k0 // GROUP
-            if EVEN:
-                s = tl.load(s_rows + g0).to(tl.float32)
-                z = tl.load(z_rows + g0).to(tl.float32)
-            else:
-                s = tl.load(s_rows + g0, mask=n_mask[:, None] & (k0 < K), other=0.0).to(tl.float32)
-                z = tl.load(z_rows + g0, mask=n_mask[:, None] & (k0 < K), other=0.0).to(tl.float32)
-        else:  # several groups per tile: one scale and zero per word
-            g = (8 * offs_w // GROUP)[None, :]
-            gmask = n_mask[:, None] & (offs_w * 8 < K)[None, :]
+            offs_k = k0 + 8 * tl.arange(0, WG)[:, None] + tl.arange(0, 8)[None, :]    # [WG, 8]
+            g = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0)[None, None, :, :]
+            gmask = n_mask[:, None, None, None] & (offs_k < K)[None, None, :, :]
+            s = tl.load(s_rows[:, :, None, None] + g, mask=gmask, other=0.0).to(tl.float32)
+            z = tl.load(z_rows[:, :, None, None] + g, mask=gmask, other=0.0).to(tl.float32)
+            return tl.sum((q.to(tl.float32) - z) * s * x[None, :, :, :], axis=3)
+        qx = tl.sum(q.to(tl.float32) * x[None, :, :, :], axis=3)     # [BLOCK_N, GT, WG]
+        xs = tl.sum(x, axis=2)[None, :, :]                          # [1, GT, WG]
+        g = (k0 // GROUP + tl.arange(0, GT))[None, :]
+        if EVEN:
+            s = tl.load(s_rows + g).to(tl.float32)
+            z = tl.load(z_rows + g).to(tl.float32)
+        else:
+            gmask = n_mask[:, None] & (k0 + GROUP * tl.arange(0, GT) < K)[None, :]
             s = tl.load(s_rows + g, mask=gmask, other=0.0).to(tl.float32)
             z = tl.load(z_rows + g, mask=gmask, other=0.0).to(tl.float32)
-        return s * (qx - z * xs)
+        return s[:, :, None] * qx - (s * z)[:, :, None] * xs
 
     @triton.jit
     def _w4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, y_ptr, M, N, K, K_SPLIT,
                         stride_xm, stride_qn, stride_sn, stride_ym, stride_ys,
                         GROUP: tl.constexpr, HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr,
                         EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr):
+                        BLOCK_K: tl.constexpr, GT: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr):
         """Program (pid_n, pid_k): rows pid_n * BLOCK_N.., input features pid_k * K_SPLIT ..
-        (K_SPLIT a multiple of BLOCK_K). SPLIT_K == 1 writes y [M, N] (+ bias) in y's dtype;
+        (K_SPLIT a multiple of BLOCK_K). A tile of BLOCK_K features spans GT quantization
+        groups (1 when BLOCK_K <= GROUP or with g_idx). SPLIT_K == 1 writes y [M, N] (+ bias) in y's dtype;
         else float32 partial sums into y [SPLIT_K, M, N] (stride_ys), reduced by
         `_splitk_reduce_kernel`."""
         pid = tl.program_id(0)
@@ -167,26 +164,27 @@ if HAS_TRITON:
         z_rows = z_ptr + offs_n[:, None].to(tl.int64) * stride_sn
         k_start = pid_k * K_SPLIT
         k_end = tl.minimum(k_start + K_SPLIT, K)
-        q = _w4_words(qw_rows, k_start, n_mask, K, EVEN, BLOCK_K)  # first tile: weights only
+        WG: tl.constexpr = BLOCK_K // 8 // GT
+        q = _w4_words(qw_rows, k_start, n_mask, K, EVEN, GT, WG)  # first tile: weights only
         if USE_PDL:
             pdl_start()  # x (the previous kernel's output) is ready after this
         if BLOCK_M == 1:  # one row: accumulate per word, reduce once at the end
-            acc = _w4_tile_dot(q, _w4_x(x_ptr, k_start, K, True, BLOCK_K), s_rows, z_rows, g_ptr, k_start,
-                               n_mask, K, GROUP, HAS_GIDX, EVEN, BLOCK_K)
+            acc = _w4_tile_dot(q, _w4_x(x_ptr, k_start, K, True, GT, WG), s_rows, z_rows, g_ptr, k_start,
+                               n_mask, K, GROUP, HAS_GIDX, EVEN, GT, WG)
             for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
-                q = _w4_words(qw_rows, k0, n_mask, K, EVEN, BLOCK_K)
-                acc += _w4_tile_dot(q, _w4_x(x_ptr, k0, K, True, BLOCK_K), s_rows, z_rows, g_ptr, k0,
-                                    n_mask, K, GROUP, HAS_GIDX, EVEN, BLOCK_K)
-            y = tl.sum(acc, axis=1)[None, :]
+                q = _w4_words(qw_rows, k0, n_mask, K, EVEN, GT, WG)
+                acc += _w4_tile_dot(q, _w4_x(x_ptr, k0, K, True, GT, WG), s_rows, z_rows, g_ptr, k0,
+                                    n_mask, K, GROUP, HAS_GIDX, EVEN, GT, WG)
+            y = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]
         else:  # 2-8 rows: the nibbles of a tile are widened once and used by every row
             y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(k_start, k_end, BLOCK_K):
                 if k0 > k_start:
-                    q = _w4_words(qw_rows, k0, n_mask, K, EVEN, BLOCK_K)
+                    q = _w4_words(qw_rows, k0, n_mask, K, EVEN, GT, WG)
                 for mi in tl.static_range(BLOCK_M):
-                    x = _w4_x(x_ptr + mi * stride_xm, k0, K, mi < M, BLOCK_K)
-                    part = tl.sum(_w4_tile_dot(q, x, s_rows, z_rows, g_ptr, k0, n_mask, K, GROUP, HAS_GIDX,
-                                               EVEN, BLOCK_K), axis=1)
+                    x = _w4_x(x_ptr + mi * stride_xm, k0, K, mi < M, GT, WG)
+                    part = tl.sum(tl.sum(_w4_tile_dot(q, x, s_rows, z_rows, g_ptr, k0, n_mask, K, GROUP,
+                                                      HAS_GIDX, EVEN, GT, WG), axis=2), axis=1)
                     y += tl.where(offs_m[:, None] == mi, part[None, :], 0.0)
         out_mask = (offs_m < M)[:, None] & n_mask[None, :]
         if SPLIT_K == 1:
@@ -266,15 +264,24 @@ def _w4_default_config(N: int, K: int, M: int) -> tuple[int, int, int, int, int]
 def int4_gemv_config(N: int, K: int, M: int, group_size: int,
                      has_g_idx: bool) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) of `int4_gemv` for an [N, K] weight and
-    M rows: `W4_GEMV_CONFIGS[(N, K, 1 or 4)]`, else `_w4_default_config`. Without g_idx BLOCK_K
-    is capped at the group size (one scale / zero load per tile) unless the group is under 64
-    features (then one per word); BLOCK_K is halved until it divides K (the unmasked path)."""
+    M rows: `W4_GEMV_CONFIGS[(N, K, 1 or 4)]`, else `_w4_default_config`; BLOCK_K is halved
+    until it divides K (the unmasked path)."""
     bn, bk, warps, stages, split = W4_GEMV_CONFIGS.get((N, K, 1 if M == 1 else 4)) or _w4_default_config(N, K, M)
-    if not has_g_idx and group_size >= 64:
-        bk = min(bk, group_size)
     while bk > 8 and K % bk:
         bk //= 2
     return bn, bk, warps, stages, split
+
+
+def _tile_groups(bk: int, group_size: int, has_g_idx: bool) -> tuple[int, int]:
+    """(BLOCK_K, GT): a tile of BLOCK_K features covers GT whole quantization groups, or lies
+    inside one (GT 1, BLOCK_K shrunk until it divides the group); with g_idx GT is 1."""
+    if has_g_idx:
+        return bk, 1
+    if bk >= group_size and bk % group_size == 0:
+        return bk, bk // group_size
+    while bk > group_size or group_size % bk:  # bk stays a power of two (a group is a multiple of 8)
+        bk //= 2
+    return bk, 1
 
 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -290,7 +297,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     N = qweight.shape[0]
     assert M <= MAX_GEMV_ROWS and qweight.shape[1] * 8 == K and x.stride(1) == 1 and group_size % 8 == 0
     bn, bk, warps, stages, *split = config or int4_gemv_config(N, K, M, group_size, g_idx is not None)
-    bk = max(bk, 8)
+    bk, gt = _tile_groups(max(bk, 8), group_size, g_idx is not None)
     n_tiles = triton.cdiv(K, bk)
     split = min(split[0] if split else 1, n_tiles)
     k_split = triton.cdiv(n_tiles, split) * bk
@@ -303,7 +310,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         bias if bias is not None else scales, out, M, N, K, k_split, x.stride(0), qweight.stride(0),
         scales.stride(0), N, M * N, GROUP=group_size, HAS_GIDX=g_idx is not None, HAS_BIAS=bias is not None,
         EVEN=N % bn == 0 and K % bk == 0, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_K=bk,
-        SPLIT_K=split, USE_PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
+        GT=gt, SPLIT_K=split, USE_PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](
