@@ -65,10 +65,15 @@ def _fp8(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def write_quantized(src: str, dst: str, fmt: str, group: int = 32, sym: bool = False,
                     act_order: bool = False, version: str = "gptq", strategy: str = "channel",
-                    seed: int = 0) -> tuple[str, str, float]:
+                    seed: int = 0, kv_scales: dict[int, tuple[float, float]] | None = None,
+                    kv_scale_names: str = "vllm") -> tuple[str, str, float]:
     """Write `dst` (quantized) and `dst + '-ref'` (dequantized fp32) from the HF folder `src`.
-    fmt: fp8 | ct (compressed-tensors) | gptq | awq. Returns (dst, ref folder, max relative
-    weight error of the quantization over all layers)."""
+    fmt: fp8 | ct (compressed-tensors) | gptq | awq. kv_scales {layer: (k_scale, v_scale)}:
+    FP8 KV-cache scales stored under `kv_scale_names`: "vllm" (`self_attn.k_scale` /
+    `v_scale`, float32 []), "kv" (the older single `self_attn.kv_scale`, k_scale's value),
+    "modelopt" (`self_attn.k_proj.k_scale`), "ct" (compressed-tensors' `kv_cache_scheme`:
+    `self_attn.k_proj.output_scale` [1], and the scheme in the config). Returns (dst, ref
+    folder, max relative weight error of the quantization over all layers)."""
     tensors = load_file(os.path.join(src, "model.safetensors"))
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
@@ -128,6 +133,18 @@ def write_quantized(src: str, dst: str, fmt: str, group: int = 32, sym: bool = F
               "checkpoint_format": version}
     else:
         qc = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+    for layer, (ks, vs) in (kv_scales or {}).items():
+        pre = f"model.layers.{layer}.self_attn."
+        names = {"vllm": ("k_scale", "v_scale"), "kv": ("kv_scale", None), "modelopt": ("k_proj.k_scale", "v_proj.v_scale"),
+                 "ct": ("k_proj.output_scale", "v_proj.output_scale")}[kv_scale_names]
+        shape = (1,) if kv_scale_names == "ct" else ()
+        for name, value in zip(names, (ks, vs)):
+            if name is not None:
+                out[pre + name] = torch.full(shape, value, dtype=torch.float32)
+    if kv_scales and kv_scale_names == "ct":
+        from compressed_tensors.quantization import QuantizationArgs
+        qc["kv_cache_scheme"] = QuantizationArgs(num_bits=8, type="float", strategy="tensor", symmetric=True,
+                                                 dynamic=False).model_dump(mode="json")
     for folder, tensors_out, cfg in ((dst, out, {**config, "quantization_config": qc}), (dst + "-ref", ref, config)):
         os.makedirs(folder, exist_ok=True)
         save_file(tensors_out, os.path.join(folder, "model.safetensors"))

@@ -134,6 +134,26 @@ def check_int4_gemv(device: str, shapes=((64, 256), (40, 128)), rows=(1, 5)) -> 
                     _check(got, ref, dtype, f"int4 gemv M={M} N={N} K={K} g={group} act_order={act_order}")
 
 
+def check_int4_gemv_configs(device: str) -> None:
+    """The 4-bit GEMV's other paths at explicit configs: tiles inside one group (BLOCK_K <
+    group) and spanning several, split-K (float32 partials + the reduce kernel, with bias),
+    masked tails (N, K not dividing the tile), g_idx with split-K."""
+    from ferrum.ops import int4
+    gen = torch.Generator().manual_seed(12)
+    N, K = 24, 384
+    cases = [(128, False, 1, (16, 64, 4, 1, 1)), (128, False, 1, (16, 64, 4, 1, 3)),
+             (32, False, 3, (8, 256, 4, 1, 2)), (128, False, 2, (16, 256, 4, 1, 1)),
+             (64, True, 1, (8, 128, 4, 1, 2)), (64, True, 6, (8, 64, 4, 1, 1))]
+    for group, act_order, M, cfg in cases:
+        qw, s, z, g = _int4_case(N, K, group, act_order, gen, device)
+        ref_w = int4.dequantize_int4(qw.cpu(), s.cpu(), z.cpu(), group, None if g is None else g.cpu()).double()
+        x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+        b = torch.randn(N, generator=gen).to(torch.bfloat16)
+        ref = torch.nn.functional.linear(x.double(), ref_w, b.double())
+        got = int4.int4_gemv(x.to(device), qw, s, z, group, g, b.to(device), config=cfg)
+        _check(got, ref, torch.bfloat16, f"int4 gemv M={M} g={group} act_order={act_order} config={cfg}")
+
+
 def check_int4_gemm(device: str, shapes=((64, 256),), rows=(9, 40)) -> None:
     from ferrum.ops import int4
     gen = torch.Generator().manual_seed(3)
@@ -150,7 +170,7 @@ def check_int4_gemm(device: str, shapes=((64, 256),), rows=(9, 40)) -> None:
                 _check(got, ref, torch.bfloat16, f"int4 gemm M={M} N={N} K={K} g={group} act_order={act_order}")
 
 
-CHECKS = ["check_fp8_gemv", "check_int4_gemv", "check_int4_gemm"]
+CHECKS = ["check_fp8_gemv", "check_int4_gemv", "check_int4_gemv_configs", "check_int4_gemm"]
 interp = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUDA + triton")]
 
@@ -188,12 +208,15 @@ LLAMA3_8B = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))  # qkv, o
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUDA + triton")
 def test_llama3_8b_shapes_on_gpu():
-    """Every Llama-3-8B matrix, 1/2/8 rows (GEMV) and 64/512 rows (GEMM: FP8 tensor cores via
-    torch._scaled_mm, the 4-bit dequant-in-tile kernel), against the dequantized reference."""
+    """Every Llama-3-8B matrix, 1/2/8 rows (GEMV: FP8, 4-bit, every GGUF type) and 64/512 rows
+    (GEMM: FP8 tensor cores via torch._scaled_mm, the 4-bit dequant-in-tile kernel) plus 9/100
+    rows of the GGUF GEMM, against the dequantized reference."""
     from ferrum.ops import fp8, int4
     check_fp8_gemv("cuda", LLAMA3_8B, (1, 2, 8))
     check_int4_gemv("cuda", LLAMA3_8B, (1, 2, 8))
     check_int4_gemm("cuda", LLAMA3_8B, (64, 512))
+    check_int4_gemv_configs("cuda")
+    check_gguf_gemv("cuda", (LLAMA3_8B[0], LLAMA3_8B[3]), (1, 2, 8))
     gen = torch.Generator().manual_seed(5)
     for N, K in LLAMA3_8B:
         w, s = fp8.quantize_fp8_per_channel(torch.randn(N, K, generator=gen) * 0.05)
@@ -221,21 +244,43 @@ def _gguf_raw(qtype: int, N: int, K: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def check_gguf_gemv(device: str, shapes=((24, 512), (10, 256)), rows=(1, 3)) -> None:
-    """Every packed GGUF type against the `gguf` package's decoder (llama.cpp's reference)."""
+    """Every packed GGUF type against the `gguf` package's decoder (llama.cpp's reference):
+    the GEMV (1-8 rows, with bias; Q4_0 / Q8_0 also with K not a multiple of 256) and the
+    dequant-in-tile GEMM (prefill rows)."""
     from ferrum.ops import gguf
     gen = torch.Generator().manual_seed(6)
     for qtype in gguf.PACKED_TYPES:
-        for N, K in shapes:
+        extra = ((12, 96),) if qtype in (gguf.Q4_0, gguf.Q8_0) and device == "cpu" else ()
+        for N, K in shapes + extra:
             raw = _gguf_raw(qtype, N, K, gen)
             ref_w = gguf.gguf_dequantize(raw, qtype, K).double()
             if device == "cpu":  # the dequantize kernel decodes exactly what the gguf package does
                 got_w = gguf.gguf_dequantize_triton(raw, qtype, K, torch.float32)
                 assert torch.equal(got_w.double(), ref_w), f"gguf dequant kernel qtype {qtype}"
+            b = torch.randn(N, generator=gen).to(torch.bfloat16)
             for M in rows:
                 x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
-                ref = torch.nn.functional.linear(x.double(), ref_w)
-                got = gguf.gguf_gemv(x.to(device), raw.to(device), qtype)
+                bias = b if M > 1 else None
+                ref = torch.nn.functional.linear(x.double(), ref_w, None if bias is None else bias.double())
+                got = gguf.gguf_gemv(x.to(device), raw.to(device), qtype, None if bias is None else bias.to(device))
                 _check(got, ref, torch.bfloat16, f"gguf gemv qtype {qtype} M={M} N={N} K={K}")
+        check_gguf_gemm(device, qtype, shapes[-1], (9,) if device == "cpu" else (9, 100), gen)
+
+
+def check_gguf_gemm(device: str, qtype: int, shape, rows, gen) -> None:
+    """`gguf_linear` above 8 rows (the dequant-in-tile tl.dot GEMM) against the gguf package's
+    decoder (bf16 tolerance: the tiles are rounded to bf16 for the tensor cores)."""
+    from ferrum.ops import gguf
+    N, K = shape
+    raw = _gguf_raw(qtype, N, K, gen)
+    ref_w = gguf.gguf_dequantize(raw, qtype, K).double()
+    b = torch.randn(N, generator=gen).to(torch.bfloat16)
+    for M in rows:
+        x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+        ref = torch.nn.functional.linear(x.double(), ref_w, b.double())
+        cfg = (16, 16, 4, 1) if device == "cpu" else None  # small tiles: the interpreter is slow
+        got = gguf.gguf_gemm(x.to(device), raw.to(device), qtype, b.to(device), config=cfg)
+        _check(got, ref, torch.bfloat16, f"gguf gemm qtype {qtype} M={M} N={N} K={K}")
 
 
 CHECKS.append("check_gguf_gemv")
@@ -271,9 +316,10 @@ def check_sm90_compile(device: str) -> None:
                                                    b_ptr="*fp32", y_ptr="*bf16"), w, st, f"fp8 gemv M={M} {n}x{k}")
             for gidx in (False, True) if (n, k) == LLAMA3_8B[0] else (False,):
                 bn, bk, w, st, split = int4.int4_gemv_config(n, k, M, 128, gidx)
+                bk, gt = int4._tile_groups(bk, 128, gidx)
                 for sp in sorted({split, 4} if k > n else {split}):  # and a split-K one for down_proj
                     build(int4._w4_gemv_kernel, dict(common, GROUP=128, HAS_GIDX=gidx, BLOCK_N=bn, BLOCK_K=bk,
-                                                     SPLIT_K=sp),
+                                                     GT=gt, SPLIT_K=sp),
                           dict(w4_ptrs, y_ptr="*bf16" if sp == 1 else "*fp32"), w, st,
                           f"int4 gemv M={M} {n}x{k} g_idx={gidx} split={sp}")
             for qtype in gguf.PACKED_TYPES:

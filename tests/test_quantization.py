@@ -241,6 +241,61 @@ def test_fp8_kv_cache_logits_close_and_half_the_bytes(base, monkeypatch):
     assert d < 1e-5, f"fp8 KV vs fp32 KV holding e4m3-rounded values: {d:.2e}"
 
 
+@pytest.mark.parametrize("names,fmt", [("vllm", "fp8"), ("kv", "fp8"), ("modelopt", "fp8"), ("ct", "ct")])
+def test_checkpoint_kv_scales_load_into_fp8_kv_cache(base, tmp_path, monkeypatch, names, fmt):
+    """An FP8 checkpoint's KV-cache scales (vLLM `self_attn.k_scale` / `v_scale`, the older
+    `kv_scale`, ModelOpt `k_proj.k_scale`, compressed-tensors `k_proj.output_scale`) reach each
+    layer's Attention buffers; with --kv-cache-dtype fp8 the cache stores K / V divided by them
+    (the scales passed to write_kv) and the logits stay within the FP8 KV bound of an fp32
+    cache; without an FP8 cache they change nothing."""
+    scales = {0: (0.02, 0.015), 1: (0.025, 0.02)}  # |K|, |V| < 4 here: no e4m3 saturation (448)
+    q, ref, _ = write_quantized(base, str(tmp_path / "q"), fmt, kv_scales=scales, kv_scale_names=names)
+    want_scales = {i: (k, k if names == "kv" else v) for i, (k, v) in scales.items()}
+    from ferrum.ops import attention_torch as tb
+    seen = []
+    write = tb.write_kv
+
+    def spy(cache, k, v, slots, **kw):
+        if kw:
+            seen.append((kw["k_scale"].item(), kw["v_scale"].item()))
+        return write(cache, k, v, slots, **kw)
+
+    monkeypatch.setattr(tb, "write_kv", spy)
+
+    def run(kv, tokens=None):
+        cfg = EngineConfig(model=q)
+        cfg.cache.kv_cache_dtype = kv
+        ex = SingleDeviceExecutor(load_hf_folder(q), cfg, progress=False)
+        try:
+            got = [(a.k_scale.item(), a.v_scale.item()) for a in ex.runner.attn_layers]
+            return _run_executor(ex, 4, tokens), got
+        finally:
+            ex.shutdown()
+
+    def r6(pairs):
+        return [(round(k, 6), round(v, 6)) for k, v in pairs]
+
+    plain, loaded = run("auto")
+    assert r6(loaded) == r6(want_scales[i] for i in range(2)) and not seen  # loaded, unused
+    torch.testing.assert_close(plain, _logits(ref)[: plain.shape[0]], rtol=0, atol=1e-4)
+    fp8, _ = run("fp8", plain.argmax(-1).view(-1, 2).tolist())  # the same tokens fed to both
+    assert set(r6(seen)) == set(r6(want_scales.values()))  # every layer wrote with its own scales
+    rel = ((fp8 - plain).abs().max() / plain.abs().max()).item()
+    print(f"fp8 KV with checkpoint scales ({names}) vs fp32 KV: max rel logit diff {rel:.2e}")
+    assert rel < 0.1
+
+
+def test_kv_scale_that_is_not_per_tensor_is_named_error(base, tmp_path):
+    from ferrum.errors import WeightLoadError
+    from safetensors.torch import load_file, save_file
+    q, _, _ = write_quantized(base, str(tmp_path / "q"), "fp8", kv_scales={0: (0.01, 0.01)})
+    tensors = load_file(f"{q}/model.safetensors")
+    tensors["model.layers.0.self_attn.k_scale"] = torch.full((2,), 0.01)
+    save_file(tensors, f"{q}/model.safetensors")
+    with pytest.raises(WeightLoadError, match="k_scale.*only per-tensor"):
+        SingleDeviceExecutor(load_hf_folder(q), EngineConfig(model=q), progress=False)
+
+
 def test_kv_cache_dtype_is_validated():
     from ferrum.config import resolve_kv_cache_dtype
     from ferrum.errors import InvalidRequestError

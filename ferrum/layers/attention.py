@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ferrum.errors import WeightLoadError
 from ferrum.forward_context import get_forward_context
 
 
@@ -22,9 +23,23 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.kv_cache = torch.empty(0)
         # FP8 KV cache: K / V are stored divided by these per-layer scales (device tensors, so
-        # a captured CUDA graph reads their current value); 1.0 as vLLM without calibration
+        # a captured CUDA graph reads their current value); 1.0 as vLLM without calibration,
+        # else the checkpoint's (`load_kv_scale`)
         self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+
+    def load_kv_scale(self, which: str, value: torch.Tensor, name: str = "") -> None:
+        """Set buffer `which` (k_scale | v_scale) from a checkpoint's per-tensor FP8 KV scale
+        `value` (one element, any float dtype; checkpoint tensor `name` for errors). The same
+        on every TP rank. Raises WeightLoadError for a per-channel / per-head scale (ferrum's
+        FP8 cache has one scale per layer) or a value that is not finite and positive."""
+        if value.numel() != 1:
+            raise WeightLoadError(f"{name}: FP8 KV cache scale of shape {tuple(value.shape)}; only per-tensor "
+                                  "(one value per layer) scales are supported")
+        v = float(value.float().reshape(()))
+        if not (v > 0 and v < float("inf")):
+            raise WeightLoadError(f"{name}: FP8 KV cache scale {v} is not a positive finite number")
+        getattr(self, which).fill_(v)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D] in q's dtype."""

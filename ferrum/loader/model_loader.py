@@ -22,9 +22,30 @@ def packed_target(name: str, mapping: dict) -> tuple[str, object]:
     return name, None
 
 
+# FP8 KV-cache scales as checkpoints name them (suffix of `<layer>.self_attn`) -> the Attention
+# buffers they fill (`<layer>.self_attn.attn.k_scale` / `v_scale`): vLLM / AutoFP8 `k_scale`,
+# `v_scale`; the older single `kv_scale` (both); ModelOpt `k_proj.k_scale`; compressed-tensors'
+# `kv_cache_scheme` writes the k_proj / v_proj output scales.
+KV_SCALE_NAMES = {"k_scale": ("k_scale",), "v_scale": ("v_scale",), "kv_scale": ("k_scale", "v_scale"),
+                  "k_proj.k_scale": ("k_scale",), "v_proj.v_scale": ("v_scale",),
+                  "k_proj.output_scale": ("k_scale",), "v_proj.output_scale": ("v_scale",)}
+
+
+def kv_scale_target(name: str) -> tuple[str, tuple[str, ...]] | None:
+    """(Attention module name, buffers) that checkpoint tensor `name` fills when it is an FP8
+    KV-cache scale (`KV_SCALE_NAMES`), else None. `model.layers.3.self_attn.k_scale` ->
+    (`model.layers.3.self_attn.attn`, ("k_scale",))."""
+    head, sep, tail = name.partition(".self_attn.")
+    if not sep or tail not in KV_SCALE_NAMES:
+        return None
+    return f"{head}.self_attn.attn", KV_SCALE_NAMES[tail]
+
+
 def load_weights(model: nn.Module, source: WeightSource, progress: bool = True) -> None:
     """Raises WeightLoadError when a parameter is missing from the source, a shape differs,
     or a file cannot be read. Unknown extra tensors are ignored (e.g. tied lm_head copies).
+    FP8 KV-cache scales (`kv_scale_target`) go to the Attention layers' k_scale / v_scale,
+    which only an FP8 KV cache reads.
 
     A checkpoint name maps to (parameter, shard id) through the model's `map_weight_name(name)`
     when it has one (MoE experts, renamed modules), else its `packed_modules_mapping`. A
@@ -36,10 +57,16 @@ def load_weights(model: nn.Module, source: WeightSource, progress: bool = True) 
     mapping = getattr(model, "packed_modules_mapping", {})
     remap = getattr(model, "map_weight_name", None) or (lambda n: packed_target(n, mapping))
     split = getattr(model, "split_fused_weight", None) or (lambda n, lazy: [(n, lazy)])
+    modules = dict(model.named_modules())
     loaded: set[str] = set()
     names = source.names()
     for full_name in tqdm(names, desc="loading weights", unit="tensor", disable=not progress, leave=False):
         if full_name.endswith(_SKIP) or (tied and full_name == "lm_head.weight"):
+            continue
+        kv = kv_scale_target(full_name)
+        if kv is not None and hasattr(modules.get(kv[0]), "load_kv_scale"):
+            for buffer in kv[1]:
+                modules[kv[0]].load_kv_scale(buffer, source.get(full_name).load(), full_name)
             continue
         for name, lazy in split(full_name, source.get(full_name)):
             target, shard = remap(name)
