@@ -13,9 +13,14 @@ A weight [N, K] is `raw` [N, K // QK * BPB] uint8: row n is its K // QK blocks o
         (((qh[32H + l] >> 2Q) & 3) << 4), minus 32, times d * scales[8H + 2Q + l // 16]
 The reference decoder is the `gguf` package's (a numpy port of llama.cpp's dequantize_row_*).
 
-- `gguf_gemv` (1-8 rows, CUDA): Triton; each program streams BLOCK_N rows, decodes 256
-  elements per row and step in registers (byte gathers within the block), multiplies by x.
-- more rows (CUDA): `gguf_dequantize_triton` writes the 16-bit weight once, then cuBLAS.
+- `gguf_gemv` (1-8 rows, CUDA): Triton; each program streams BLOCK_N rows, 256 elements per
+  row and step laid out [A, B, L] sub-blocks (`STEP_LAYOUT`): the quant bytes are loaded once
+  per step, the block headers once per sub-block, and the product is factored per sub-block,
+  scale * sum(q x) - min * sum(x), as llama.cpp's vec_dot kernels do. Configurations:
+  `GGUF_GEMV_CONFIGS`.
+- `gguf_gemm` (more rows, CUDA): the same per-step decode feeding tl.dot tiles (the weight is
+  never written out in 16 bits). `gguf_dequantize_triton` (the whole weight, 16-bit) remains
+  for callers that want a dense copy.
 - CPU and the reference: `gguf_dequantize`, then F.linear.
 """
 from __future__ import annotations
