@@ -209,6 +209,7 @@ def sec_kernels(args):
     of weight bytes, max relative error of the default and best config against the
     dequantized weight, and the best config per matrix printed as the dict literals
     `W4_GEMV_CONFIGS` (ferrum/ops/int4.py) and `GGUF_GEMV_CONFIGS` (ferrum/ops/gguf.py).
+    Then, at `--gemm-rows`, the GGUF dequant-in-tile GEMM against dequantize + cuBLAS.
     `--small`: tiny matrices and three configs, for a crash check under TRITON_INTERPRET=1."""
     import torch
     from ferrum.ops import fp8, gemv, gguf, int4
@@ -266,6 +267,23 @@ def sec_kernels(args):
                       f"{gbs[best]:.1f} GB/s, max rel err {max(errs.values()):.1e}", flush=True)
             res["matrices"][f"{name}_m{M}"] = row
             save(args, "quant_kernels", res)  # after every matrix: a timeout keeps what was measured
+        for M in [9] if args.small else args.gemm_rows:  # prefill: GGUF dequant-in-tile GEMM vs dequantize + cuBLAS
+            x = torch.randn(M, K, device=device, generator=gen).bfloat16()
+            row = {}
+            for q in (gguf.Q4_K, gguf.Q6_K):
+                ws = weights[f"gguf_{q}"]
+                tiled = _timer(device, len(ws))(lambda i: gguf.gguf_gemm(x, ws[i], q))
+                dense = _timer(device, len(ws))(
+                    lambda i: torch.nn.functional.linear(x, gguf.gguf_dequantize_triton(ws[i], q, K, x.dtype)))
+                w4_us = _timer(device, len(weights["w4"]))(lambda i: int4.int4_gemm(x, *weights["w4"][i], 128))
+                ref = x.float() @ refs[f"gguf_{q}"].t()
+                err = ((gguf.gguf_gemm(x, ws[0], q).float() - ref).abs().max() / ref.abs().max()).item()
+                row[f"gguf_{q}"] = {"gemm_us": tiled, "dequant_cublas_us": dense, "int4_gemm_us": w4_us,
+                                    "gemm_max_rel_err": err}
+                print(f"{name} M={M} gguf_{q}: dequant-in-tile GEMM {tiled:.1f} us, dequantize + cuBLAS "
+                      f"{dense:.1f} us (int4 GEMM g128 {w4_us:.1f} us), max rel err {err:.1e}", flush=True)
+            res["matrices"][f"{name}_gemm_m{M}"] = row
+            save(args, "quant_kernels", res)
         del weights, refs
     res["W4_GEMV_CONFIGS"] = {str(k): v for k, v in best_w4.items()}
     res["GGUF_GEMV_CONFIGS"] = {str(k): v for k, v in best_gguf.items()}
@@ -302,6 +320,8 @@ def main():
     p.add_argument("--small", action="store_true",
                    help="kernels: tiny matrices and few configs (a crash check under TRITON_INTERPRET=1 on CPU)")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4], help="kernels: activation rows M")
+    p.add_argument("--gemm-rows", type=int, nargs="*", default=[64, 512],
+                   help="kernels: prefill rows at which the GGUF GEMM is timed against dequantize + cuBLAS")
     p.add_argument("--kernels", nargs="+", default=None,
                    help="kernels: only these (bf16 fp8 w4 gguf_12 gguf_14 gguf_8)")
     p.add_argument("--matrices", nargs="+", default=None, choices=list(LLAMA3_8B_MATRICES),
