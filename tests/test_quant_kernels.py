@@ -134,13 +134,12 @@ def check_int4_gemv(device: str, shapes=((64, 256), (40, 128)), rows=(1, 5)) -> 
                     _check(got, ref, dtype, f"int4 gemv M={M} N={N} K={K} g={group} act_order={act_order}")
 
 
-def check_int4_gemv_configs(device: str) -> None:
+def check_int4_gemv_configs(device: str, N: int = 24, K: int = 384) -> None:
     """The 4-bit GEMV's other paths at explicit configs: tiles inside one group (BLOCK_K <
     group) and spanning several, split-K (float32 partials + the reduce kernel, with bias),
-    masked tails (N, K not dividing the tile), g_idx with split-K."""
+    masked tails (N, K not dividing the tile at the default shape), g_idx with split-K."""
     from ferrum.ops import int4
     gen = torch.Generator().manual_seed(12)
-    N, K = 24, 384
     cases = [(128, False, 1, (16, 64, 4, 1, 1)), (128, False, 1, (16, 64, 4, 1, 3)),
              (32, False, 3, (8, 256, 4, 1, 2)), (128, False, 2, (16, 256, 4, 1, 1)),
              (64, True, 1, (8, 128, 4, 1, 2)), (64, True, 6, (8, 64, 4, 1, 1))]
@@ -216,6 +215,7 @@ def test_llama3_8b_shapes_on_gpu():
     check_int4_gemv("cuda", LLAMA3_8B, (1, 2, 8))
     check_int4_gemm("cuda", LLAMA3_8B, (64, 512))
     check_int4_gemv_configs("cuda")
+    check_int4_gemv_configs("cuda", *LLAMA3_8B[3])  # down_proj: split-K where it matters
     check_gguf_gemv("cuda", (LLAMA3_8B[0], LLAMA3_8B[3]), (1, 2, 8))
     gen = torch.Generator().manual_seed(5)
     for N, K in LLAMA3_8B:
