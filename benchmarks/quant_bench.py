@@ -16,7 +16,8 @@ peer driver (../shared/peers/vllm_bench.py), so the figures compare one to one:
   Llama-3-8B matrices at 1 and 4 rows, every candidate config (GB/s of weight bytes read, CUDA
   graphs over weight copies larger than L2); prints the best configs as the dict literals
   `W4_GEMV_CONFIGS` / `GGUF_GEMV_CONFIGS` to paste into ferrum/ops/int4.py / gguf.py.
-  `kernels --small` runs on CPU under TRITON_INTERPRET=1 (crash check).
+  `--grid full` times ~160 configs instead of ~60 (several minutes); `kernels --small` runs on
+  CPU under TRITON_INTERPRET=1 (crash check).
 Each section writes `<out>/quant_<section>.json` with the keys `fp8_speedup_vs_bf16`,
 `w4a16_speedup_vs_bf16` (AWQ), `gptq_speedup_vs_bf16`, `gguf_q4_k_speedup_vs_bf16` and, with
 vLLM's files (`vllm_latency_<quant>_p128_tp1.json`, `vllm_throughput_<quant>_p128_tp1.json`),
@@ -130,31 +131,46 @@ OLD_W4_GBS = 770.0  # the int4 GEMV before the per-group factoring: 161 tok/s, 0
 L2_FLUSH_BYTES = 256 * 2**20  # > 4x the H200's L2: each timed call reads its weights from HBM
 
 
-def _kernel_candidates(small: bool, M: int, N: int, K: int) -> dict[str, list[tuple]]:
+def _kernel_candidates(grid: str, M: int, N: int, K: int) -> dict[str, list[tuple]]:
     """Configs timed per kernel (the first is the current default). Tuples as each kernel's
     `config` argument: bf16 / fp8 (BLOCK_N, BLOCK_K, warps, stages); w4 (BLOCK_N, BLOCK_K,
-    warps, stages, SPLIT_K); gguf (BLOCK_N, warps, stages)."""
+    warps, stages, SPLIT_K); gguf (BLOCK_N, warps, stages). grid: small (the interpreter smoke
+    run), default (~60 compiles, fits gpu_run.sh's quantkern limit) or full (~200)."""
     from ferrum.ops import fp8, gemv, gguf, int4
-    if small:
+    qtypes = (gguf.Q4_K, gguf.Q6_K, gguf.Q8_0)
+    if grid == "small":
         return {"bf16": [(4, 128, 4, 1)] if M == 1 else [], "fp8": [(4, 128, 4, 1)],
                 "w4": [int4.int4_gemv_config(N, K, M, 128, False), (8, 128, 4, 1, 2), (4, 256, 4, 1, 1)],
-                **{f"gguf_{q}": [gguf.gguf_gemv_config(q, N, K, M), (4, 4, 1)] for q in (gguf.Q4_K, gguf.Q6_K, gguf.Q8_0)}}
-    splits = (2, 4, 8) if N <= 4096 else (2,)  # few output rows: few programs without split-K
-    if M == 1:
-        w4 = [(bn, bk, w, 3, 1) for bn in (4, 8, 16, 32) for bk in (128, 256, 512) for w in (4, 8)]
-        w4 += [(bn, bk, 4, st, 1) for bn in (8, 16) for bk in (128, 256) for st in (2, 4)]
-        w4 += [(bn, bk, 4, 3, sp) for bn in (8, 16, 32) for bk in (128, 256) for sp in splits]
-        gg = [(bn, w, 2) for bn in (2, 4, 8, 16) for w in (2, 4, 8)] + [(bn, 4, 3) for bn in (4, 8, 16)]
-        dense = [(bn, bk, 4, 3) for bn in (4, 8, 16) for bk in (256, 512, 1024)]
+                **{f"gguf_{q}": [gguf.gguf_gemv_config(q, N, K, M), (4, 4, 1)] for q in qtypes}}
+    few_rows = N <= 4096  # few programs without split-K
+    if grid == "full":
+        splits = (2, 4, 8) if few_rows else (2,)
+        if M == 1:
+            w4 = [(bn, bk, w, 3, 1) for bn in (4, 8, 16, 32) for bk in (128, 256, 512) for w in (4, 8)]
+            w4 += [(bn, bk, 4, st, 1) for bn in (8, 16) for bk in (128, 256) for st in (2, 4)]
+            w4 += [(bn, bk, 4, 3, sp) for bn in (8, 16, 32) for bk in (128, 256) for sp in splits]
+            gg = [(bn, w, 2) for bn in (2, 4, 8, 16) for w in (2, 4, 8)] + [(bn, 4, 3) for bn in (4, 8, 16)]
+            dense = [(bn, bk, 4, 3) for bn in (4, 8, 16) for bk in (256, 512, 1024)]
+        else:
+            w4 = [(bn, bk, w, 3, 1) for bn in (4, 8, 16) for bk in (64, 128, 256) for w in (4, 8)]
+            w4 += [(bn, 128, 4, 3, sp) for bn in (8, 16) for sp in splits]
+            gg = [(bn, w, 2) for bn in (2, 4, 8) for w in (4, 8)]
+            dense = [(bn, bk, 4, 3) for bn in (8, 16) for bk in (64, 128)]
+    elif M == 1:
+        w4 = [(bn, bk, 4, 3, 1) for bn in (8, 16, 32) for bk in (256, 512)]
+        w4 += [(16, 128, 4, 3, 1), (32, 128, 4, 3, 1), (16, 512, 8, 3, 1), (32, 512, 8, 3, 1)]
+        w4 += [(bn, 256, 4, 3, sp) for bn in (16, 32) for sp in ((2, 4) if few_rows else ())]
+        gg = [(bn, w, 2) for bn in (4, 8, 16, 32) for w in (4, 8)]
+        dense = [(8, 512, 4, 3), (16, 256, 4, 4)]
     else:
-        w4 = [(bn, bk, w, 3, 1) for bn in (4, 8, 16) for bk in (64, 128, 256) for w in (4, 8)]
-        w4 += [(bn, 128, 4, 3, sp) for bn in (8, 16) for sp in splits]
-        gg = [(bn, w, 2) for bn in (2, 4, 8) for w in (4, 8)]
-        dense = [(bn, bk, 4, 3) for bn in (8, 16) for bk in (64, 128)]
+        w4 = [(bn, bk, 4, 3, 1) for bn in (8, 16) for bk in (128, 256)]
+        w4 += [(16, 128, 4, 3, sp) for sp in ((2, 4) if few_rows else ())]
+        gg = [(4, 4, 2), (8, 4, 2)]
+        dense = [(16, 128, 4, 3)]
     cands = {"bf16": [gemv.gemv_config(N, K)] + dense if M == 1 else [],
              "fp8": [fp8.gemv_rows_config(N, K, M)] + dense,
              "w4": [int4.int4_gemv_config(N, K, M, 128, False)] + w4}
-    for q in (gguf.Q4_K, gguf.Q6_K, gguf.Q8_0):
+    for q in qtypes:
         cands[f"gguf_{q}"] = [gguf.gguf_gemv_config(q, N, K, M)] + gg
     return {k: list(dict.fromkeys(v)) for k, v in cands.items()}
 
@@ -235,7 +251,7 @@ def sec_kernels(args):
         for M in args.rows:
             x = torch.randn(M, K, device=device, generator=gen).bfloat16()
             row = {}
-            for kern, configs in _kernel_candidates(args.small, M, N, K).items():
+            for kern, configs in _kernel_candidates("small" if args.small else args.grid, M, N, K).items():
                 if args.kernels and kern not in args.kernels or not configs:
                     continue
                 ws = weights[kern]
@@ -319,6 +335,8 @@ def main():
     p.add_argument("--num-requests", type=int, default=1000)
     p.add_argument("--small", action="store_true",
                    help="kernels: tiny matrices and few configs (a crash check under TRITON_INTERPRET=1 on CPU)")
+    p.add_argument("--grid", default="default", choices=["default", "full"],
+                   help="kernels: candidate configs (full: ~200 compiles, several minutes)")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4], help="kernels: activation rows M")
     p.add_argument("--gemm-rows", type=int, nargs="*", default=[64, 512],
                    help="kernels: prefill rows at which the GGUF GEMM is timed against dequantize + cuBLAS")
