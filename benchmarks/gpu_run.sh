@@ -125,7 +125,7 @@ free_gpu() {
     fi
 }
 
-declare -A LIMIT=([quant_vllm_awq]=200 [moe_vllm]=300 [tests]=210 [latency]=330 [ttft]=300 [nanovllm]=240 [tp2]=240 [quantkern]=180 [quant]=420 [moe]=480)
+declare -A LIMIT=([quant_vllm_awq]=200 [moe_vllm]=300 [tests]=210 [latency]=330 [ttft]=300 [nanovllm]=240 [tp2]=240 [quantkern]=240 [quant]=420 [moe]=480)
 summary=$OUT/summary.txt
 echo "gpu_run.sh ${sections[*]} at commit $FERRUM_GIT_COMMIT, $(date -u +%FT%TZ), device $DEVICE, $ngpus GPU(s), peers: ${peers[*]:-none}" >>"$summary"
 

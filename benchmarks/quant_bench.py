@@ -167,8 +167,11 @@ def _kernel_candidates(grid: str, M: int, N: int, K: int) -> dict[str, list[tupl
         w4 += [(16, 128, 4, 3, sp) for sp in ((2, 4) if few_rows else ())]
         gg = [(4, 4, 2), (8, 4, 2)]
         dense = [(16, 128, 4, 3)]
+    # FP8 weights are half the bytes of bf16: the same bytes per tile need twice the BLOCK_K
+    fp8_wide = ([(bn, 1024, w, 3) for bn in (4, 8, 16) for w in (4, 8)] if M == 1 else
+                [(8, 256, 4, 3), (16, 256, 4, 3)])
     cands = {"bf16": [gemv.gemv_config(N, K)] + dense if M == 1 else [],
-             "fp8": [fp8.gemv_rows_config(N, K, M)] + dense,
+             "fp8": [fp8.fp8_gemv_config(N, K, M)] + dense + fp8_wide,
              "w4": [int4.int4_gemv_config(N, K, M, 128, False)] + w4}
     for q in qtypes:
         cands[f"gguf_{q}"] = [gguf.gguf_gemv_config(q, N, K, M)] + gg
@@ -237,7 +240,7 @@ def sec_kernels(args):
     matrices = SMALL_MATRICES if args.small else LLAMA3_8B_MATRICES
     gen = torch.Generator(device=device).manual_seed(0)
     res = {"old_w4_GBs": OLD_W4_GBS, "matrices": {}}
-    best_w4, best_gguf = {}, {}
+    best_fp8, best_w4, best_gguf = {}, {}, {}
     call = {"bf16": lambda x, w, c: gemv.gemv(x, w, config=c),
             "fp8": lambda x, w, c: fp8.fp8_gemv(x, *w, config=c),
             "w4": lambda x, w, c: int4.int4_gemv(x, *w, 128, config=c)}
@@ -274,7 +277,9 @@ def sec_kernels(args):
                              "default_GBs": gbs[configs[0]], "best_config": best, "best_us": times[best],
                              "best_GBs": gbs[best], "max_rel_err": {str(c): e for c, e in errs.items()},
                              "all": {str(c): round(g, 1) for c, g in gbs.items()}}
-                if kern == "w4":
+                if kern == "fp8":
+                    best_fp8[(N, K, M)] = best
+                elif kern == "w4":
                     best_w4[(N, K, M)] = best
                     row[kern]["best_vs_old"] = gbs[best] / OLD_W4_GBS
                 elif kern.startswith("gguf_"):
@@ -301,9 +306,12 @@ def sec_kernels(args):
             res["matrices"][f"{name}_gemm_m{M}"] = row
             save(args, "quant_kernels", res)
         del weights, refs
+    res["FP8_GEMV_CONFIGS"] = {str(k): v for k, v in best_fp8.items()}
     res["W4_GEMV_CONFIGS"] = {str(k): v for k, v in best_w4.items()}
     res["GGUF_GEMV_CONFIGS"] = {str(k): v for k, v in best_gguf.items()}
     save(args, "quant_kernels", res)
+    print("# `python3 benchmarks/paste_gemv_configs.py <out>/quant_kernels.json` writes these tables:")
+    print(f"FP8_GEMV_CONFIGS = {best_fp8!r}")
     print("# paste into ferrum/ops/int4.py:")
     print(f"W4_GEMV_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {best_w4!r}")
     print("# paste into ferrum/ops/gguf.py:")

@@ -177,3 +177,20 @@ def test_sweep_cli(tmp_path):
     for p in sweep["points"]:
         assert p["decode_tok_s"] > 0 and p["sampler_ms"] > 0 and p["replay_ms"] is None   # CPU: no graphs
         assert p["steps_timed"] > 0
+
+
+def test_paste_gemv_configs_replaces_only_the_table():
+    """benchmarks/paste_gemv_configs.py rewrites one module-level dict literal (the tuned GEMV
+    tiles), whatever it held before, and leaves the rest of the module as it was."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "paste_gemv_configs.py"
+    spec = importlib.util.spec_from_file_location("paste_gemv_configs", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    src = "A = 1\nW4_GEMV_CONFIGS: dict[tuple, tuple] = {\n    (1, 2, 1): (3, 4),\n}\nB = {2: 3}\n"
+    new = tool.replace_table(src, "W4_GEMV_CONFIGS", tool.literal({"(8, 16, 4)": [1, 2], "(8, 16, 1)": [5, 6]}))
+    ns: dict = {}
+    exec(new, ns)
+    assert ns["W4_GEMV_CONFIGS"] == {(8, 16, 1): (5, 6), (8, 16, 4): (1, 2)}
+    assert ns["A"] == 1 and ns["B"] == {2: 3}

@@ -116,6 +116,25 @@ def gemv_rows_config(n: int, k: int, m: int) -> tuple[int, int, int, int]:
     return bn, bk, w, s
 
 
+# Tuned (BLOCK_N, BLOCK_K, num_warps, num_stages) of `fp8_gemv` per (N, K, 1 or 4 rows), timed on
+# an H200 by `benchmarks/quant_bench.py kernels` and written here by
+# `benchmarks/paste_gemv_configs.py`. Shapes not listed take `gemv_rows_config`.
+FP8_GEMV_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+
+
+def fp8_gemv_config(n: int, k: int, m: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of `fp8_gemv` for an [n, k] weight and m rows:
+    `KERNELS.qgemv_config` if set, else `FP8_GEMV_CONFIGS[(n, k, 1 or 4)]` (BLOCK_K halved
+    until it divides k), else `gemv_rows_config`."""
+    cfg = None if KERNELS.qgemv_config else FP8_GEMV_CONFIGS.get((n, k, 1 if m == 1 else 4))
+    if cfg is None:
+        return gemv_rows_config(n, k, m)
+    bn, bk, w, s = cfg
+    while bk > 16 and k % bk:
+        bk //= 2
+    return bn, bk, w, s
+
+
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
              config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """x: [M, K] (M <= 8, unit stride along K), weight: [N, K] float8_e4m3fn (unit stride along
@@ -123,7 +142,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
     M, K = x.shape
     N = weight.shape[0]
     assert M <= MAX_GEMV_ROWS and weight.shape[1] == K and x.stride(1) == 1 and weight.stride(1) == 1
-    bn, bk, warps, stages = config or gemv_rows_config(N, K, M)
+    bn, bk, warps, stages = config or fp8_gemv_config(N, K, M)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     pdl = pdl_ok(x)
     _w8_gemv_kernel[(triton.cdiv(N, bn),)](

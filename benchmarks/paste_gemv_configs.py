@@ -1,0 +1,66 @@
+"""Write the tuned GEMV config tables that `quant_bench.py kernels` measured into the kernel
+modules: FP8_GEMV_CONFIGS (ferrum/ops/fp8.py), W4_GEMV_CONFIGS (ferrum/ops/int4.py) and
+GGUF_GEMV_CONFIGS (ferrum/ops/gguf.py), each replacing the module's current literal.
+
+    python3 benchmarks/paste_gemv_configs.py OUT/quant_kernels.json [--root .]
+
+The JSON holds each table as {"(N, K, rows)": [config...]} (keys are the tuples' reprs). A
+table the JSON lacks is left as it is. Prints what it replaced.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import re
+
+TABLES = {"FP8_GEMV_CONFIGS": "ferrum/ops/fp8.py", "W4_GEMV_CONFIGS": "ferrum/ops/int4.py",
+          "GGUF_GEMV_CONFIGS": "ferrum/ops/gguf.py"}
+
+
+def literal(table: dict[str, list]) -> str:
+    """{"(a, b, c)": [x, y]} -> a Python dict literal with tuple keys and values, one entry a line."""
+    items = sorted((ast.literal_eval(k), tuple(v)) for k, v in table.items())
+    if not items:
+        return "{}"
+    return "{\n" + "".join(f"    {k!r}: {v!r},\n" for k, v in items) + "}"
+
+
+def replace_table(source: str, name: str, new_literal: str) -> str:
+    """source with the dict literal assigned to `name` at module level replaced. Raises
+    ValueError when the assignment is not found."""
+    m = re.search(rf"^{name}\s*:[^=\n]*=\s*", source, flags=re.M)
+    if m is None:
+        raise ValueError(f"{name} assignment not found")
+    start = end = m.end()
+    depth = 0
+    for i in range(start, len(source)):   # the literal ends where its braces balance
+        depth += {"{": 1, "}": -1}.get(source[i], 0)
+        if depth == 0:
+            end = i + 1
+            break
+    return source[:start] + new_literal + source[end:]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("json")
+    p.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    args = p.parse_args()
+    with open(args.json) as f:
+        res = json.load(f)
+    for name, rel in TABLES.items():
+        if not res.get(name):
+            print(f"{name}: not in {args.json}, left as it is")
+            continue
+        path = os.path.join(args.root, rel)
+        with open(path) as f:
+            source = f.read()
+        with open(path, "w") as f:
+            f.write(replace_table(source, name, literal(res[name])))
+        print(f"{name}: {len(res[name])} entries written to {rel}")
+
+
+if __name__ == "__main__":
+    main()
