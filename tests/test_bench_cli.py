@@ -194,3 +194,60 @@ def test_paste_gemv_configs_replaces_only_the_table():
     exec(new, ns)
     assert ns["W4_GEMV_CONFIGS"] == {(8, 16, 1): (5, 6), (8, 16, 4): (1, 2)}
     assert ns["A"] == 1 and ns["B"] == {2: 3}
+
+
+def test_throughput_step_log(tmp_path):
+    """--step-log: every step of the batched phase is a row; the phases add up to the run
+    (steps, output tokens, prefill tokens); the kernel profile covers one prefill step and
+    decode steps at the target batch; the markdown table is written."""
+    folder = make_tiny_model(str(tmp_path / "m"), "qwen3", layers=2, vocab=300, head_dim=16, max_pos=512)
+    out, logdir = tmp_path / "thr.json", tmp_path / "steps"
+    assert main(["bench", "throughput", folder, "--num-prompts", "4", "--input-len", "20", "60",
+                 "--output-len", "40", "60", "--threads", "1", "--no-sequential", "--max-num-seqs", "4",
+                 "--max-num-batched-tokens", "64", "--step-log", str(logdir), "--profile-batch", "4",
+                 "--profile-context", "30", "--out", str(out)]) == 0
+    thr = json.loads(out.read_text())
+    log = json.loads((logdir / "step_log.json").read_text())
+    rows, phases, totals = log["rows"], log["summary"]["phases"], log["summary"]["totals"]
+    assert len(rows) == thr["batched"]["steps"] == totals["steps"] == sum(p["steps"] for p in phases.values())
+    assert sum(r["sampled"] for r in rows) == thr["total_output_tokens"] == totals["output_tokens"]
+    assert sum(p["output_tokens"] for p in phases.values()) == totals["output_tokens"]
+    assert sum(r["prefill_tokens"] for r in rows) == thr["total_input_tokens"]
+    assert all(r["prefill_tokens"] <= 64 and r["decode_rows"] <= 4 for r in rows)
+    assert {r["kind"] for r in rows} >= {"prefill", "mixed", "decode"}
+    assert "prefill-containing steps" in phases and "decode, synchronous" in phases   # CPU: never overlapped
+    assert sum(p["wall_s"] for p in phases.values()) == pytest.approx(totals["wall_s"])
+    prof = json.loads((logdir / "kernel_profile.json").read_text())
+    assert prof["prefill"]["steps"] == 1 and prof["prefill"]["launched"]["prefill_tokens"] == 64
+    dec = prof["decode"]
+    assert dec["steps"] == 3 and dec["launched"]["decode_rows"] == 12 and dec["target_reached"]
+    assert dec["mean_decode_context"] >= 30 and dec["launched"]["prefill"] == 0
+    assert dec["categories_us"]["sampler"] > 0 and dec["busy_us"] <= dec["span_us"]
+    assert "| prefill-containing steps |" in (logdir / "step_log.md").read_text()
+
+
+def test_kernel_profile_split_on_device_events():
+    """The CUDA split of a profiler window: kernels go to their category by name, every kernel
+    launched under the sampler's range is "sampler", annotations are not kernels, and idle
+    time is the span minus the union of (possibly overlapping) kernel intervals."""
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+    from ferrum.benchmarks.step_log import split_profile
+
+    def cpu(name, id_, parent=None):
+        return NS(name=name, id=id_, device_type=DeviceType.CPU, kernels=[], cpu_parent=parent)
+
+    def gpu(name, start, end, corr):
+        return NS(name=name, device_type=DeviceType.CUDA, time_range=NS(start=start, end=end),
+                  linked_correlation_id=corr, is_user_annotation=False)
+    decode, sampler = cpu("ferrum::decode", 1), cpu("ferrum::sampler", 2)
+    argmax = cpu("aten::argmax", 3, sampler)
+    events = [decode, sampler, argmax, cpu("cudaGraphLaunch", 10, decode), cpu("cudaLaunchKernel", 11, argmax),
+              gpu("_decode_split_kernel", 0, 40, 10), gpu("_gemv_kernel", 30, 100, 10),   # overlapping (PDL)
+              gpu("reduce_kernel", 120, 130, 11),
+              NS(name="ferrum::decode", device_type=DeviceType.CUDA, time_range=NS(start=0, end=200),
+                 linked_correlation_id=0, is_user_annotation=True)]
+    res = split_profile(NS(events=lambda: events), 2, on_cuda=True)
+    assert res["categories_us"] == {"gemm/gemv": 35.0, "decode attention": 20.0, "sampler": 5.0}
+    assert res["span_us"] == 65.0 and res["busy_us"] == 55.0 and res["idle_us"] == 10.0

@@ -39,6 +39,7 @@ import time
 from ferrum.benchmarks.common import add_common_args, llm_from_config, random_prompts
 from ferrum.benchmarks.run_record import record, setup_threads, write_json
 from ferrum.benchmarks.peers import add_peer_args, ratio, run_vllm
+from ferrum.benchmarks.step_log import StepLog, profile_kernels, profile_markdown
 
 
 def add_parser(subparsers, add_engine_args) -> None:
@@ -60,6 +61,16 @@ def add_parser(subparsers, add_engine_args) -> None:
                    help="compare the batch constrained to this JSON schema (a file or inline JSON) "
                         "with the same batch unconstrained (default: no comparison)")
     p.add_argument("--repeats", type=int, default=3, help="--json-schema: interleaved runs of each")
+    p.add_argument("--step-log", default=None, metavar="DIR",
+                   help="write where the batched phase's time goes to DIR: step_log.json (every step: "
+                        "kind, batch, graph bucket, overlapped or not, host split, device time and idle "
+                        "gaps on CUDA), kernel_profile.json (torch.profiler split of one prefill step and "
+                        "a few decode steps at --profile-batch / --profile-context) and step_log.md "
+                        "(ferrum/benchmarks/step_log.py; default: off)")
+    p.add_argument("--profile-batch", type=int, default=None,
+                   help="--step-log: decode rows for the kernel profile (default: 90%% of the batch)")
+    p.add_argument("--profile-context", type=int, default=600,
+                   help="--step-log: mean context (tokens) of the decode steps profiled")
     add_common_args(p)
     p.set_defaults(func=main)
 
@@ -90,38 +101,18 @@ def nanovllm_workload():
     return prompts, params, [len(p) for p in prompts], out_lens
 
 
-def time_steps_by_kind(eng) -> dict:
-    """Wrap eng.step (and the executor's prefill / decode) to add up wall time per kind of
-    step: "prefill" (it ran a prefill chunk, possibly with decodes) or "decode" (decodes only),
-    with the prefill tokens and decode rows they ran. Returns the dict it fills in; `unwrap`
-    in it restores the originals."""
+def step_time_split(log) -> dict:
+    """The batched phase's wall time split into steps that ran a prefill chunk ("prefill",
+    possibly with decodes) and decode-only steps ("decode"), with the prefill tokens and
+    decode rows they ran, from a `StepLog`'s rows."""
     split = {kind: {"steps": 0, "s": 0.0, "prefill_tokens": 0, "decode_rows": 0} for kind in ("prefill", "decode")}
-    ex, step, prefill, decode = eng.executor, eng.step, eng.executor.prefill, eng.executor.decode
-    now = {"prefill": 0, "decode": 0}
-
-    def counted_prefill(inp):
-        now["prefill"] += sum(map(len, inp.token_ids))
-        return prefill(inp)
-
-    def counted_decode(inp):
-        now["decode"] += len(inp.token_ids)
-        return decode(inp)
-
-    def timed(*a, **k):
-        now["prefill"] = now["decode"] = 0
-        t = time.perf_counter()
-        out = step(*a, **k)
-        row = split["prefill" if now["prefill"] else "decode"]
+    for r in log.rows:
+        row = split["prefill" if r["prefill_tokens"] else "decode"]
         row["steps"] += 1
-        row["s"] += time.perf_counter() - t
-        row["prefill_tokens"] += now["prefill"]
-        row["decode_rows"] += now["decode"]
-        return out
-
-    def unwrap():
-        ex.prefill, ex.decode, eng.step = prefill, decode, step
-    ex.prefill, ex.decode, eng.step = counted_prefill, counted_decode, timed
-    return split, unwrap
+        row["s"] += r["wall_ms"] / 1e3
+        row["prefill_tokens"] += r["prefill_tokens"]
+        row["decode_rows"] += r["decode_rows"]
+    return split
 
 
 class _Timeline:
@@ -239,6 +230,30 @@ def structured_comparison(llm, prompts, out_lens, schema: dict, repeats: int, ti
             "runs": runs}
 
 
+def write_step_log(args, llm, log: StepLog, prompts, params) -> None:
+    """--step-log DIR: the batched phase's step log (summary and rows), then the kernel
+    profile of the same workload run again (`profile_kernels`), as JSON and markdown."""
+    os.makedirs(args.step_log, exist_ok=True)
+    summary = log.summary()
+    text = f"# Step log: {llm.engine.model_name}, {len(prompts)} prompts ({args.workload})\n\n" + log.markdown(summary)
+    with open(os.path.join(args.step_log, "step_log.json"), "w") as fh:
+        json.dump({"summary": summary, "rows": log.rows}, fh)
+    print(text, flush=True)
+    batch = args.profile_batch or max(1, int(0.9 * min(len(prompts), llm.engine.config.scheduler.max_num_seqs)))
+    _reset_prefix_cache(llm.engine)
+    try:
+        prof = profile_kernels(llm, prompts, params, batch, args.profile_context)
+    except Exception as e:  # noqa: BLE001 - the step log above is written either way
+        prof = {"error": f"{type(e).__name__}: {e}"}
+    with open(os.path.join(args.step_log, "kernel_profile.json"), "w") as fh:
+        json.dump(prof, fh, indent=1)
+    ptext = (f"\n## Kernel profile (target: {batch} decode rows at context >= {args.profile_context})\n"
+             + (profile_markdown(prof) if "error" not in prof else f"\nfailed: {prof['error']}\n"))
+    print(ptext, flush=True)
+    with open(os.path.join(args.step_log, "step_log.md"), "w") as fh:
+        fh.write(text + ptext)
+
+
 def _plot(path: str, res: dict, title: str) -> None:
     try:
         import matplotlib
@@ -295,12 +310,14 @@ def main(args) -> int:
         eng.shutdown()
         return 0
     _reset_prefix_cache(eng)
-    split, unwrap = time_steps_by_kind(eng)
+    log = StepLog(eng, gpu_events=args.step_log is not None)
     before = eng.status()
     batched = _phase("batched", lambda: llm.generate(prompts, params, use_tqdm=False), timeline, expected)
-    unwrap()
+    log.unwrap()
     after = eng.status()
-    batched["step_time_split"] = split
+    batched["step_time_split"] = step_time_split(log)
+    if args.step_log:
+        write_step_log(args, llm, log, prompts, params)
     batched.update({k: after[key] - before[key] for k, key in (("preemptions", "num_preemptions"),
                                                                ("steps", "steps"), ("overlapped_steps", "overlapped_steps"))})
     batched.pop("outputs")
