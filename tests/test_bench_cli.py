@@ -210,8 +210,9 @@ def test_throughput_step_log(tmp_path):
     log = json.loads((logdir / "step_log.json").read_text())
     rows, phases, totals = log["rows"], log["summary"]["phases"], log["summary"]["totals"]
     assert len(rows) == thr["batched"]["steps"] == totals["steps"] == sum(p["steps"] for p in phases.values())
+    # CPU: no async scheduling, so no wasted rows: every sampled row is an output token
     assert sum(r["sampled"] for r in rows) == thr["total_output_tokens"] == totals["output_tokens"]
-    assert sum(p["output_tokens"] for p in phases.values()) == totals["output_tokens"]
+    assert sum(p["sampled_rows"] for p in phases.values()) == totals["sampled_rows"] == totals["output_tokens"]
     assert sum(r["prefill_tokens"] for r in rows) == thr["total_input_tokens"]
     assert all(r["prefill_tokens"] <= 64 and r["decode_rows"] <= 4 for r in rows)
     assert {r["kind"] for r in rows} >= {"prefill", "mixed", "decode"}

@@ -12,19 +12,22 @@ row per step:
   finish_ms      processing the sampled ids: stop checks, detokenization (without wait_ms)
   other_ms       the rest: building RequestOutputs, bookkeeping
   kind           "prefill" (prefill chunks only), "mixed" (chunks and decodes), "decode", "empty"
-  prefill_tokens, prefill_seqs, decode_rows, sampled (rows sampled: output tokens)
+  prefill_tokens, prefill_seqs, decode_rows, sampled (rows sampled: output tokens, and under
+                 async scheduling one wasted row per sequence finished by the step before);
+                 tokens_out: tokens delivered by this call (those of the step launched before)
   decode_ctx     KV tokens the decode rows attend to (sum of their context lengths)
   bucket         decode CUDA-graph batch size replayed (padded rows = bucket - decode_rows),
                  "eager" without graphs; prefill_graph: a prefill CUDA graph ran
   overlapped     launched while the previous step was still on the device (async scheduling)
-  gpu_ms         CUDA: device time from the step's first launch to the end of its sampler
-                 (CUDA events recorded around `_launch`; includes gaps inside the step)
-  idle_ms        CUDA: device idle time between the previous step's end and this step's first
-                 launch, i.e. host time the device waited for
+  gpu_ms         CUDA: device time from the step's first device work (its prefill or decode
+                 call) to the end of its sampler launch (CUDA events); when the device was idle
+                 at that start it includes the host building that step's inputs
+  idle_ms        CUDA: device time between the previous step's end and this step's start: the
+                 host time the device waited for (0 when the step was queued in time)
 
 `summary()` groups the rows into phases: steps containing a prefill chunk, decode steps that
 ran synchronously (not overlapped), and overlapped decode steps by CUDA-graph bucket, with the
-wall time, output tokens and tok/s of each; `markdown()` writes them as a table.
+wall time, sampled rows and tok/s of each; `markdown()` writes them as a table.
 
 `profile_kernels` runs the same workload again under torch.profiler for one prefill step and
 a few decode steps at a target batch and context, and splits the device time into categories
@@ -68,6 +71,7 @@ class StepLog:
         self._own = {k for obj, k in ((eng, "step"), (eng, "_launch"), (eng, "_finish"), (eng.scheduler, "schedule"),
                                       (ex, "prefill"), (ex, "decode")) if k in obj.__dict__}
         self._row: dict | None = None
+        self._start = None                   # CUDA event at the step's first device work
         orig = self._orig
 
         def timed(key, fn):
@@ -80,12 +84,16 @@ class StepLog:
                         self._row[key] += 1e3 * (time.perf_counter() - t)
             return call
 
+        def mark_start():
+            # the step's first device work: its prefill or decode call (what the host does in
+            # `_launch` before it, handles and grammar masks, counts as idle when it stalls)
+            if self.gpu_events and self._start is None:
+                self._start = torch.cuda.Event(enable_timing=True)
+                self._start.record()
+
         def launch(sched):
             row = self._row
-            start = end = None
-            if self.gpu_events:
-                start = torch.cuda.Event(enable_timing=True)
-                start.record()
+            self._start = None
             t = time.perf_counter()
             launched = None
             try:
@@ -95,10 +103,11 @@ class StepLog:
                 if row is not None:
                     row["launch_ms"] += 1e3 * (time.perf_counter() - t)
                     row["sampled"] += len(launched.seqs) if launched is not None else 0
-                    if self.gpu_events:
+                    if self._start is not None:
                         end = torch.cuda.Event(enable_timing=True)
                         end.record()
-                        self._events.append((row, start, end))
+                        self._events.append((row, self._start, end))
+                        self._start = None
 
         def finish(touched):
             in_flight = eng._in_flight
@@ -116,6 +125,7 @@ class StepLog:
 
         def prefill(inp):
             row = self._row
+            mark_start()
             if row is not None:
                 row["prefill_tokens"] += sum(map(len, inp.token_ids))
                 row["prefill_seqs"] += len(inp.token_ids)
@@ -125,6 +135,7 @@ class StepLog:
 
         def decode(inp):
             row = self._row
+            mark_start()
             if row is not None:
                 n = len(inp.token_ids)
                 row["decode_rows"] += n
@@ -202,10 +213,13 @@ class StepLog:
         return None
 
     def summary(self) -> dict:
-        """Phases -> {steps, wall_s, share (of the summed step wall time), output_tokens
-        (sampled rows launched in those steps), tok_s, prefill_tokens, decode_rows,
+        """Phases -> {steps, wall_s, share (of the summed step wall time), sampled_rows (rows
+        sampled by the steps launched there: output tokens, plus under async scheduling one
+        wasted row per sequence that the step before had finished), tok_s (sampled_rows /
+        wall_s), prefill_tokens, decode_rows,
         padded_rows, mean ms per step of wall / schedule / launch / wait / finish / other,
-        mean decode batch and context, and on CUDA gpu_ms / idle_ms per step}, plus totals."""
+        mean decode batch and context, and on CUDA gpu_ms / idle_ms per step}, plus totals
+        (output_tokens: the tokens the engine delivered)."""
         self.finalize()
         total_wall = sum(r["wall_ms"] for r in self.rows) / 1e3
         groups: dict[str, list[dict]] = {}
@@ -221,10 +235,10 @@ class StepLog:
         for name in sorted(groups, key=order):
             rows = groups[name]
             wall = sum(r["wall_ms"] for r in rows) / 1e3
-            out_tokens = sum(r["sampled"] for r in rows)
+            sampled = sum(r["sampled"] for r in rows)
             decode = [r for r in rows if r["decode_rows"]]
             p = {"steps": len(rows), "wall_s": wall, "share": wall / total_wall if total_wall else 0.0,
-                 "output_tokens": out_tokens, "tok_s": out_tokens / wall if wall else 0.0,
+                 "sampled_rows": sampled, "tok_s": sampled / wall if wall else 0.0,
                  "prefill_tokens": sum(r["prefill_tokens"] for r in rows),
                  "decode_rows": sum(r["decode_rows"] for r in rows),
                  "padded_rows": sum(r["bucket"] - r["decode_rows"] for r in decode if isinstance(r["bucket"], int)),
@@ -242,7 +256,8 @@ class StepLog:
                 p["idle_s"] = sum(idle) / 1e3
             phases[name] = p
         totals = {"steps": len(self.rows), "wall_s": total_wall,
-                  "output_tokens": sum(r["sampled"] for r in self.rows),
+                  "output_tokens": sum(r["tokens_out"] for r in self.rows),
+                  "sampled_rows": sum(r["sampled"] for r in self.rows),
                   "overlapped_steps": sum(r["overlapped"] for r in self.rows)}
         totals["tok_s"] = totals["output_tokens"] / total_wall if total_wall else 0.0
         if any(r["gpu_ms"] is not None for r in self.rows):
@@ -254,13 +269,13 @@ class StepLog:
         """The summary as a markdown table (times in seconds and ms per step)."""
         s = summary or self.summary()
         gpu = "gpu_s" in s["totals"]
-        head = ["phase", "steps", "wall s", "share", "out tokens", "tok/s", "prefill tok", "mean batch",
+        head = ["phase", "steps", "wall s", "share", "sampled rows", "tok/s", "prefill tok", "mean batch",
                 "mean ctx", "padded rows", "ms/step", "sched", "launch", "wait", "finish", "other"]
         if gpu:
             head += ["gpu ms/step", "idle ms/step"]
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for name, p in s["phases"].items():
-            cells = [name, p["steps"], f"{p['wall_s']:.3f}", f"{100 * p['share']:.1f}%", p["output_tokens"],
+            cells = [name, p["steps"], f"{p['wall_s']:.3f}", f"{100 * p['share']:.1f}%", p["sampled_rows"],
                      f"{p['tok_s']:.0f}", p["prefill_tokens"], f"{p['mean_decode_batch']:.1f}",
                      f"{p['mean_decode_context']:.0f}", p["padded_rows"]]
             cells += [f"{p[k + '_per_step']:.3f}" for k in ("wall_ms", "schedule_ms", "launch_ms", "wait_ms",
