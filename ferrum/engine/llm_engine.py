@@ -148,6 +148,8 @@ class LLMEngine:
         a = config.scheduler.async_scheduling
         self.async_scheduling = self.sample_device.startswith("cuda") if a is None else a
         self._in_flight: StepInFlight | None = None
+        # (sampled sequences, their SamplingMetadata) of the last step, when it can be reused
+        self._metadata_cache: tuple[list[Sequence], SamplingMetadata] | None = None
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int] | None,
@@ -344,7 +346,7 @@ class LLMEngine:
         # their prompt: sample_seqs' order) are computed while the forward runs
         grammar_mask = self.structured.bitmask_async(
             [c.seq.seq_id for c in sched.decodes]
-            + [c.seq.seq_id for c in sched.prefills if c.completes])
+            + [c.seq.seq_id for c in sched.prefills if c.completes]) if self.structured.num_active else None
         if sched.decodes:
             seqs = [c.seq for c in sched.decodes]
             tokens = [s.token_ids[-1] for s in seqs]
@@ -398,14 +400,22 @@ class LLMEngine:
         if not sample_seqs:
             return StepInFlight([], [], None, None, None, None, commits, prompt_lps is None, prompt_lps)
         logits = torch.cat(logits_parts) if len(logits_parts) > 1 else logits_parts[0]
-        params = [s.request.params for s in sample_seqs]
-        # Output ids (a copy per sequence) only when penalties or min_tokens read them.
-        need_out = any(p.min_tokens or p.repetition_penalty != 1.0 or p.presence_penalty
-                       or p.frequency_penalty for p in params)
-        sampling_metadata = SamplingMetadata.build(
-            params, [s.request.prompt_token_ids for s in sample_seqs],
-            [s.output_token_ids for s in sample_seqs] if need_out else [()] * len(sample_seqs),
-            [s.generator for s in sample_seqs], self.eos_token_ids, self.vocab_size, logits.device)
+        cached = self._metadata_cache
+        if cached is not None and grammar_mask is None and cached[0] == sample_seqs:
+            # the same sequences in the same rows as the step before, and their metadata reads
+            # no output ids: it is unchanged (a steady decode batch rebuilt it every step)
+            need_out, sampling_metadata = False, cached[1]
+        else:
+            params = [s.request.params for s in sample_seqs]
+            # Output ids (a copy per sequence) only when penalties or min_tokens read them.
+            need_out = any(p.min_tokens or p.repetition_penalty != 1.0 or p.presence_penalty
+                           or p.frequency_penalty for p in params)
+            sampling_metadata = SamplingMetadata.build(
+                params, [s.request.prompt_token_ids for s in sample_seqs],
+                [s.output_token_ids for s in sample_seqs] if need_out else [()] * len(sample_seqs),
+                [s.generator for s in sample_seqs], self.eos_token_ids, self.vocab_size, logits.device)
+            reusable = not need_out and grammar_mask is None
+            self._metadata_cache = (sample_seqs, sampling_metadata) if reusable else None
         constrained = None if grammar_mask is None else grammar_mask.result()
         if constrained is not None:
             # the matcher must have seen every earlier token: such steps are never overlapped
@@ -483,10 +493,13 @@ class LLMEngine:
                     req.metrics.first_token_time = now
                 seq.token_ids[pos] = tok
                 state = seq.output_state
-                grammar_ok = self.structured.accept(seq.seq_id, tok)
-                state.append(tok)
-                if not state.finished and (not grammar_ok or self.structured.is_terminated(seq.seq_id)):
-                    state.finish("stop")  # the grammar is complete: nothing but EOS could follow
+                if req.grammar is None:
+                    state.append(tok)
+                else:
+                    grammar_ok = self.structured.accept(seq.seq_id, tok)
+                    state.append(tok)
+                    if not state.finished and (not grammar_ok or self.structured.is_terminated(seq.seq_id)):
+                        state.finish("stop")  # the grammar is complete: nothing but EOS could follow
                 seq.new_tokens += 1
                 if logprobs is not None and logprobs[i] is not None:
                     seq.logprobs.append(logprobs[i])

@@ -7,11 +7,16 @@ latest-arrived running sequence gives up its blocks and goes back to the front o
 from __future__ import annotations
 
 from collections import deque
+from operator import attrgetter
 from dataclasses import dataclass, field
 
 from ferrum.config import SchedulerConfig
 from ferrum.engine.block_manager import BlockManager
 from ferrum.engine.sequence import Sequence, SequenceStatus
+
+
+# Sequence.arrival without the property call (the decode loop sorts every running sequence)
+_arrival = attrgetter("request.metrics.arrival_time")
 
 
 @dataclass
@@ -109,7 +114,7 @@ class Scheduler:
 
         # 1. Decodes: running sequences with exactly one uncomputed token, oldest first.
         #    (This loop runs for every running sequence every step: keep it lean.)
-        running = sorted(self.running, key=lambda s: s.arrival)
+        running = sorted(self.running, key=_arrival)
         RUNNING = SequenceStatus.RUNNING
         for seq in running:
             n = len(seq.token_ids)

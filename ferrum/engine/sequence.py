@@ -101,5 +101,9 @@ class Request:
 
     def finished(self) -> bool:
         """True when all n samples exist and are finished, or when a step failed it."""
-        return self.error is not None or (len(self.seqs) == self.params.n
-                                          and all(s.is_finished() for s in self.seqs))
+        if self.error is not None or len(self.seqs) != self.params.n:
+            return self.error is not None
+        for s in self.seqs:   # a loop, not all(genexpr): it runs for every request every step
+            if s.status is not SequenceStatus.FINISHED:
+                return False
+        return True

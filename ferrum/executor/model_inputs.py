@@ -8,6 +8,9 @@ Slot of position p of a sequence: `block_table[p // block_size] * block_size + p
 """
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import torch
 
 from ferrum.forward_context import AttentionMetadata
@@ -16,9 +19,16 @@ from ferrum.interfaces import KvCacheHandle
 
 def block_tables(kv: list[KvCacheHandle]) -> torch.Tensor:
     """[B, M] int64 on the host: each sequence's block table padded with 0 to the longest."""
-    M = max(len(h.block_table) for h in kv)
-    return torch.tensor([h.block_table + [0] * (M - len(h.block_table)) for h in kv],
-                        dtype=torch.int64)
+    lens = [len(h.block_table) for h in kv]
+    M = max(lens)
+    if min(lens) == M:   # one flat list through numpy: torch.tensor on nested lists is slow
+        flat = np.fromiter(itertools.chain.from_iterable(h.block_table for h in kv), dtype=np.int64,
+                           count=len(kv) * M)
+        return torch.from_numpy(flat.reshape(len(kv), M))
+    table = np.zeros((len(kv), M), dtype=np.int64)
+    for row, h, n in zip(table, kv, lens):
+        row[:n] = h.block_table
+    return torch.from_numpy(table)
 
 
 def slot_mapping(bt: torch.Tensor, seq_idx: torch.Tensor, pos: torch.Tensor,
