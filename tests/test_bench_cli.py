@@ -227,6 +227,24 @@ def test_throughput_step_log(tmp_path):
     assert "| prefill-containing steps |" in (logdir / "step_log.md").read_text()
 
 
+def test_kernel_profile_leaves_the_engine_as_it_was(tmp_path):
+    """profile_kernels puts back the engine's own sampler and executor methods: the engine
+    generates the same greedy tokens afterwards."""
+    from ferrum import LLM, SamplingParams
+    from ferrum.benchmarks.step_log import profile_kernels
+    folder = make_tiny_model(str(tmp_path / "m"), "llama", layers=2, vocab=300, max_pos=512)
+    llm = LLM(folder, progress=False, max_num_seqs=4, threads=1)
+    prompts = [[5 + i] * (20 + 5 * i) for i in range(4)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    before = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    sampler, decode = llm.engine.sampler, llm.engine.executor.decode
+    prof = profile_kernels(llm, prompts, [sp] * 4, decode_batch=4, decode_context=25)
+    assert prof["decode"]["steps"] == 3 and not llm.engine.has_unfinished_requests()
+    assert llm.engine.sampler is sampler and llm.engine.executor.decode == decode
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == before
+    llm.shutdown()
+
+
 def test_kernel_profile_split_on_device_events():
     """The CUDA split of a profiler window: kernels go to their category by name, every kernel
     launched under the sampler's range is "sampler", annotations are not kernels, and idle

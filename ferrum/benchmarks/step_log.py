@@ -395,6 +395,7 @@ def profile_kernels(llm, prompts, params, decode_batch: int, decode_context: int
     ex = eng.executor
     on_cuda = str(ex.info().device).startswith("cuda")
     orig = {"prefill": ex.prefill, "decode": ex.decode, "sampler": eng.sampler}
+    own = {name for obj, name in ((ex, "prefill"), (ex, "decode"), (eng, "sampler")) if name in obj.__dict__}
     launched = {"prefill": 0, "decode": 0, "prefill_tokens": 0, "decode_rows": 0, "decode_ctx": 0}
 
     def ranged(key, fn):
@@ -457,9 +458,11 @@ def profile_kernels(llm, prompts, params, decode_batch: int, decode_context: int
                 best = max(best, len(running))
             eng.step(final_only=True)
     finally:
-        ex.__dict__.pop("prefill", None)
-        ex.__dict__.pop("decode", None)
-        eng.__dict__.pop("sampler", None)
+        for obj, name in ((ex, "prefill"), (ex, "decode"), (eng, "sampler")):
+            if name in own:
+                setattr(obj, name, orig[name])
+            else:
+                obj.__dict__.pop(name, None)
         for rid in ids:
             eng.abort_request(rid)
     return out
