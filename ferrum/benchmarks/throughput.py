@@ -66,7 +66,7 @@ def add_parser(subparsers, add_engine_args) -> None:
                         "kind, batch, graph bucket, overlapped or not, host split, device time and idle "
                         "gaps on CUDA), kernel_profile.json (torch.profiler split of one prefill step and "
                         "a few decode steps at --profile-batch / --profile-context) and step_log.md "
-                        "(ferrum/benchmarks/step_log.py; default: off)")
+                        "(ferrum/benchmarks/step_log.py) (default: none, no step log)")
     p.add_argument("--profile-batch", type=int, default=None,
                    help="--step-log: decode rows for the kernel profile (default: 90%% of the batch)")
     p.add_argument("--profile-context", type=int, default=600,
