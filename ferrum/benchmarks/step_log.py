@@ -341,14 +341,15 @@ def split_profile(prof, steps: int, on_cuda: bool) -> dict:
     events = prof.events()
     if on_cuda:
         # a kernel's linked_correlation_id names the launch call (cudaLaunchKernel,
-        # cudaGraphLaunch, ...), a CPU event under one of our ranges
+        # cudaGraphLaunch, ...), a CPU event under one of our ranges; torch builds without that
+        # field (2.11) categorise by kernel name alone
         launch_range = {e.id: _range_of(e) for e in events
                         if e.device_type == DeviceType.CPU and (e.kernels or e.name.startswith("cu"))}
         for e in events:
             if e.device_type != DeviceType.CUDA or e.name in RANGES or getattr(e, "is_user_annotation", False):
                 continue
             us = e.time_range.end - e.time_range.start
-            c = kernel_category(e.name, launch_range.get(e.linked_correlation_id))
+            c = kernel_category(e.name, launch_range.get(getattr(e, "linked_correlation_id", None)))
             cats[c] = cats.get(c, 0.0) + us
             names[e.name] = names.get(e.name, 0.0) + us
             intervals.append((e.time_range.start, e.time_range.end))
