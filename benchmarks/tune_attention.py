@@ -57,12 +57,12 @@ def _time(fn, iters=20):
 
 
 def main():
+    global H, HKV
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     p.add_argument("--cases", default="256x1536,256x512,64x1536,1x640")
     p.add_argument("--heads", default=f"{H},{HKV}", help="query heads,KV heads (Qwen3-0.6B: 16,8)")
     args = p.parse_args()
-    global H, HKV
     H, HKV = map(int, args.heads.split(","))
     gen = torch.Generator("cuda").manual_seed(0)
     res = {"shapes": dict(H=H, HKV=HKV, D=D, page=PAGE, dtype="bfloat16"), "cases": {}}
