@@ -343,6 +343,17 @@ def check_fused_ops(device: str) -> None:
             assert got_r is xd
             _assert_close(got_n, rms_norm_torch(x, w, eps), dtype, f"rms_norm(residual=None) {dtype} {hidden}")
             _assert_close(rms_norm(xd, dev(w), eps), rms_norm_torch(x, w, eps), dtype, f"rms_norm {dtype}")
+        # q / k norm: [T, heads, D] views of a fused qkv output (row stride > heads * D), read in
+        # place; 37 * 3 rows = several programs of ROWS rows with a masked tail
+        D = 128
+        w = (1 + 0.1 * torch.randn(D, generator=gen)).to(dtype)
+        qkv = torch.randn(37, 5 * D, generator=gen).to(dtype)
+        q = dev(qkv)[:, :3 * D].reshape(37, 3, D)
+        assert not q.is_contiguous()
+        got = rms_norm(q, dev(w), eps)
+        assert got.shape == (37, 3, D)
+        _assert_close(got, rms_norm_torch(qkv[:, :3 * D].reshape(37, 3, D), w, eps), dtype,
+                      f"rms_norm strided heads {dtype}")
         if dtype == torch.bfloat16:  # float32 residual stream, 16-bit activations, float32 weight
             x16 = torch.randn(4, 96, generator=gen).to(torch.bfloat16)
             r32 = torch.randn(4, 96, generator=gen)
@@ -514,8 +525,11 @@ def check_sm90_compile(device: str) -> None:
                                         USE_PDL=True),
               dict(k_ptr="*bf16", v_ptr="*bf16", kc_ptr=c, vc_ptr=c, slot_ptr="*i64", ks_ptr="*fp32", vs_ptr="*fp32"),
               4, 2, f"write_kv {c}")
-    build(rms_norm._add_rms_norm_kernel, dict(HAS_RES=True, BLOCK=8192, USE_PDL=True),
+    build(rms_norm._add_rms_norm_kernel, dict(HAS_RES=True, BLOCK=8192, ROWS=1, USE_PDL=True),
           dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", res_out_ptr="*bf16"), 8, 2, "rmsnorm")
+    build(rms_norm._add_rms_norm_kernel, dict(HAS_RES=False, BLOCK=128, ROWS=32, USE_PDL=True),
+          dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", res_out_ptr="*bf16"), 8, 2,
+          "rmsnorm q/k heads")
     build(activation._silu_and_mul_kernel, dict(BLOCK=1024, USE_PDL=True), dict(x_ptr="*bf16", out_ptr="*bf16"), 4, 2, "silu_and_mul")
     from ferrum.ops import gemv
     bn, bk, w, st = gemv.gemv_config(4096, 4096)

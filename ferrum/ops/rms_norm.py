@@ -17,35 +17,38 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr,
-                             stride_x, stride_r, stride_o, stride_ro, N, eps,
-                             HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-        # One program per row; the whole row (hidden <= BLOCK) stays in registers.
+    def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, R, B,
+                             stride_xa, stride_xb, stride_r, stride_o, stride_ro, N, eps,
+                             HAS_RES: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                             USE_PDL: tl.constexpr):
+        # ROWS rows per program, each whole in registers (N <= BLOCK). Row r of the R = A * B
+        # rows sits at x_ptr + (r // B) * stride_xa + (r % B) * stride_xb: a [T, heads, D] view
+        # of a fused qkv output is read in place, without a copy to contiguous rows.
         if USE_PDL:  # launched early (PDL, triton_utils.py): wait for the inputs, let the next launch
             pdl_start()
-        row = tl.program_id(0).to(tl.int64)
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
-        mask = cols < N
-        x_raw = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        mask = (rows < R)[:, None] & (cols < N)[None, :]
+        x_off = ((rows // B) * stride_xa + (rows % B) * stride_xb)[:, None] + cols[None, :]
+        x_raw = tl.load(x_ptr + x_off, mask=mask, other=0.0)
         x = x_raw.to(tl.float32)
         if HAS_RES:
-            r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+            r = tl.load(r_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             # The residual stream is stored in the activation dtype; the norm reads the
             # rounded sum, as `x = x + residual` does in RMSNorm.forward.
             s = (x + r).to(res_out_ptr.dtype.element_ty)
-            tl.store(res_out_ptr + row * stride_ro + cols, s, mask=mask)
+            tl.store(res_out_ptr + rows[:, None] * stride_ro + cols[None, :], s, mask=mask)
             x = s.to(tl.float32)
-        var = tl.sum(x * x, 0) / N
-        y = x * tl.rsqrt(var + eps)
+        var = tl.sum(x * x, 1) / N
+        y = x * tl.rsqrt(var + eps)[:, None]
         # RMSNorm._norm: round to the dtype of its input (the sum when there is a residual) ...
         if HAS_RES:
             y = y.to(res_out_ptr.dtype.element_ty)
         else:
             y = y.to(x_raw.dtype)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_o + cols, (y.to(tl.float32) * w).to(out_ptr.dtype.element_ty),
+        w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], (y.to(tl.float32) * w[None, :]).to(out_ptr.dtype.element_ty),
                  mask=mask)  # ... then weight * x
-
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -58,25 +61,41 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * xf.to(dtype)
 
 
+# Elements one program normalises: rows of a small last dim (q/k norm's head_dim 128) are
+# batched ROWS to a program; one row of 4096 or more is a program of its own.
+_ELEMS_PER_PROGRAM = 4096
+
+
 def _launch_rms(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """Launch the Triton kernel: (normed, new residual or None), new tensors shaped like x."""
+    """Launch the Triton kernel: (normed, new residual or None); outputs are new contiguous
+    tensors shaped like x. A 3-D x with unit last-dim stride (e.g. [T, heads, D] split from a
+    fused qkv output) is read in place."""
     shape, n = x.shape, x.shape[-1]
-    x2 = as_rows(x)
+    if residual is None and x.dim() == 3 and x.stride(-1) == 1:
+        a, b, stride_xa, stride_xb = x.shape[0], x.shape[1], x.stride(0), x.stride(1)
+        x2 = x
+    else:
+        x2 = as_rows(x)
+        a, b, stride_xa, stride_xb = x2.shape[0], 1, x2.stride(0), 0
+    rows = a * b
     if residual is not None:
         r2 = as_rows(residual)
         res_dtype = torch.promote_types(x.dtype, residual.dtype)
-        res_out = torch.empty(x2.shape, dtype=res_dtype, device=x.device)
+        res_out = torch.empty(rows, n, dtype=res_dtype, device=x.device)
     else:
-        r2 = res_out = x2  # unused (HAS_RES=False)
+        r2 = res_out = None
         res_dtype = x.dtype
-    out = torch.empty(x2.shape, dtype=torch.promote_types(res_dtype, weight.dtype), device=x.device)
-    if x2.shape[0] > 0:
+    out = torch.empty(rows, n, dtype=torch.promote_types(res_dtype, weight.dtype), device=x.device)
+    if residual is None:
+        r2 = res_out = out  # unused (HAS_RES=False)
+    if rows > 0:
         block = next_pow2(n)
-        _add_rms_norm_kernel[(x2.shape[0],)](
-            x2, r2, weight, out, res_out,
-            x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0), n, eps,
-            HAS_RES=residual is not None, BLOCK=block, USE_PDL=pdl_ok(x),
-            num_warps=min(max(block // 256, 1), 8), launch_pdl=pdl_ok(x))
+        per_program = max(1, min(64, _ELEMS_PER_PROGRAM // block))
+        _add_rms_norm_kernel[(triton.cdiv(rows, per_program),)](
+            x2, r2, weight, out, res_out, rows, b, stride_xa, stride_xb,
+            r2.stride(0), out.stride(0), res_out.stride(0), n, eps,
+            HAS_RES=residual is not None, BLOCK=block, ROWS=per_program, USE_PDL=pdl_ok(x),
+            num_warps=min(max(per_program * block // 256, 1), 8), launch_pdl=pdl_ok(x))
     return out.view(shape), (res_out.view(shape) if residual is not None else None)
 
 
