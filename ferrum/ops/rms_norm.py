@@ -64,6 +64,9 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 # Elements one program normalises: rows of a small last dim (q/k norm's head_dim 128) are
 # batched ROWS to a program; one row of 4096 or more is a program of its own.
 _ELEMS_PER_PROGRAM = 4096
+# ... but rows are batched only while >= this many programs remain (a decode batch's few hundred
+# rows keep one row per program: 132 SMs on an H200 want several programs each)
+_MIN_PROGRAMS = 512
 
 
 def _launch_rms(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
@@ -90,7 +93,7 @@ def _launch_rms(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
         r2 = res_out = out  # unused (HAS_RES=False)
     if rows > 0:
         block = next_pow2(n)
-        per_program = max(1, min(64, _ELEMS_PER_PROGRAM // block))
+        per_program = max(1, min(64, _ELEMS_PER_PROGRAM // block, rows // _MIN_PROGRAMS))
         _add_rms_norm_kernel[(triton.cdiv(rows, per_program),)](
             x2, r2, weight, out, res_out, rows, b, stride_xa, stride_xb,
             r2.stride(0), out.stride(0), res_out.stride(0), n, eps,

@@ -123,7 +123,7 @@ class Int4LinearMethod(LinearMethod):
         """Every sub-matrix of a merged layer shares its input, hence its act order (GPTQ orders
         columns by the input's Hessian diagonal): they must agree."""
         dst, src = layer.shard_slice(param, lazy, shard_id)
-        if getattr(param, "loaded", False) and not torch.equal(dst, src.to(dst.dtype)):
+        if getattr(param, "loaded", False) and not torch.equal(dst, src.to(dst.device, dst.dtype)):
             raise WeightLoadError("g_idx differs between the sub-matrices of a merged layer")
         dst.copy_(src)
         param.loaded = True
