@@ -351,7 +351,8 @@ def check_fused_ops(device: str) -> None:
         q = dev(qkv)[:, :3 * D].reshape(37, 3, D)
         assert not q.is_contiguous()
         from ferrum.ops import rms_norm as rms_norm_module
-        min_programs, rms_norm_module._MIN_PROGRAMS = rms_norm_module._MIN_PROGRAMS, 1  # batch rows here
+        # 111 rows // 37 = 3 rows a program, rounded down to 2 (a power of two), masked tail
+        min_programs, rms_norm_module._MIN_PROGRAMS = rms_norm_module._MIN_PROGRAMS, 37
         try:
             got = rms_norm(q, dev(w), eps)
         finally:

@@ -94,6 +94,7 @@ def _launch_rms(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     if rows > 0:
         block = next_pow2(n)
         per_program = max(1, min(64, _ELEMS_PER_PROGRAM // block, rows // _MIN_PROGRAMS))
+        per_program = 1 << (per_program.bit_length() - 1)  # a power of two (tl.arange, warps)
         _add_rms_norm_kernel[(triton.cdiv(rows, per_program),)](
             x2, r2, weight, out, res_out, rows, b, stride_xa, stride_xb,
             r2.stride(0), out.stride(0), res_out.stride(0), n, eps,
