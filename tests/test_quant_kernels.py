@@ -281,6 +281,12 @@ def check_gguf_gemm(device: str, qtype: int, shape, rows, gen) -> None:
         cfg = (16, 16, 4, 1) if device == "cpu" else None  # small tiles: the interpreter is slow
         got = gguf.gguf_gemm(x.to(device), raw.to(device), qtype, b.to(device), config=cfg)
         _check(got, ref, torch.bfloat16, f"gguf gemm qtype {qtype} M={M} N={N} K={K}")
+    # above GGUF_GEMM_MAX_ROWS gguf_linear decodes the weight once and calls F.linear
+    M = gguf.GGUF_GEMM_MAX_ROWS + 3
+    x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+    got = gguf.gguf_linear(x.to(device), raw.to(device), qtype, b.to(device))
+    _check(got, torch.nn.functional.linear(x.double(), ref_w, b.double()), torch.bfloat16,
+           f"gguf_linear qtype {qtype} M={M} N={N} K={K}")
 
 
 CHECKS.append("check_gguf_gemv")

@@ -18,9 +18,9 @@ The reference decoder is the `gguf` package's (a numpy port of llama.cpp's dequa
   per step, the block headers once per sub-block, and the product is factored per sub-block,
   scale * sum(q x) - min * sum(x), as llama.cpp's vec_dot kernels do. Configurations:
   `GGUF_GEMV_CONFIGS`.
-- `gguf_gemm` (more rows, CUDA): the same per-step decode feeding tl.dot tiles (the weight is
-  never written out in 16 bits). `gguf_dequantize_triton` (the whole weight, 16-bit) remains
-  for callers that want a dense copy.
+- `gguf_gemm` (9 to `GGUF_GEMM_MAX_ROWS` rows, CUDA): the same per-step decode feeding tl.dot
+  tiles (the weight is never written out in 16 bits). Above that (large prefill chunks)
+  `gguf_dequantize_triton` decodes the whole weight once to 16 bits for cuBLAS, faster there.
 - CPU and the reference: `gguf_dequantize`, then F.linear.
 """
 from __future__ import annotations
@@ -337,11 +337,21 @@ def gguf_dequantize_triton(raw: torch.Tensor, qtype: int, k: int, dtype: torch.d
     return out
 
 
+# Above this many rows, decoding the weight once into 16 bits and calling cuBLAS beats the
+# dequant-in-tile GEMM (H200, Llama-3-8B matrices, benchmarks/results/h200-2026-12-01b/
+# quant_kernels.json: at 64 rows the tiled GEMM is 1.2-4x faster, at 512 rows 1.5-3x slower).
+GGUF_GEMM_MAX_ROWS = 128
+
+
 def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T + bias with W packed as GGUF `qtype` (module docstring). x: [T, K]."""
+    """y = x W^T + bias with W packed as GGUF `qtype` (module docstring). x: [T, K]. CUDA:
+    the GEMV up to 8 rows, the dequant-in-tile GEMM up to `GGUF_GEMM_MAX_ROWS`, above that
+    the weight decoded once (`gguf_dequantize_triton`) and cuBLAS; CPU: dequantize + F.linear."""
     K = x.shape[1]
     if use_triton(x) and x.stride(1) == 1:
         if x.shape[0] <= MAX_GEMV_ROWS:
             return gguf_gemv(x, raw, qtype, bias)
-        return gguf_gemm(x, raw, qtype, bias)
+        if x.shape[0] <= GGUF_GEMM_MAX_ROWS:
+            return gguf_gemm(x, raw, qtype, bias)
+        return F.linear(x, gguf_dequantize_triton(raw, qtype, K, x.dtype), bias)
     return F.linear(x, gguf_dequantize(raw, qtype, K).to(x.dtype), bias)
