@@ -462,6 +462,15 @@ def check_prefill_graph(device: str) -> None:
             assert torch.equal(a.kv_cache.isnan(), b.kv_cache.isnan()), "a padded row wrote the cache"
             _assert_close(torch.nan_to_num(b.kv_cache), torch.nan_to_num(a.kv_cache), torch.float32,
                           f"prefill graph K/V, tokens {lo}..{hi}")
+    # the start-up warm-up forward (all rows padding) stores nothing and changes no later result
+    before = [layer.kv_cache.clone() for layer in run.attn_layers]
+    run.warmup_prefill(48)
+    for layer, kv in zip(run.attn_layers, before):
+        assert torch.equal(layer.kv_cache.isnan(), kv.isnan()) and torch.equal(
+            torch.nan_to_num(layer.kv_cache), torch.nan_to_num(kv)), "warmup_prefill wrote the cache"
+    h = KvCacheHandle("s", table, 23, 16)
+    _assert_close(prefill(ids[23:33], h), ref.prefill([ids[23:33]], [h])[0], torch.float32,
+                  "prefill after warmup_prefill")
 
 
 def sm90_compile(fn, consts: dict, ptrs: dict, warps: int, stages: int, what: str,

@@ -14,7 +14,7 @@ from ferrum.distributed.parallel_state import get_tp
 from ferrum.executor.cuda_graph import DecodeCudaGraphs, graph_batch_sizes
 from ferrum.executor.memory import compute_memory_requirements
 from ferrum.executor.model_inputs import prepare_decode, prepare_prefill, take_prev_sampled
-from ferrum.executor.prefill_graph import PrefillCudaGraphs, prefill_graph_buckets
+from ferrum.executor.prefill_graph import PrefillCudaGraphs, PrefillGraphInputs, prefill_graph_buckets
 from ferrum.executor.prompt_logprobs import compute_prompt_logprobs
 from ferrum.forward_context import forward_context
 from ferrum.interfaces import KvCacheHandle, PromptLogprobs
@@ -118,6 +118,18 @@ class ModelRunner:
         buckets = prefill_graph_buckets(min(max_prefill_tokens or max_model_len, max_model_len))
         if self.attn_backend is attention_triton and buckets:
             self.prefill_graphs = PrefillCudaGraphs(self, buckets, blocks, pool=self.graphs.pool)
+
+    def warmup_prefill(self, num_tokens: int) -> None:
+        """One throw-away forward of a `num_tokens`-row prefill chunk (every row padding: token
+        0, slot -1, query length 0 on the device, so nothing is stored and attention does no
+        work), so that Triton compiles the kernels of a step-budget-sized chunk at start-up
+        instead of inside the first long request (on the H200 that compile cost the first
+        nano-vllm run ~1 s: benchmarks/results/h200-2026-12-01b). All TP ranks together."""
+        if num_tokens <= 0:
+            return
+        PrefillGraphInputs(self, num_tokens, 1).forward(num_tokens)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def graph_replay_stats(self, bs: int, iters: int = 50, profile_steps: int = 0) -> dict | None:
         """See DecodeCudaGraphs.replay_stats; None without graphs (eager / CPU)."""

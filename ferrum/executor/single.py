@@ -41,9 +41,13 @@ class SingleDeviceExecutor(ExecutorBase):
         return self.runner.decode(inp.token_ids, inp.kv, inp.prev_sampled, inp.prev_rows)
 
     def warmup(self) -> None:
-        """On CUDA: capture decode and short-prefill CUDA graphs (unless --enforce-eager)."""
-        if self.runner.device.type == "cuda" and not self.config.enforce_eager:
-            s = self.config.scheduler
+        """On CUDA: compile the kernels of a full-budget prefill chunk (`warmup_prefill`), then
+        capture decode and short-prefill CUDA graphs (unless --enforce-eager)."""
+        if self.runner.device.type != "cuda":
+            return
+        s = self.config.scheduler
+        self.runner.warmup_prefill(min(s.max_num_batched_tokens, self.max_model_len))
+        if not self.config.enforce_eager:
             self.runner.capture_cuda_graphs(s.max_num_seqs, self.max_model_len, s.max_num_batched_tokens)
             self.cuda_graphs = True
 

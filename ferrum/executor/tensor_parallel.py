@@ -231,8 +231,8 @@ class TensorParallelExecutor(ExecutorBase):
 
     def warmup(self) -> None:
         """On CUDA: one-shot symmetric-memory all-reduce for small messages (if it works
-        here), then decode and short-prefill CUDA graphs captured on every rank with the
-        collectives inside."""
+        here), a full-budget prefill chunk's kernels compiled (`warmup_prefill`), then decode
+        and short-prefill CUDA graphs captured on every rank with the collectives inside."""
         if not self.rank_device.startswith("cuda"):
             return
         from ferrum.distributed import symm_mem
@@ -241,8 +241,9 @@ class TensorParallelExecutor(ExecutorBase):
             log.info("symmetric memory was set up by an earlier engine in this process; TP "
                      "all-reduces use NCCL")
         self.symm_mem = self.call_all("enable_symm_mem_all_reduce", allowed)
+        s = self.config.scheduler
+        self.call_all("warmup_prefill", min(s.max_num_batched_tokens, self.max_model_len))
         if not self.config.enforce_eager:
-            s = self.config.scheduler
             self.call_all("capture_cuda_graphs", s.max_num_seqs, self.max_model_len, s.max_num_batched_tokens)
             self.cuda_graphs = True
 
