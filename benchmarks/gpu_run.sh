@@ -12,7 +12,7 @@
 #             test_structured_output.py                    limit 210 s
 #   latency   (b) Llama-3-8B (dummy bf16) batch 1, 128 in / 512 out: decode tok/s, TTFT, MBU
 #             (spec 4.8 TB/s and the measured GEMV roofline), vLLM and gpt-fast side by side   330 s
-#   ttft      (c) TTFT at 128 / 1024 / 8000-token prompts, cached and cold, vLLM cold        300 s
+#   ttft      (c) TTFT at 128 / 1024 / 7500-token prompts, cached and cold, vLLM cold        300 s
 #   nanovllm  (d) nano-vllm's workload on Qwen3-0.6B (dummy bf16) vs vLLM                  240 s
 #   tp2       (e) Llama-3-8B batch 1 at TP=1 and TP=2 (tp2_speedup), vLLM at TP=2; skipped
 #             with fewer than 2 GPUs                                                     240 s
@@ -53,7 +53,7 @@ LLAMA=${LLAMA:-benchmarks/configs/llama3-8b.json}
 SMALL=${SMALL:-benchmarks/configs/qwen3-0.6b.json}
 LAT_IN_LEN=${LAT_IN_LEN:-128}
 LAT_OUT_LEN=${LAT_OUT_LEN:-512}
-TTFT_LENS=${TTFT_LENS:-128 1024 8000}
+TTFT_LENS=${TTFT_LENS:-128 1024 7500}   # 7500: see ferrum bench ttft --help
 export PYTHONUNBUFFERED=1
 # NVLink multicast stays off on the shared H200 hosts (KINDS.md), in every process we start
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
