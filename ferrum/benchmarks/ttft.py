@@ -37,7 +37,8 @@ def add_parser(subparsers, add_engine_args) -> None:
     p.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 1024, 7500],
                    help="prompt lengths in tokens (the long one 7500, not 8192: the vLLM peer driver "
                         "also decodes 512 tokens after it, and Llama-3-8B's positions end at 8192; "
-                        "at 8000 its RoPE table overflowed into a device-side assert on the H200)")
+                        "at 8000 vLLM died with a device-side assert on the H200, positions past 8192 "
+                        "the likely cause)")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="ferrum's modes (see above)")
     p.add_argument("--vllm-modes", nargs="*", default=["cold"], choices=MODES,
                    help="modes vLLM runs in with --peers vllm (one vLLM start per length and mode)")
