@@ -65,6 +65,18 @@ if compgen -G "$WHEELS/*.whl" >/dev/null; then
         "$WHEELS"/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# The real SmolLM2 GGUF for the GPU tests that need it (test_structured_output): the GPU machine
+# cannot download it, so carry it in pieces (`split -b 50000000 <its file> .peers/sm/part.`, one
+# piece per transfer) and copy each to $SMOLLM2_PARTS; it is joined into the model cache here
+# (`ferrum pull` then finds it and checks its sha256).
+SMOLLM2_PARTS=${SMOLLM2_PARTS:-/tmp/sm}
+if compgen -G "$SMOLLM2_PARTS/part.*" >/dev/null; then
+    export FERRUM_HOME=${FERRUM_HOME:-/tmp/ferrum_home}
+    smollm2=$("$PY" -c "import os; from ferrum.model_store import known_model, models_dir; m = known_model('smollm2'); print(os.path.join(models_dir(), m.name, m.filename))")
+    if [[ ! -f $smollm2 ]]; then
+        mkdir -p "$(dirname "$smollm2")" && cat "$SMOLLM2_PARTS"/part.* >"$smollm2.partial" && mv "$smollm2.partial" "$smollm2"
+    fi
+fi
 FERRUM=("$PY" -m ferrum.entrypoints.cli)
 UNIGNORE_INT='import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])'
 
