@@ -5,6 +5,8 @@ with vLLM running the same workloads (benchmarks/vllm_moe_peer.py).
     python benchmarks/moe_bench.py kernels latency batch256 nanovllm --out $OUT
 
 Sections (each writes <out>/moe_<section>.json):
+- tune: the grouped GEMMs' tile configs timed per token count; the best per count as
+  MOE_GEMM_CONFIGS for `python3 benchmarks/paste_gemv_configs.py <out>/moe_tune.json`.
 - kernels: one MoE layer (`ferrum.ops.moe.fused_moe`, Triton) alone, T = 1 .. 4096 tokens, CUDA
   events; bytes = the distinct experts the T*8 (token, slot) pairs select, so GB/s compares
   with the batch-1 GEMV's read rate measured in the run (ferrum.benchmarks.mbu).
@@ -90,14 +92,22 @@ def _generate_s(llm, prompts, max_tokens, temperature=0.0):
     return time.perf_counter() - t
 
 
-def sec_kernels(args):
-    from ferrum.ops.moe import fused_moe, select_experts
-    cfg = _cfg()
-    E, k, H, I = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+def _layer(cfg):
+    """(generator, w13 [E, 2I, H], w2 [E, H, I], router [E, H]): one MoE layer of random bf16
+    weights on CUDA, seeded."""
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     g = torch.Generator(device="cuda").manual_seed(0)
     w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
     w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
     router = torch.randn(E, H, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    return g, w13, w2, router
+
+
+def sec_kernels(args):
+    from ferrum.ops.moe import fused_moe, select_experts
+    cfg = _cfg()
+    E, k, H, I = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+    g, w13, w2, router = _layer(cfg)
     rows = []
     for T in (1, 8, 64, 256, 1024, 4096):
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -119,6 +129,53 @@ def sec_kernels(args):
         print(rows[-1], flush=True)
     save(args, "moe_kernels", {"model": MODEL, "layer": {"experts": E, "top_k": k, "hidden": H, "inter": I},
                                "points": rows})
+
+
+def tune_candidates() -> list[tuple[int, int, int, int, int]]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) configs `sec_tune` times."""
+    return [(bm, bn, bk, w, st) for bm in (16, 32, 64, 128) for bn in (64, 128) for bk in (64, 128)
+            for w in (4, 8) for st in (3, 4) if not (bm == 128 and bn == 128 and bk == 128)]
+
+
+def sec_tune(args):
+    """Every `tune_candidates` config of the grouped GEMMs (ferrum.ops.moe_triton.moe_grouped,
+    both projections + align + activation, CUDA events, median of 10) at T = 2 .. 4096 tokens on
+    this model's layer; prints and saves the best per T as MOE_GEMM_CONFIGS (keyed as
+    `gemm_config` looks it up), for benchmarks/paste_gemv_configs.py."""
+    from ferrum.ops.moe import select_experts
+    from ferrum.ops import moe_triton as mt
+    cfg = _cfg()
+    E, k, H, I = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+    g, w13, w2, router = _layer(cfg)
+    rows, table = [], {}
+    for T in (2, 8, 32, 64, 128, 256, 512, 1024, 4096):
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
+        w, ids = select_experts(x @ router.T, k, True)
+        ref = mt.moe_grouped(x, w13, w2, w, ids)
+        default = mt.gemm_config(T * k, E)
+        times = {}
+        for c in [default] + [c for c in tune_candidates() if c != default]:
+            try:
+                out = mt.moe_grouped(x, w13, w2, w, ids, config=c)
+                if not torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2):
+                    raise AssertionError("result differs from the default config's")
+                ts = []
+                for _ in range(12):
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    mt.moe_grouped(x, w13, w2, w, ids, config=c)
+                    b.record()
+                    b.synchronize()
+                    ts.append(1000 * a.elapsed_time(b))
+                times[c] = sorted(ts[2:])[len(ts[2:]) // 2]
+            except Exception as e:   # a config that does not compile / fit in shared memory
+                print(T, c, type(e).__name__, str(e)[:120], flush=True)
+        best = min(times, key=times.get)
+        table[str((E, 2 * I, H, 1 << max(0, T * k - 1).bit_length()))] = list(best)
+        rows.append({"tokens": T, "default": list(default), "default_us": times[default], "best": list(best),
+                     "best_us": times[best], "speedup": times[default] / times[best]})
+        print(rows[-1], flush=True)
+        save(args, "moe_tune", {"model": MODEL, "points": rows, "MOE_GEMM_CONFIGS": table})
 
 
 def sec_latency(args):
@@ -173,7 +230,7 @@ def sec_nanovllm(args):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("sections", nargs="+", choices=["kernels", "latency", "batch256", "nanovllm"])
+    p.add_argument("sections", nargs="+", choices=["kernels", "tune", "latency", "batch256", "nanovllm"])
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     p.add_argument("--vllm-dir", default=None, help="folder of vllm_moe_<section>.json from "
                    "vllm_moe_peer.py run just before, on this machine: adds `*_vs_vllm` ratios")

@@ -1,8 +1,9 @@
-"""Write the tuned GEMV config tables that `quant_bench.py kernels` measured into the kernel
-modules: FP8_GEMV_CONFIGS (ferrum/ops/fp8.py), W4_GEMV_CONFIGS (ferrum/ops/int4.py) and
-GGUF_GEMV_CONFIGS (ferrum/ops/gguf.py), each replacing the module's current literal.
+"""Write the tuned kernel config tables that `quant_bench.py kernels` / `moe_bench.py tune`
+measured into the kernel modules: FP8_GEMV_CONFIGS (ferrum/ops/fp8.py), W4_GEMV_CONFIGS
+(ferrum/ops/int4.py), GGUF_GEMV_CONFIGS (ferrum/ops/gguf.py), MOE_GEMM_CONFIGS
+(ferrum/ops/moe_triton.py), each replacing the module's current literal.
 
-    python3 benchmarks/paste_gemv_configs.py OUT/quant_kernels.json [--root .]
+    python3 benchmarks/paste_gemv_configs.py OUT/quant_kernels.json [OUT/moe_tune.json] [--root .]
 
 The JSON holds each table as {"(N, K, rows)": [config...]} (keys are the tuples' reprs). A
 table the JSON lacks is left as it is. Prints what it replaced.
@@ -16,7 +17,7 @@ import os
 import re
 
 TABLES = {"FP8_GEMV_CONFIGS": "ferrum/ops/fp8.py", "W4_GEMV_CONFIGS": "ferrum/ops/int4.py",
-          "GGUF_GEMV_CONFIGS": "ferrum/ops/gguf.py"}
+          "GGUF_GEMV_CONFIGS": "ferrum/ops/gguf.py", "MOE_GEMM_CONFIGS": "ferrum/ops/moe_triton.py"}
 
 
 def literal(table: dict[str, list]) -> str:
@@ -45,14 +46,16 @@ def replace_table(source: str, name: str, new_literal: str) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("json")
+    p.add_argument("json", nargs="+")
     p.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     args = p.parse_args()
-    with open(args.json) as f:
-        res = json.load(f)
+    res = {}
+    for path in args.json:
+        with open(path) as f:
+            res.update({k: v for k, v in json.load(f).items() if k in TABLES})
     for name, rel in TABLES.items():
         if not res.get(name):
-            print(f"{name}: not in {args.json}, left as it is")
+            print(f"{name}: not in {' '.join(args.json)}, left as it is")
             continue
         path = os.path.join(args.root, rel)
         with open(path) as f:

@@ -182,6 +182,19 @@ def test_moe_kernels_compile_for_sm90_without_spills():
     print(_run_interpreted("check_moe_sm90_compile", interpret=False, path=HERE))
 
 
+@interp
+def test_moe_gemm_config_takes_the_tuned_table(monkeypatch):
+    """gemm_config looks up MOE_GEMM_CONFIGS by (experts, 2 * intermediate, hidden, pairs rounded
+    up to a power of two) and falls back to the heuristic for shapes the table lacks."""
+    from ferrum.ops import moe_triton as mt
+    heuristic = mt.gemm_config(200, 128, 1536, 2048)
+    monkeypatch.setattr(mt, "MOE_GEMM_CONFIGS", {(128, 1536, 2048, 256): (64, 128, 64, 8, 4)})
+    assert mt.gemm_config(200, 128, 1536, 2048) == (64, 128, 64, 8, 4)    # 200 pairs -> bucket 256
+    assert mt.gemm_config(256, 128, 1536, 2048) == (64, 128, 64, 8, 4)
+    assert mt.gemm_config(257, 128, 1536, 2048) == mt.gemm_config(257, 128)   # bucket 512: not tuned
+    assert mt.gemm_config(200, 128) == heuristic                             # no shape: heuristic
+
+
 @pytest.mark.parametrize("check", ["check_moe_align", "check_moe_kernels"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUDA + triton")

@@ -110,10 +110,23 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ids_ptr, block_expert_pt
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def gemm_config(num_pairs: int, num_experts: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) from the average pairs per expert
-    (static per batch size, so CUDA graphs stay valid). Untuned starting points (H200 tuning
-    is pending: benchmarks/moe_bench.py)."""
+# Tuned (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the grouped GEMMs per (experts,
+# 2 * intermediate, hidden, token-slot pairs rounded up to a power of two), timed on an H200 by
+# `benchmarks/moe_bench.py tune` and written here by `benchmarks/paste_gemv_configs.py`.
+# Shapes not listed take the heuristic of `gemm_config`.
+MOE_GEMM_CONFIGS: dict[tuple[int, int, int, int], tuple[int, int, int, int, int]] = {}
+
+
+def gemm_config(num_pairs: int, num_experts: int, two_i: int | None = None,
+                hidden: int | None = None) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of both grouped GEMMs: the tuned
+    `MOE_GEMM_CONFIGS` entry of (num_experts, two_i, hidden, next power of two >= num_pairs)
+    when there is one, else a heuristic on the average pairs per expert. Depends only on
+    static shapes (per batch size), so CUDA graphs stay valid."""
+    if two_i is not None and hidden is not None:
+        cfg = MOE_GEMM_CONFIGS.get((num_experts, two_i, hidden, 1 << max(0, num_pairs - 1).bit_length()))
+        if cfg is not None:
+            return cfg
     avg = num_pairs / max(1, num_experts)
     if avg <= 16:
         return 16, 64, 128, 4, 3
@@ -141,7 +154,7 @@ def moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weigh
     T, H = x.shape
     k = topk_ids.shape[1]
     E, two_i, _ = w13.shape
-    cfg = config or gemm_config(T * k, E)
+    cfg = config or gemm_config(T * k, E, two_i, H)
     sorted_ids, block_expert = moe_align(topk_ids, E, expert_start, cfg[0])
     h13 = torch.empty(T * k, two_i, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, h13, None, sorted_ids, block_expert, T * k, k, cfg)
