@@ -127,9 +127,19 @@ class ModelRunner:
         nano-vllm run ~1 s: benchmarks/results/h200-2026-12-01b). All TP ranks together."""
         if num_tokens <= 0:
             return
-        PrefillGraphInputs(self, num_tokens, 1).forward(num_tokens)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        try:
+            PrefillGraphInputs(self, num_tokens, 1).forward(num_tokens)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except torch.OutOfMemoryError:
+            # one process: start anyway (the memory plan reserves activations for this chunk,
+            # so this is not expected); the kernels then compile on the first long request.
+            # Under TP the other ranks wait in this forward's all-reduces: fail the start-up.
+            if self.tp.size > 1:
+                raise
+            log.warning("warm-up prefill of %d tokens ran out of device memory; skipped", num_tokens)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
     def graph_replay_stats(self, bs: int, iters: int = 50, profile_steps: int = 0) -> dict | None:
         """See DecodeCudaGraphs.replay_stats; None without graphs (eager / CPU)."""
