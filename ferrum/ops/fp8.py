@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ferrum.config import KERNELS
-from ferrum.ops.triton_utils import HAS_TRITON, pdl_ok, pdl_start, use_triton
+from ferrum.ops.triton_utils import HAS_TRITON, fit_block, pdl_ok, pdl_start, use_triton
 
 if HAS_TRITON:
     import triton
@@ -111,9 +111,7 @@ def gemv_rows_config(n: int, k: int, m: int) -> tuple[int, int, int, int]:
     if m == 1:
         return gemv_config(n, k)
     bn, bk, w, s = (16, 128, 4, 3) if m <= 4 else (16, 64, 4, 3)
-    while bk > 16 and k % bk:
-        bk //= 2
-    return bn, bk, w, s
+    return bn, fit_block(bk, k, 16), w, s
 
 
 # Tuned (BLOCK_N, BLOCK_K, num_warps, num_stages) of `fp8_gemv` per (N, K, 1 or 4 rows), timed on
@@ -130,9 +128,7 @@ def fp8_gemv_config(n: int, k: int, m: int) -> tuple[int, int, int, int]:
     if cfg is None:
         return gemv_rows_config(n, k, m)
     bn, bk, w, s = cfg
-    while bk > 16 and k % bk:
-        bk //= 2
-    return bn, bk, w, s
+    return bn, fit_block(bk, k, 16), w, s
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,

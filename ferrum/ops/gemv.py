@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ferrum.config import KERNELS
-from ferrum.ops.triton_utils import HAS_TRITON, pdl_ok, pdl_start
+from ferrum.ops.triton_utils import HAS_TRITON, fit_block, pdl_ok, pdl_start
 
 if HAS_TRITON:
     import triton
@@ -77,9 +77,7 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
         bn, bk, w, s = 4, 1024, 4, 2
     else:
         bn, bk, w, s = 8, 512, 4, 3
-    while bk > 64 and k % bk:  # a BLOCK_K dividing K keeps the unmasked (EVEN) path
-        bk //= 2
-    return bn, bk, w, s
+    return bn, fit_block(bk, k, 64), w, s
 
 
 def can_use(x: torch.Tensor, weight: torch.Tensor) -> bool:

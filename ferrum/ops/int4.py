@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ferrum.ops.fp8 import MAX_GEMV_ROWS, gemv_rows_config
-from ferrum.ops.triton_utils import HAS_TRITON, pdl_ok, pdl_start, use_triton
+from ferrum.ops.triton_utils import HAS_TRITON, fit_block, pdl_ok, pdl_start, use_triton
 
 if HAS_TRITON:
     import triton
@@ -267,9 +267,7 @@ def int4_gemv_config(N: int, K: int, M: int, group_size: int,
     M rows: `W4_GEMV_CONFIGS[(N, K, 1 or 4)]`, else `_w4_default_config`; BLOCK_K is halved
     until it divides K (the unmasked path)."""
     bn, bk, warps, stages, split = W4_GEMV_CONFIGS.get((N, K, 1 if M == 1 else 4)) or _w4_default_config(N, K, M)
-    while bk > 8 and K % bk:
-        bk //= 2
-    return bn, bk, warps, stages, split
+    return bn, fit_block(bk, K, 8), warps, stages, split
 
 
 def _tile_groups(bk: int, group_size: int, has_g_idx: bool) -> tuple[int, int]:
@@ -322,10 +320,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
 def int4_gemm_config(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of `int4_gemm`."""
     bm = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
-    bk = 64
-    while bk > 16 and K % bk:
-        bk //= 2
-    return bm, 128 if M > 64 else 64, bk, 4 if bm <= 64 else 8, 3
+    return bm, 128 if M > 64 else 64, fit_block(64, K, 16), 4 if bm <= 64 else 8, 3
 
 
 def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

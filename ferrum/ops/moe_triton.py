@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ferrum.ops.activation import silu_and_mul
+from ferrum.ops.triton_utils import fit_block
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -225,10 +226,7 @@ def _moe_gemv_down_kernel(h_ptr, w_ptr, ids_ptr, wts_ptr, y_ptr, N, I, num_local
 
 def gemv_config(n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for one expert matrix [n, k]. Untuned starting points."""
-    bk = 256
-    while bk > 32 and k % bk:
-        bk //= 2
-    return (8 if n <= 4096 else 16), bk, 4
+    return (8 if n <= 4096 else 16), fit_block(256, k, 32), 4
 
 
 def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -39,6 +39,14 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def fit_block(block: int, n: int, floor: int) -> int:
+    """`block` halved until it divides n (a tile that divides the dimension keeps a kernel's
+    unmasked path) or reaches `floor`. block, floor: powers of two."""
+    while block > floor and n % block:
+        block //= 2
+    return block
+
+
 def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     """x itself when its last dim has unit stride (the kernels' requirement), else a copy."""
     return x if x.stride(-1) == 1 else x.contiguous()
