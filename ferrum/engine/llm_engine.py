@@ -493,13 +493,12 @@ class LLMEngine:
                     req.metrics.first_token_time = now
                 seq.token_ids[pos] = tok
                 state = seq.output_state
-                if req.grammar is None:
-                    state.append(tok)
-                else:
-                    grammar_ok = self.structured.accept(seq.seq_id, tok)
-                    state.append(tok)
-                    if not state.finished and (not grammar_ok or self.structured.is_terminated(seq.seq_id)):
-                        state.finish("stop")  # the grammar is complete: nothing but EOS could follow
+                constrained = req.grammar is not None   # unconstrained rows skip the matcher calls
+                grammar_ok = not constrained or self.structured.accept(seq.seq_id, tok)
+                state.append(tok)
+                if constrained and not state.finished and (
+                        not grammar_ok or self.structured.is_terminated(seq.seq_id)):
+                    state.finish("stop")  # the grammar is complete: nothing but EOS could follow
                 seq.new_tokens += 1
                 if logprobs is not None and logprobs[i] is not None:
                     seq.logprobs.append(logprobs[i])

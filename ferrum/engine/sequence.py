@@ -101,8 +101,10 @@ class Request:
 
     def finished(self) -> bool:
         """True when all n samples exist and are finished, or when a step failed it."""
-        if self.error is not None or len(self.seqs) != self.params.n:
-            return self.error is not None
+        if self.error is not None:
+            return True
+        if len(self.seqs) != self.params.n:
+            return False
         for s in self.seqs:   # a loop, not all(genexpr): it runs for every request every step
             if s.status is not SequenceStatus.FINISHED:
                 return False

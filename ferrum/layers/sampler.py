@@ -151,14 +151,14 @@ class SamplingMetadata:
                              f"{len(generators)}")
         greedy = [p.greedy for p in params]
         metadata = cls(vocab_size=vocab_size,
-                 greedy=_to_device(greedy, torch.bool, device),
-                 all_greedy=all(greedy), any_greedy=any(greedy), generators=list(generators),
-                 num_logprobs=[p.logprobs for p in params])
+                       greedy=_to_device(greedy, torch.bool, device),
+                       all_greedy=all(greedy), any_greedy=any(greedy), generators=list(generators),
+                       num_logprobs=[p.logprobs for p in params])
 
         if not metadata.all_greedy:
             # Sampling options of greedy rows are ignored: they take the argmax anyway.
             metadata.temperature = _column([1.0 if g else p.temperature
-                                      for p, g in zip(params, greedy)], torch.float32, device)
+                                            for p, g in zip(params, greedy)], torch.float32, device)
             top_k = [p.top_k if (p.top_k > 0 and not g) else vocab_size
                      for p, g in zip(params, greedy)]
             if any(k < vocab_size for k in top_k):
@@ -172,18 +172,18 @@ class SamplingMetadata:
 
         if any(p.repetition_penalty != 1.0 for p in params):
             metadata.repetition_penalty = _column([p.repetition_penalty for p in params],
-                                            torch.float32, device)
+                                                  torch.float32, device)
             metadata.seen = _counts([pr + out if p.repetition_penalty != 1.0 else []
-                               for p, pr, out in zip(params, prompt_ids, output_ids)],
-                              vocab_size, device) > 0
+                                     for p, pr, out in zip(params, prompt_ids, output_ids)],
+                                    vocab_size, device) > 0
         if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
             metadata.presence_penalty = _column([p.presence_penalty for p in params],
-                                          torch.float32, device)
+                                                torch.float32, device)
             metadata.frequency_penalty = _column([p.frequency_penalty for p in params],
-                                           torch.float32, device)
+                                                 torch.float32, device)
             metadata.output_counts = _counts([out if (p.presence_penalty or p.frequency_penalty)
-                                        else [] for p, out in zip(params, output_ids)],
-                                       vocab_size, device)
+                                              else [] for p, out in zip(params, output_ids)],
+                                             vocab_size, device)
 
         if any(p.logit_bias for p in params):
             rows, cols, vals = [], [], []
@@ -192,8 +192,8 @@ class SamplingMetadata:
                     rows.append(i), cols.append(tok), vals.append(bias)
             metadata.logit_bias = torch.zeros(batch, vocab_size, dtype=torch.float32, device=device)
             metadata.logit_bias.index_put_((_to_device(rows, torch.long, device),
-                                      _to_device(cols, torch.long, device)),
-                                     _to_device(vals, torch.float32, device))
+                                            _to_device(cols, torch.long, device)),
+                                           _to_device(vals, torch.float32, device))
 
         rows, cols = [], []
         for i, (p, out) in enumerate(zip(params, output_ids)):
