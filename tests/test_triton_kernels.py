@@ -392,6 +392,58 @@ def check_fused_ops(device: str) -> None:
             assert torch.equal(qkv[:, (hq + hk) * D:].cpu(), qkv_cpu[:, (hq + hk) * D:]), "rope wrote outside q/k"
 
 
+def check_gumbel_sampler(device: str) -> None:
+    """The one-pass sampler (ferrum/ops/sampling.py): greedy rows are torch.argmax exactly
+    (first maximum on ties, bf16 logits too); sampled frequencies follow softmax(logits / T);
+    the Sampler takes it for temperature-only unseeded batches and keeps the torch race for
+    seeded ones; torch.manual_seed repeats its draws."""
+    from ferrum.layers import sampler as sampler_mod
+    from ferrum.layers.sampler import Sampler, SamplingMetadata
+    from ferrum.ops.sampling import gumbel_argmax
+    from ferrum.sampling_params import SamplingParams
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 9000, generator=gen)
+    x[0, 17] = x[0, 4000] = 60.0     # a tie across two 4096-wide blocks: the first wins
+    x[2, 8999] = 60.0                # the maximum in the ragged last block
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = x.to(device, dtype)
+        ids = gumbel_argmax(logits, torch.ones(3, device=device), torch.ones(3, dtype=torch.bool, device=device), 5)
+        assert ids.tolist() == logits.float().argmax(1).tolist() == [17, x[1].argmax().item(), 8999]
+
+    n = 256 if device == "cpu" else 20000   # the interpreter runs one program per row
+    p = torch.tensor([0.1, 1.0, -1.0, 0.5, 2.0, -3.0, 0.0])
+    for temp in (0.5, 1.0):
+        ids = gumbel_argmax(p.expand(n, 7).contiguous().to(device), torch.full((n,), temp, device=device),
+                            torch.zeros(n, dtype=torch.bool, device=device), 11)
+        freq = torch.bincount(ids.cpu(), minlength=7).float() / n
+        want = (p / temp).softmax(0)
+        err = (freq - want).abs().max().item()
+        # 4 standard deviations of the largest-variance frequency (T=0.5 vs 1 moves p[4] by 0.3)
+        assert err < 4 * (0.25 / n) ** 0.5, f"T={temp}: frequencies {freq} vs softmax {want}, max err {err:.3f}"
+
+    calls = []
+    real = sampler_mod.gumbel_argmax
+    sampler_mod.gumbel_argmax = lambda *a: calls.append(1) or real(*a)
+    try:
+        V = 500
+        logits = torch.randn(4, V, generator=gen).to(device)
+        params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8),
+                  SamplingParams(temperature=1.2, logit_bias={3: 100.0}), SamplingParams(temperature=0.7)]
+        md = SamplingMetadata.build(params, [[]] * 4, [[]] * 4, [None] * 4, [0], V, device)
+        torch.manual_seed(1)
+        first = Sampler()(logits, md).token_ids.tolist()
+        torch.manual_seed(1)
+        again = Sampler()(logits, md).token_ids.tolist()
+        assert len(calls) == 2 and first == again
+        assert first[0] == logits[0].argmax().item() and first[2] == 3
+        seeded = [None, torch.Generator(device=device).manual_seed(3), None, None]
+        md = SamplingMetadata.build(params, [[]] * 4, [[]] * 4, seeded, [0], V, device)
+        Sampler()(logits, md)
+        assert len(calls) == 2, "a seeded row must keep its own generator's noise"
+    finally:
+        sampler_mod.gumbel_argmax = real
+
+
 def check_gemv(device: str) -> None:
     """Batch-1 GEMV against F.linear in float64, on unmasked (even) and masked tiles, with and
     without bias."""
@@ -550,6 +602,10 @@ def check_sm90_compile(device: str) -> None:
     bn, bk, w, st = gemv.gemv_config(4096, 4096)
     build(gemv._gemv_kernel, dict(HAS_BIAS=False, EVEN=True, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=True),
           dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", y_ptr="*bf16"), w, st, "gemv")
+    from ferrum.ops import sampling
+    build(sampling._gumbel_argmax_kernel, dict(BLOCK=sampling.BLOCK),
+          dict(logits_ptr="*bf16", temp_ptr="*fp32", greedy_ptr="*i1", val_ptr="*fp32", idx_ptr="*i32"), 8, 1,
+          "gumbel sampler", no_hint=("splits", "seed", "V"))
     build(rotary._rope_kernel, dict(HQ=32, HK=8, HALF=64, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_D=64, USE_PDL=True),
           dict(q_ptr="*bf16", k_ptr="*bf16", pos_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32"), 4, 2, "rope")
 
@@ -562,7 +618,8 @@ interp = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 
 @interp
 @pytest.mark.parametrize("check", ["check_write_kv", "check_decode", "check_prefill", "check_attention_layer",
-                                   "check_fused_ops", "check_gemv", "check_prefill_graph"])
+                                   "check_fused_ops", "check_gemv", "check_prefill_graph",
+                                   "check_gumbel_sampler"])
 def test_kernel_in_interpreter(check):
     _run_interpreted(check)
 
@@ -602,7 +659,8 @@ def test_ops_run_torch_code_on_cpu():
 
 
 @pytest.mark.parametrize("check", ["check_write_kv", "check_decode", "check_prefill", "check_attention_layer",
-                                   "check_fused_ops", "check_gemv", "check_prefill_graph"])
+                                   "check_fused_ops", "check_gemv", "check_prefill_graph",
+                                   "check_gumbel_sampler"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUDA + triton")
 def test_kernel_on_gpu(check):

@@ -145,6 +145,7 @@ class LLMEngine:
         self.stats = {"requests_finished": 0, "requests_aborted": 0, "requests_failed": 0,
                       "prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "overlapped_steps": 0}
         self.sample_device = self.executor.info().device   # logits arrive on rank 0's device
+        self.sampler.warmup(self.vocab_size, self.sample_device)
         a = config.scheduler.async_scheduling
         self.async_scheduling = self.sample_device.startswith("cuda") if a is None else a
         self._in_flight: StepInFlight | None = None

@@ -24,7 +24,9 @@ Pipeline, per row (the order of vLLM's v1 sampler):
 Sampling uses the exponential race (argmax of p_i / E_i with E_i ~ Exp(1) is distributed as p),
 with the noise of each seeded row drawn from that request's own `torch.Generator`. A row's noise
 therefore depends only on its generator and V, so a seeded request produces the same tokens
-whatever else is in the batch. Unseeded rows share the global torch RNG.
+whatever else is in the batch. Unseeded rows share the global torch RNG. On CUDA, a batch whose
+sampled rows use temperature only and no seed takes one Triton pass over the logits instead
+(`ferrum.ops.sampling.gumbel_argmax`: the same race in logs, the Gumbel-max trick).
 
 Everything here is tensor ops over [B, V]; the only Python loops are over the batch (building
 the metadata, drawing noise for seeded rows, formatting logprobs) and over each request's own
@@ -37,6 +39,8 @@ from dataclasses import dataclass
 import torch
 
 from ferrum.errors import InvalidRequestError
+from ferrum.ops.sampling import gumbel_argmax
+from ferrum.ops.triton_utils import use_triton
 from ferrum.sampling_params import SamplingParams
 
 
@@ -122,6 +126,12 @@ class SamplingMetadata:
     any_greedy: bool = True   # build() sets it; True is the safe default (rows checked)
     grammar_rows: torch.Tensor | None = None
     grammar_bitmask: torch.Tensor | None = None
+
+    @property
+    def unprocessed(self) -> bool:
+        """True when `process_logits` has nothing to apply (no bias, penalty or mask)."""
+        return (self.logit_bias is None and self.repetition_penalty is None and self.output_counts is None
+                and self.min_tokens_rows is None and self.grammar_rows is None)
 
     @property
     def max_num_logprobs(self) -> int | None:
@@ -245,8 +255,7 @@ def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
     min_tokens mask, grammar mask. logits: [B, V], not modified; returns [B, V] float32: a new
     tensor, or `logits` itself when it is float32 and nothing applies (a batch-256 copy of a
     128k vocab is 131 MB of traffic per step for nothing)."""
-    if (metadata.logit_bias is None and metadata.repetition_penalty is None and metadata.output_counts is None
-            and metadata.min_tokens_rows is None and metadata.grammar_rows is None):
+    if metadata.unprocessed:
         return logits.float()
     logits = logits.to(torch.float32, copy=True)
     if metadata.logit_bias is not None:
@@ -313,6 +322,16 @@ def _exponential_race(probs: torch.Tensor,
     return (probs / noise).argmax(-1)
 
 
+def _fused_ok(logits: torch.Tensor, metadata: SamplingMetadata) -> bool:
+    """Whether the one-pass Triton sampler (`ferrum.ops.sampling`) draws this batch: Triton
+    runs on logits' device, some row samples, no row filters (top-k/top-p/min-p: they need the
+    sorted distribution) and no row has its own generator (`seed`: its noise must come from
+    that generator)."""
+    return (use_triton(logits) and not metadata.all_greedy and metadata.top_k is None
+            and metadata.top_p is None and metadata.min_p is None
+            and all(g is None for g in metadata.generators))
+
+
 def _format_logprobs(processed: torch.Tensor, token_ids: torch.Tensor,
                      metadata: SamplingMetadata) -> list[dict[int, float] | None]:
     logprobs = processed.log_softmax(-1)
@@ -347,13 +366,30 @@ class Sampler:
     Raises ValueError when the shapes of logits and metadata disagree.
     """
 
+    def warmup(self, vocab_size: int, device) -> None:
+        """Compile the one-pass Triton sampler for float32 logits of width vocab_size on
+        `device` (what the executors return), so its JIT does not land in the first sampled
+        step; nothing to do where Triton does not run."""
+        logits = torch.zeros(1, vocab_size, device=device)
+        if use_triton(logits):
+            metadata = SamplingMetadata.build([SamplingParams(temperature=1.0)], [[]], [[]], [None], [],
+                                              vocab_size, device)
+            self(logits, metadata)
+
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape != (metadata.greedy.shape[0], metadata.vocab_size):
             raise ValueError(f"logits must be [{metadata.greedy.shape[0]}, {metadata.vocab_size}], "
                              f"got {list(logits.shape)}")
-        processed = process_logits(logits, metadata)
+        fused = _fused_ok(logits, metadata)
+        if (fused or metadata.all_greedy) and metadata.unprocessed and metadata.max_num_logprobs is None:
+            processed = logits   # nothing to add or mask: skip the [B, V] float32 copy
+        else:
+            processed = process_logits(logits, metadata)
         if metadata.all_greedy:
-            token_ids = processed.argmax(-1)
+            token_ids = processed.argmax(-1)   # exact in any float dtype
+        elif fused:
+            seed = int(torch.randint(2**31 - 1, ()))   # torch's CPU generator: manual_seed holds
+            token_ids = gumbel_argmax(processed, metadata.temperature, metadata.greedy, seed)
         else:
             token_ids = _exponential_race(sampling_probs(processed, metadata), metadata.generators)
         logprobs = (_format_logprobs(processed, token_ids, metadata)

@@ -12,6 +12,8 @@ torch code beside its Triton kernel.
 - `triton_utils`: Triton availability and the programmatic-dependent-launch helpers.
 - `fp8`, `int4`, `gguf`: linears over quantized weights (FP8 e4m3; GPTQ / AWQ 4-bit; GGUF
   blocks): Triton GEMV for 1-8 rows, a GEMM above, dequantize + F.linear on CPU.
+- `sampling.gumbel_argmax`: one Triton pass over the logits for temperature-only sampling
+  (the torch sampler in `ferrum.layers.sampler` covers everything else).
 
 Layers (`ferrum.layers`) are thin modules that own parameters and call these.
 """
