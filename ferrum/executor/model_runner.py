@@ -120,15 +120,18 @@ class ModelRunner:
             self.prefill_graphs = PrefillCudaGraphs(self, buckets, blocks, pool=self.graphs.pool)
 
     def warmup_prefill(self, num_tokens: int) -> None:
-        """One throw-away forward of a `num_tokens`-row prefill chunk (every row padding: token
-        0, slot -1, query length 0 on the device, so nothing is stored and attention does no
-        work), so that Triton compiles the kernels of a step-budget-sized chunk at start-up
-        instead of inside the first long request (on the H200 that compile cost the first
-        nano-vllm run ~1 s: benchmarks/results/h200-2026-12-01b). All TP ranks together."""
-        if num_tokens <= 0:
-            return
+        """Throw-away forwards of prefill chunks of up to `num_tokens` rows (every row padding:
+        token 0, slot -1, query length 0 on the device, so nothing is stored and attention does
+        no work), so that Triton compiles the kernels of long prefill chunks at start-up instead
+        of inside the first long requests (on the H200 that cost the first nano-vllm run ~2 s:
+        benchmarks/results/h200-2026-12-01c). Triton's JIT compiles one variant per class of
+        each integer argument (1, a multiple of 16, other), so two chunks run: token count and
+        block-table width multiples of 16, then neither. All TP ranks together."""
+        full = num_tokens // 16 * 16
         try:
-            PrefillGraphInputs(self, num_tokens, 1).forward(num_tokens)
+            for tokens, blocks in ((full, 16), (full - 1, 3)):
+                if tokens > 1:
+                    PrefillGraphInputs(self, tokens, blocks).forward(tokens)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except torch.OutOfMemoryError:

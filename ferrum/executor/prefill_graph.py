@@ -55,7 +55,8 @@ class PrefillGraphInputs:
         self.positions = torch.zeros(T, dtype=torch.int64, device=dev)
         self.slot_mapping = torch.full((T,), -1, dtype=torch.int64, device=dev)
         self.block_tables = torch.zeros(1, M, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.zeros(1, dtype=torch.int64, device=dev)
+        # int32 as the eager path's (prepare_prefill): the same compiled attention kernel
+        self.seq_lens = torch.zeros(1, dtype=torch.int32, device=dev)
         self.cu_seqlens_q = torch.zeros(2, dtype=torch.int64, device=dev)
         self.last = torch.zeros(1, dtype=torch.int64, device=dev)
         # host staging, pinned on CUDA, two used in turn (the copy of the previous fill may
