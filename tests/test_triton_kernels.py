@@ -29,15 +29,16 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 # helpers
 # ---------------------------------------------------------------------------------------------
 def _shim_interpreter() -> None:
-    """Two fixes to Triton 3.6's interpreter, applied in the interpreter subprocess only.
+    """Three fixes to Triton 3.6's interpreter, applied in the interpreter subprocess only.
 
     1. Scalars are shape-[1] numpy arrays and `__index__` is int(array), which numpy >= 2.4
        rejects ("only 0-dimensional arrays can be converted to Python scalars",
        triton-lang/triton#9171): `range(start, end)` with runtime bounds fails. Take the one
        element instead.
-    2. Its float32 -> bfloat16 cast truncates the mantissa, while the GPU (cvt.rn.bf16.f32) and
-       torch round to nearest even; convert with torch so interpreter results round like the
-       GPU's and exact comparisons stay meaningful.
+    2. Its float32 -> bfloat16 cast truncates the mantissa, and its float32 -> float8e4nv cast
+       rounds wrongly (124.3 -> 64), while the GPU (cvt.rn.bf16.f32, cvt.rn.satfinite.e4m3x2.f32)
+       and torch round to nearest even; convert with torch so interpreter results round like
+       the GPU's and exact comparisons stay meaningful.
     3. Its tl.dot multiplies bfloat16 operands as their raw uint16 bit patterns; widen them
        to float32 first (exact), as the tensor cores do before accumulating in float32."""
     import numpy as np
@@ -58,6 +59,9 @@ def _shim_interpreter() -> None:
         if input_dtype == tl.float32 and output_dtype == tl.bfloat16:
             t = torch.from_numpy(np.ascontiguousarray(input).view(np.float32).copy())
             return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        if input_dtype == tl.float32 and output_dtype == tl.float8e4nv:
+            t = torch.from_numpy(np.ascontiguousarray(input).view(np.float32).copy())
+            return t.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
         return orig_convert(input, input_dtype, output_dtype, rounding_mode)
 
     interp._convert_float = convert
@@ -444,6 +448,37 @@ def check_gumbel_sampler(device: str) -> None:
         sampler_mod.gumbel_argmax = real
 
 
+def check_fp8_quant_rows(device: str) -> None:
+    """The one-pass per-token FP8 activation quantization (ferrum/ops/fp8.py) against its torch
+    code: scales equal, e4m3 bytes equal (on the GPU at most 0.1% may sit one e4m3 step away,
+    should its float32 division round differently from torch's), dynamic and static scales, a
+    zero row, a ragged K past one 4096 block."""
+    from ferrum.config import KERNELS
+    from ferrum.ops import fp8
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(6, 4100, generator=gen) * 3).to(torch.bfloat16)
+    x[1] = 0
+    x[2, 7] = 1000.0
+    x = x.to(device)
+    for input_scale in (None, torch.tensor([0.05], device=device)):
+        q, s = fp8.quantize_fp8_per_token(x, input_scale)
+        force = KERNELS.force_triton
+        KERNELS.force_triton = False
+        try:
+            q_ref, s_ref = fp8.quantize_fp8_per_token(x.cpu(), None if input_scale is None else input_scale.cpu())
+        finally:
+            KERNELS.force_triton = force
+        assert q.dtype == fp8.FP8_DTYPE and s.shape == (6, 1)
+        assert torch.equal(s.cpu(), s_ref), f"scales differ: {s.flatten()} vs {s_ref.flatten()}"
+        diff = q.cpu().view(torch.uint8) != q_ref.view(torch.uint8)
+        if device == "cpu":
+            assert not diff.any(), f"{int(diff.sum())} e4m3 values differ"
+        else:
+            step = torch.exp2(torch.floor(torch.log2(q_ref.float().abs().clamp(min=2 ** -6))) - 3)
+            far = (q.cpu().float() - q_ref.float()).abs() > step
+            assert diff.float().mean() <= 1e-3 and not far.any(), f"{int(diff.sum())} differ, {int(far.sum())} by > 1 step"
+
+
 def check_gemv(device: str) -> None:
     """Batch-1 GEMV against F.linear in float64, on unmasked (even) and masked tiles, with and
     without bias."""
@@ -602,6 +637,9 @@ def check_sm90_compile(device: str) -> None:
     bn, bk, w, st = gemv.gemv_config(4096, 4096)
     build(gemv._gemv_kernel, dict(HAS_BIAS=False, EVEN=True, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=True),
           dict(x_ptr="*bf16", w_ptr="*bf16", b_ptr="*bf16", y_ptr="*bf16"), w, st, "gemv")
+    from ferrum.ops import fp8
+    build(fp8._quant_fp8_rows_kernel, dict(STATIC=False, BLOCK=4096),
+          dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", in_scale_ptr="*fp32"), 4, 1, "fp8 row quant")
     from ferrum.ops import sampling
     build(sampling._gumbel_argmax_kernel, dict(BLOCK=sampling.BLOCK),
           dict(logits_ptr="*bf16", temp_ptr="*fp32", greedy_ptr="*i1", val_ptr="*fp32", idx_ptr="*i32"), 8, 1,
@@ -619,7 +657,7 @@ interp = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 @interp
 @pytest.mark.parametrize("check", ["check_write_kv", "check_decode", "check_prefill", "check_attention_layer",
                                    "check_fused_ops", "check_gemv", "check_prefill_graph",
-                                   "check_gumbel_sampler"])
+                                   "check_gumbel_sampler", "check_fp8_quant_rows"])
 def test_kernel_in_interpreter(check):
     _run_interpreted(check)
 
@@ -660,7 +698,7 @@ def test_ops_run_torch_code_on_cpu():
 
 @pytest.mark.parametrize("check", ["check_write_kv", "check_decode", "check_prefill", "check_attention_layer",
                                    "check_fused_ops", "check_gemv", "check_prefill_graph",
-                                   "check_gumbel_sampler"])
+                                   "check_gumbel_sampler", "check_fp8_quant_rows"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUDA + triton")
 def test_kernel_on_gpu(check):
