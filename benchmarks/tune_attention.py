@@ -7,8 +7,8 @@ block tables shuffled over the pool as a long-running server leaves them). For e
 (batch, context) case every (BLOCK_N, num_warps, num_stages, splits) config is timed with CUDA
 events (median of 20 after warm-up) and reported as us per call and the KV bytes read per
 second (the kernel's useful traffic: B x context x 8 heads x 128 x 2 (K, V) x 2 bytes, over
-the 4.35 TB/s roofline). The current defaults (`_decode_config`, `num_decode_splits`) are the
-baseline row. Writes tune_attention.json.
+the 4.35 TB/s roofline; 1 byte with --kv-dtype fp8). The current defaults (`_decode_config`,
+`num_decode_splits`) are the baseline row. Writes tune_attention.json (tune_attention_fp8.json).
 """
 from __future__ import annotations
 
@@ -28,10 +28,12 @@ from ferrum.ops import attention_triton as tb  # noqa: E402
 H, HKV, D, PAGE = 32, 8, 128, 16
 
 
-def _case(B, ctx, gen):
+def _case(B, ctx, gen, fp8=False):
     M = -(-ctx // PAGE)
     pool = B * M + 1
     kv = torch.randn(2, pool, PAGE, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    if fp8:   # the --kv-cache-dtype fp8 cache: e4m3 values, scales [1] float32 (1.0 here)
+        kv = kv.to(torch.float8_e4m3fn)
     perm = torch.randperm(pool - 1, device="cuda", generator=gen) + 1
     bt = perm[:B * M].view(B, M).to(torch.int32)
     q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -62,26 +64,33 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     p.add_argument("--cases", default="256x1536,256x512,64x1536,1x640")
     p.add_argument("--heads", default=f"{H},{HKV}", help="query heads,KV heads (Qwen3-0.6B: 16,8)")
+    p.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp8"], help="KV cache dtype (fp8: e4m3)")
+    p.add_argument("--small-grid", action="store_true",
+                   help="BLOCK_N 32/64/128 x warps 4/8 x stages 2/3 x the two smallest split counts (24 configs)")
     args = p.parse_args()
+    fp8 = args.kv_dtype == "fp8"
+    one = torch.ones(1, device="cuda")
+    kw = dict(k_scale=one, v_scale=one) if fp8 else {}
     H, HKV = map(int, args.heads.split(","))
     gen = torch.Generator("cuda").manual_seed(0)
-    res = {"shapes": dict(H=H, HKV=HKV, D=D, page=PAGE, dtype="bfloat16"), "cases": {}}
+    res = {"shapes": dict(H=H, HKV=HKV, D=D, page=PAGE, dtype="bfloat16", kv_dtype=args.kv_dtype), "cases": {}}
     scale = D ** -0.5
     for case in args.cases.split(","):
         B, ctx = map(int, case.split("x"))
-        q, kv, md = _case(B, ctx, gen)
-        kv_bytes = B * ctx * HKV * D * 2 * 2
-        ref = tb.decode_attention(q, kv, md, scale)
+        q, kv, md = _case(B, ctx, gen, fp8)
+        kv_bytes = B * ctx * HKV * D * 2 * kv.element_size()
+        ref = tb.decode_attention(q, kv, md, scale, **kw)
         base_s = tb.num_decode_splits(B, HKV, md.block_tables.shape[1], PAGE, q.device)
         rows = []
         splits = sorted({1, 2, 4, base_s}) if B >= 64 else sorted({base_s, max(1, base_s // 2), base_s * 2})
-        configs = [(None, None, None, base_s)] + list(itertools.product((32, 64, 128), (4, 8), (2, 3, 4), splits))
+        grid = ((32, 64, 128), (4, 8), (2, 3), splits[:2]) if args.small_grid else ((32, 64, 128), (4, 8), (2, 3, 4), splits)
+        configs = [(None, None, None, base_s)] + list(itertools.product(*grid))
         for bn, warps, stages, s in configs:
             tb.DECODE_BLOCK_N, tb.DECODE_NUM_WARPS, tb.DECODE_NUM_STAGES = bn, warps, stages
             try:
-                out = tb.decode_attention(q, kv, md, scale, num_splits=s)
+                out = tb.decode_attention(q, kv, md, scale, num_splits=s, **kw)
                 err = (out.float() - ref.float()).abs().max().item()
-                us = _time(lambda: tb.decode_attention(q, kv, md, scale, num_splits=s))
+                us = _time(lambda: tb.decode_attention(q, kv, md, scale, num_splits=s, **kw))
             except Exception as e:  # out of shared memory / registers for this config
                 rows.append({"block_n": bn, "warps": warps, "stages": stages, "splits": s,
                              "error": str(e).splitlines()[0][:200]})
@@ -97,7 +106,7 @@ def main():
               flush=True)
     os.makedirs(args.out, exist_ok=True)
     import json
-    with open(os.path.join(args.out, "tune_attention.json"), "w") as f:
+    with open(os.path.join(args.out, f"tune_attention{'_fp8' if fp8 else ''}.json"), "w") as f:
         json.dump({"command": " ".join([sys.executable] + sys.argv), "gpu": torch.cuda.get_device_name(0),
                    "torch": torch.__version__, **res}, f, indent=1)
 

@@ -604,7 +604,7 @@ def check_sm90_compile(device: str) -> None:
         t = "*" + tname[dtype]
         c = "*fp8e4nv" if fp8 else t
         for splits, windowed in ((4, False), (1, False), (4, True)):
-            bn, w, st = tb._decode_config(D, dtype, splits)
+            bn, w, st = tb._decode_config(D, dtype, splits, fp8)
             build(tb._decode_split_kernel,
                   dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=D, PAGE=16, BLOCK_N=bn, NUM_SPLITS=splits,
                        DIRECT_OUT=splits == 1, DOT_PREC=tb._dot_precision(dtype), FP8=fp8, USE_PDL=True,

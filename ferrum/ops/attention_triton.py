@@ -266,16 +266,19 @@ if HAS_TRITON:
                  out.to(out_ptr.dtype.element_ty))
 
 
-def _decode_config(head_dim: int, dtype: torch.dtype, num_splits: int) -> tuple[int, int, int]:
+def _decode_config(head_dim: int, dtype: torch.dtype, num_splits: int, fp8: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages). 16-bit: 32 tokens per iteration (sm_90: 64 registers,
     21 KB shared for D=128); with one split (large batch: every program walks a whole sequence)
     64 tokens and 3 stages, which read K/V faster on H200 (`benchmarks/tune_attention.py`;
     figures in benchmarks/results/README.md); D = 256 stays at 32 (64 needs 254 registers).
+    An FP8 cache (fp8) takes twice the tokens per tile for D <= 128, the same bytes in flight.
     fp32 goes through FMA dots ("ieee"), which spill at 32 tokens with D >= 128, so 16."""
     if dtype == torch.float32:
         bn, stages = 16, 2
     else:
         bn, stages = (64, 3) if num_splits == 1 and head_dim <= 128 else (32, 2)
+        if fp8 and head_dim <= 128:
+            bn *= 2
     return DECODE_BLOCK_N or bn, DECODE_NUM_WARPS or 4, DECODE_NUM_STAGES or stages
 
 
@@ -324,7 +327,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Att
     group = H // hkv
     S = num_splits or num_decode_splits(B, hkv, M, page, q.device, sliding_window)
     kc, vc = kv_cache[0], kv_cache[1]
-    bn, warps, stages = _decode_config(D, q.dtype, S)
+    bn, warps, stages = _decode_config(D, q.dtype, S, kv_cache.element_size() == 1)
     pdl = pdl_ok(q)
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     scales = (k_scale, v_scale) if fp8 else (q, q)
