@@ -8,7 +8,8 @@ block tables shuffled over the pool as a long-running server leaves them). For e
 events (median of 20 after warm-up) and reported as us per call and the KV bytes read per
 second (the kernel's useful traffic: B x context x 8 heads x 128 x 2 (K, V) x 2 bytes, over
 the 4.35 TB/s roofline; 1 byte with --kv-dtype fp8). The current defaults (`_decode_config`,
-`num_decode_splits`) are the baseline row. Writes tune_attention.json (tune_attention_fp8.json).
+`num_decode_splits`) are the baseline row. --prefill-cases also times the prefill kernel
+(`tune_prefill`). Writes tune_attention.json (tune_attention_fp8.json).
 """
 from __future__ import annotations
 
@@ -58,6 +59,48 @@ def _time(fn, iters=20):
     return sorted(ts)[len(ts) // 2]
 
 
+def tune_prefill(cases: str, gen) -> dict:
+    """Time `prefill_attention` over (BLOCK_M, BLOCK_N, num_warps, num_stages) for cases
+    "BxL" (B sequences of L new tokens, no cached context), causal FLOPs 2 x 2 x H x D x L^2 / 2
+    per sequence reported as TFLOP/s. The first row is the default (`_prefill_config`)."""
+    out = {}
+    scale = D ** -0.5
+    for case in cases.split(","):
+        B, L = map(int, case.split("x"))
+        M = -(-L // PAGE)
+        kv = torch.randn(2, B * M + 1, PAGE, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        bt = (torch.randperm(B * M, device="cuda", generator=gen) + 1).view(B, M)
+        q = torch.randn(B * L, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        cu = torch.arange(0, B * L + 1, L, device="cuda")
+        md = AttentionMetadata(is_prefill=True, slot_mapping=torch.empty(0, device="cuda"), block_tables=bt,
+                               seq_lens=torch.full((B,), L, dtype=torch.int32, device="cuda"), max_seq_len=L,
+                               query_lens=[L] * B, context_lens=[0] * B, cu_seqlens_q=cu)
+        flops = B * 2 * 2 * H * D * L * L / 2
+
+        def run():
+            return tb.prefill_attention(q, kv, md, scale, None, None)
+        ref = run()
+        rows = []
+        grid = [(None, None, None, None)] + list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)))
+        for bm, bn, warps, stages in grid:
+            tb.PREFILL_BLOCK_M, tb.PREFILL_BLOCK_N, tb.PREFILL_NUM_WARPS, tb.PREFILL_NUM_STAGES = bm, bn, warps, stages
+            try:
+                err = (run().float() - ref.float()).abs().max().item()
+                us = _time(run, iters=10)
+            except Exception as e:  # out of shared memory / registers for this config
+                rows.append({"block_m": bm, "block_n": bn, "warps": warps, "stages": stages,
+                             "error": str(e).splitlines()[0][:200]})
+                continue
+            rows.append({"block_m": bm, "block_n": bn, "warps": warps, "stages": stages, "us": us,
+                         "tflops": flops / us / 1e6, "max_abs_diff_vs_default": err})
+        tb.PREFILL_BLOCK_M = tb.PREFILL_BLOCK_N = tb.PREFILL_NUM_WARPS = tb.PREFILL_NUM_STAGES = None
+        ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
+        out[case] = {"default": rows[0], "best": ok[:5], "all": rows}
+        print("prefill", case, "default", {k: rows[0].get(k) for k in ("us", "tflops")}, "best",
+              [{k: r[k] for k in ("block_m", "block_n", "warps", "stages", "us", "tflops")} for r in ok[:3]], flush=True)
+    return out
+
+
 def main():
     global H, HKV
     p = argparse.ArgumentParser()
@@ -67,6 +110,8 @@ def main():
     p.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp8"], help="KV cache dtype (fp8: e4m3)")
     p.add_argument("--small-grid", action="store_true",
                    help="BLOCK_N 32/64/128 x warps 4/8 x stages 2/3 x the two smallest split counts (24 configs)")
+    p.add_argument("--prefill-cases", default="",
+                   help="also time prefill_attention for these BxL cases (e.g. 1x7500,16x1024)")
     args = p.parse_args()
     fp8 = args.kv_dtype == "fp8"
     one = torch.ones(1, device="cuda")
@@ -75,7 +120,7 @@ def main():
     gen = torch.Generator("cuda").manual_seed(0)
     res = {"shapes": dict(H=H, HKV=HKV, D=D, page=PAGE, dtype="bfloat16", kv_dtype=args.kv_dtype), "cases": {}}
     scale = D ** -0.5
-    for case in args.cases.split(","):
+    for case in filter(None, args.cases.split(",")):   # --cases "": prefill only
         B, ctx = map(int, case.split("x"))
         q, kv, md = _case(B, ctx, gen, fp8)
         kv_bytes = B * ctx * HKV * D * 2 * kv.element_size()
@@ -104,6 +149,8 @@ def main():
         print(case, "default", {k: rows[0].get(k) for k in ("splits", "us", "kv_TBps")},
               "best", [{k: r[k] for k in ("block_n", "warps", "stages", "splits", "us", "kv_TBps")} for r in ok[:3]],
               flush=True)
+    if args.prefill_cases:
+        res["prefill"] = tune_prefill(args.prefill_cases, gen)
     os.makedirs(args.out, exist_ok=True)
     import json
     with open(os.path.join(args.out, f"tune_attention{'_fp8' if fp8 else ''}.json"), "w") as f:

@@ -402,7 +402,20 @@ if HAS_TRITON:
             if WINDOWED:
                 lo = tl.maximum(ctx + m0 - window + 1, 0)
             bt_row = bt_ptr + b.to(tl.int64) * stride_btb
-            for n0 in range(lo, hi, BLOCK_N):
+            # Tiles every row sees whole (keys <= ctx + m0, the first row's position) skip the
+            # causal mask (FlashAttention-2's split); the diagonal tiles after them apply it.
+            # With a window every tile is masked.
+            full_end = lo
+            if not WINDOWED:
+                full_end = (ctx + m0 + 1) // BLOCK_N * BLOCK_N
+            for n0 in range(lo, full_end, BLOCK_N):
+                n = n0 + offs_n
+                blk = tl.load(bt_row + n // PAGE).to(tl.int64)
+                off = blk * stride_cblk + (n % PAGE) * stride_cslot + kvh * stride_ch
+                m_i, l_i, acc = _attend_tile(q, kc_ptr, vc_ptr, off, offs_d, n, n < hi, ctx + offs_m,
+                                             m_i, l_i, acc, qk_scale, window, CAUSAL=False,
+                                             DOT_PREC=DOT_PREC)
+            for n0 in range(full_end, hi, BLOCK_N):
                 n = n0 + offs_n
                 n_mask = n < hi
                 blk = tl.load(bt_row + n // PAGE, mask=n_mask, other=0).to(tl.int64)
@@ -419,10 +432,11 @@ if HAS_TRITON:
 
 def _prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages), from sm_90 compiles without spills:
-    16-bit D <= 128: 128x64, 8 warps (~185 registers, 96 KB shared at 2 stages, D=128);
-    D = 256: 64x32, 8 warps (98 KB). fp32 (FMA dots, tests only): 32x16 / 16x16, 4 warps."""
+    16-bit D <= 128: 128x64, 8 warps (207 registers, 96 KB shared at 2 stages, D=128);
+    D = 256: 64x32, 8 warps (98 KB). fp32 (FMA dots, tests only): 16x16, 4 warps (32x16
+    spills with the two key loops)."""
     if dtype == torch.float32:
-        bm, bn, warps = (32, 16, 4) if head_dim <= 128 else (16, 16, 4)
+        bm, bn, warps = 16, 16, 4
     else:
         bm, bn, warps = (128, 64, 8) if head_dim <= 128 else (64, 32, 8)
     return (PREFILL_BLOCK_M or bm, PREFILL_BLOCK_N or bn, PREFILL_NUM_WARPS or warps,
