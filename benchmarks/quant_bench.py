@@ -140,7 +140,7 @@ def _kernel_candidates(grid: str, M: int, N: int, K: int) -> dict[str, list[tupl
     qtypes = (gguf.Q4_K, gguf.Q6_K, gguf.Q8_0)
     if grid == "small":
         return {"bf16": [(4, 128, 4, 1)] if M == 1 else [], "fp8": [(4, 128, 4, 1)],
-                "w4": [int4.int4_gemv_config(N, K, M, 128, False), (8, 128, 4, 1, 2), (4, 256, 4, 1, 1)],
+                "w4": [int4.int4_gemv_config(N, K, M, 128, False), (8, 128, 4, 1, 2), (4, 1024, 4, 1, 1)],
                 **{f"gguf_{q}": [gguf.gguf_gemv_config(q, N, K, M), (4, 4, 1)] for q in qtypes}}
     few_rows = N <= 4096  # few programs without split-K
     if grid == "full":
@@ -156,15 +156,15 @@ def _kernel_candidates(grid: str, M: int, N: int, K: int) -> dict[str, list[tupl
             w4 += [(bn, 128, 4, 3, sp) for bn in (8, 16) for sp in splits]
             gg = [(bn, w, 2) for bn in (2, 4, 8) for w in (4, 8)]
             dense = [(bn, bk, 4, 3) for bn in (8, 16) for bk in (64, 128)]
-    elif M == 1:
-        w4 = [(bn, bk, 4, 3, 1) for bn in (8, 16, 32) for bk in (256, 512)]
-        w4 += [(16, 128, 4, 3, 1), (32, 128, 4, 3, 1), (16, 512, 8, 3, 1), (32, 512, 8, 3, 1)]
-        w4 += [(bn, 256, 4, 3, sp) for bn in (16, 32) for sp in ((2, 4) if few_rows else ())]
+    elif M == 1:  # wide tiles: a thread's x values serve more rows (4-bit: BLOCK_N / 4 rows at 1024)
+        w4 = [(bn, bk, 4, 3, 1) for bn in (8, 16, 32) for bk in (256, 512, 1024)]
+        w4 += [(16, 512, 8, 3, 1), (32, 1024, 8, 3, 1)]
+        w4 += [(bn, bk, 4, 3, sp) for bn in (16, 32) for bk in (512, 1024) for sp in ((2,) if few_rows else ())]
         gg = [(bn, w, 2) for bn in (4, 8, 16, 32) for w in (4, 8)]
         dense = [(8, 512, 4, 3), (16, 256, 4, 4)]
     else:
-        w4 = [(bn, bk, 4, 3, 1) for bn in (8, 16) for bk in (128, 256)]
-        w4 += [(16, 128, 4, 3, sp) for sp in ((2, 4) if few_rows else ())]
+        w4 = [(bn, bk, 4, 3, 1) for bn in (8, 16) for bk in (128, 256, 512)]
+        w4 += [(16, 256, 4, 3, sp) for sp in ((2, 4) if few_rows else ())]
         gg = [(4, 4, 2), (8, 4, 2)]
         dense = [(16, 128, 4, 3)]
     # FP8 weights are half the bytes of bf16: the same bytes per tile need twice the BLOCK_K

@@ -137,12 +137,16 @@ def check_int4_gemv(device: str, shapes=((64, 256), (40, 128)), rows=(1, 5)) -> 
 def check_int4_gemv_configs(device: str, N: int = 24, K: int = 384) -> None:
     """The 4-bit GEMV's other paths at explicit configs: tiles inside one group (BLOCK_K <
     group) and spanning several, split-K (float32 partials + the reduce kernel, with bias),
-    masked tails (N, K not dividing the tile at the default shape), g_idx with split-K."""
+    masked tails (N, K not dividing the tile at the default shape), g_idx with split-K and
+    with 4 rows, tiles wider than K."""
     from ferrum.ops import int4
     gen = torch.Generator().manual_seed(12)
     cases = [(128, False, 1, (16, 64, 4, 1, 1)), (128, False, 1, (16, 64, 4, 1, 3)),
              (32, False, 3, (8, 256, 4, 1, 2)), (128, False, 2, (16, 256, 4, 1, 1)),
-             (64, True, 1, (8, 128, 4, 1, 2)), (64, True, 6, (8, 64, 4, 1, 1))]
+             (64, True, 1, (8, 128, 4, 1, 2)), (64, True, 6, (8, 64, 4, 1, 1)),
+             # tiles of 1024 features (8 groups of 128; masked past K = 384), 4 rows with g_idx
+             (128, False, 1, (16, 1024, 4, 1, 1)), (128, False, 4, (8, 1024, 4, 1, 1)),
+             (32, True, 4, (8, 128, 4, 1, 1))]
     for group, act_order, M, cfg in cases:
         qw, s, z, g = _int4_case(N, K, group, act_order, gen, device)
         ref_w = int4.dequantize_int4(qw.cpu(), s.cpu(), z.cpu(), group, None if g is None else g.cpu()).double()
