@@ -156,16 +156,19 @@ def _kernel_candidates(grid: str, M: int, N: int, K: int) -> dict[str, list[tupl
             w4 += [(bn, 128, 4, 3, sp) for bn in (8, 16) for sp in splits]
             gg = [(bn, w, 2) for bn in (2, 4, 8) for w in (4, 8)]
             dense = [(bn, bk, 4, 3) for bn in (8, 16) for bk in (64, 128)]
-    elif M == 1:  # wide tiles: a thread's x values serve more rows (4-bit: BLOCK_N / 4 rows at 1024)
-        w4 = [(bn, bk, 4, 3, 1) for bn in (8, 16, 32) for bk in (256, 512, 1024)]
-        w4 += [(16, 512, 8, 3, 1), (32, 1024, 8, 3, 1)]
-        w4 += [(bn, bk, 4, 3, sp) for bn in (16, 32) for bk in (512, 1024) for sp in ((2,) if few_rows else ())]
-        gg = [(bn, w, 2) for bn in (4, 8, 16, 32) for w in (4, 8)]
+    elif M == 1:
+        # 4-bit: wide tiles and few warps give each thread more rows for the same x values; at
+        # most 128 nibbles per thread and tile (BLOCK_N * BLOCK_K <= 4096 warps: more spills)
+        w4 = [(bn, bk, 4, 3, 1) for bn, bk in ((8, 256), (8, 512), (8, 1024), (16, 256), (16, 512), (16, 1024),
+                                                (32, 256), (32, 512))]
+        w4 += [(32, 1024, 8, 3, 1), (8, 1024, 2, 3, 1), (16, 512, 2, 3, 1)]
+        w4 += [(bn, bk, 4, 3, 2) for bn, bk in ((16, 512), (16, 1024), (32, 512)) if few_rows]
+        gg = [(8, 2, 2), (8, 4, 2), (16, 1, 2), (16, 2, 2), (16, 4, 2), (32, 2, 2), (32, 4, 2), (32, 8, 2)]
         dense = [(8, 512, 4, 3), (16, 256, 4, 4)]
     else:
         w4 = [(bn, bk, 4, 3, 1) for bn in (8, 16) for bk in (128, 256, 512)]
         w4 += [(16, 256, 4, 3, sp) for sp in ((2, 4) if few_rows else ())]
-        gg = [(4, 4, 2), (8, 4, 2)]
+        gg = [(4, 4, 2), (8, 4, 2), (8, 2, 2)]
         dense = [(16, 128, 4, 3)]
     # FP8 weights are half the bytes of bf16: the same bytes per tile need twice the BLOCK_K
     fp8_wide = ([(bn, 1024, w, 3) for bn in (4, 8, 16) for w in (4, 8)] if M == 1 else
