@@ -68,11 +68,11 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
 
 if HAS_TRITON:
     @triton.jit
-    def _w4_tile(qw_rows, s_rows, z_rows, g_ptr, k0, n_mask, K, GROUP: tl.constexpr,
+    def _w4_tile(qw_rows, s_rows, z_rows, g_ptr, k0, n_mask, K, magic, GROUP: tl.constexpr,
                  HAS_GIDX: tl.constexpr, EVEN: tl.constexpr, BLOCK_K: tl.constexpr):
         """[BLOCK_N, BLOCK_K] float32 weights for input features k0 .. k0 + BLOCK_K (k0 a
         multiple of 8) of the rows whose base pointers are qw_rows / s_rows / z_rows
-        ([BLOCK_N, 1] each)."""
+        ([BLOCK_N, 1] each); magic: 0x4B000000."""
         offs_k = k0 + tl.arange(0, BLOCK_K)
         offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         if EVEN:
@@ -83,7 +83,8 @@ if HAS_TRITON:
         words = tl.interleave(words, words)
         words = tl.interleave(words, words)
         words = tl.interleave(words, words)           # [BLOCK_N, BLOCK_K]: the word of each k
-        q = (words >> ((offs_k % 8) * 4)[None, :]) & 0xF
+        # float(q) as in `_w4_nibble`: ORed into the mantissa of 2^23, the 2^23 folded into z exactly
+        q = (((words >> ((offs_k % 8) * 4)[None, :]) & 0xF) | magic).to(tl.float32, bitcast=True)
         if HAS_GIDX:
             g = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0)
         else:
@@ -95,7 +96,7 @@ if HAS_TRITON:
             gmask = n_mask[:, None] & (offs_k < K)[None, :]
             s = tl.load(s_rows + g[None, :], mask=gmask, other=0.0).to(tl.float32)
             z = tl.load(z_rows + g[None, :], mask=gmask, other=0.0).to(tl.float32)
-        return (q.to(tl.float32) - z) * s
+        return (q - (z + 8388608.0)) * s
 
     @triton.jit
     def _w4_nibble(words, hi, J: tl.constexpr, magic):
@@ -288,7 +289,7 @@ if HAS_TRITON:
         tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _w4_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, y_ptr, M, N, K,
+    def _w4_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, y_ptr, M, N, K, magic,
                         stride_xm, stride_qn, stride_sn, stride_ym,
                         GROUP: tl.constexpr, HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr,
                         EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -307,7 +308,7 @@ if HAS_TRITON:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                         mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-            w = _w4_tile(qw_rows, s_rows, z_rows, g_ptr, k0, n_mask, K, GROUP, HAS_GIDX, EVEN, BLOCK_K)
+            w = _w4_tile(qw_rows, s_rows, z_rows, g_ptr, k0, n_mask, K, magic, GROUP, HAS_GIDX, EVEN, BLOCK_K)
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PREC)
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -319,7 +320,7 @@ def _launch_args(x, qweight, scales, zeros, g_idx, bias, y, group_size):
     M, K = x.shape
     N = qweight.shape[0]
     return (x, qweight, scales, zeros, g_idx if g_idx is not None else qweight,
-            bias if bias is not None else scales, y, M, N, K, x.stride(0), qweight.stride(0),
+            bias if bias is not None else scales, y, M, N, K, F32_2P23_BITS, x.stride(0), qweight.stride(0),
             scales.stride(0), y.stride(0)), dict(GROUP=group_size, HAS_GIDX=g_idx is not None,
                                                   HAS_BIAS=bias is not None)
 
