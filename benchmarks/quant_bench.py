@@ -135,14 +135,14 @@ L2_FLUSH_BYTES = 256 * 2**20  # > 4x the H200's L2: each timed call reads its we
 def _kernel_candidates(grid: str, M: int, N: int, K: int) -> dict[str, list[tuple]]:
     """Configs timed per kernel (the first is the current default). Tuples as each kernel's
     `config` argument: bf16 / fp8 (BLOCK_N, BLOCK_K, warps, stages); w4 (BLOCK_N, BLOCK_K,
-    warps, stages, SPLIT_K); gguf (BLOCK_N, warps, stages). grid: small (the interpreter smoke
+    warps, stages, SPLIT_K); gguf (BLOCK_N, warps, stages[, MAGIC]). grid: small (the interpreter smoke
     run), default (~60 compiles, fits gpu_run.sh's quantkern limit) or full (~200)."""
     from ferrum.ops import fp8, gemv, gguf, int4
     qtypes = (gguf.Q4_K, gguf.Q6_K, gguf.Q8_0)
     if grid == "small":
         return {"bf16": [(4, 128, 4, 1)] if M == 1 else [], "fp8": [(4, 128, 4, 1)],
                 "w4": [int4.int4_gemv_config(N, K, M, 128, False), (8, 128, 4, 1, 2), (4, 1024, 4, 1, 1)],
-                **{f"gguf_{q}": [gguf.gguf_gemv_config(q, N, K, M), (4, 4, 1)] for q in qtypes}}
+                **{f"gguf_{q}": [gguf.gguf_gemv_config(q, N, K, M), (4, 4, 1), (4, 4, 1, 0)] for q in qtypes}}
     few_rows = N <= 4096  # few programs without split-K
     if grid == "full":
         splits = (2, 4, 8) if few_rows else (2,)
@@ -164,12 +164,13 @@ def _kernel_candidates(grid: str, M: int, N: int, K: int) -> dict[str, list[tupl
                                                 (32, 256), (32, 512))]
         w4 += [(32, 1024, 8, 3, 1), (8, 1024, 2, 3, 1), (16, 512, 2, 3, 1)]
         w4 += [(bn, bk, 4, 3, 2) for bn, bk in ((16, 512), (16, 1024), (32, 512)) if few_rows]
-        gg = [(8, 2, 2), (8, 4, 2), (16, 1, 2), (16, 2, 2), (16, 4, 2), (32, 2, 2), (32, 4, 2), (32, 8, 2)]
+        # GGUF: the I2F variant (4th element 0) against the 2^23 mantissa trick at two tiles
+        gg = [(8, 4, 2), (16, 1, 2), (16, 2, 2), (16, 4, 2), (32, 2, 2), (32, 4, 2), (8, 4, 2, 0), (16, 2, 2, 0)]
         dense = [(8, 512, 4, 3), (16, 256, 4, 4)]
     else:
         w4 = [(bn, bk, 4, 3, 1) for bn in (8, 16) for bk in (128, 256, 512)]
         w4 += [(16, 256, 4, 3, sp) for sp in ((2, 4) if few_rows else ())]
-        gg = [(4, 4, 2), (8, 4, 2), (8, 2, 2)]
+        gg = [(4, 4, 2), (8, 4, 2), (4, 4, 2, 0)]
         dense = [(16, 128, 4, 3)]
     # FP8 weights are half the bytes of bf16: the same bytes per tile need twice the BLOCK_K
     fp8_wide = ([(bn, 1024, w, 3) for bn in (4, 8, 16) for w in (4, 8)] if M == 1 else

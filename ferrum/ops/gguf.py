@@ -201,28 +201,30 @@ if HAS_TRITON:
     def _gguf_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, magic, stride_xm, stride_wn, stride_ym,
                           QTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, A: tl.constexpr, B: tl.constexpr, L: tl.constexpr,
-                          USE_PDL: tl.constexpr):
+                          MAGIC: tl.constexpr, USE_PDL: tl.constexpr):
+        """y [M, N] = x W^T (+ bias), BLOCK_N rows per program; MAGIC: quants to float32 through
+        the 2^23 mantissa trick (LOP3 + FADD) instead of I2F (`_gguf_step`)."""
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         offs_m = tl.arange(0, BLOCK_M)
         rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
         n_mask2 = n_mask[:, None]
-        q, scale, minc = _gguf_step(rows, 0, n_mask2, K, magic, True, QTYPE, A, B, L)  # weights before waiting for x
+        q, scale, minc = _gguf_step(rows, 0, n_mask2, K, magic, MAGIC, QTYPE, A, B, L)  # weights before waiting for x
         if USE_PDL:
             pdl_start()
         steps = tl.cdiv(K, 256)
         if BLOCK_M == 1:  # one row: accumulate per sub-block, reduce once at the end
             acc = _gguf_step_dot(q, scale, minc, _gguf_x(x_ptr, 0, K, True, A, B, L))
             for kb in range(1, steps):
-                q, scale, minc = _gguf_step(rows, kb, n_mask2, K, magic, True, QTYPE, A, B, L)
+                q, scale, minc = _gguf_step(rows, kb, n_mask2, K, magic, MAGIC, QTYPE, A, B, L)
                 acc += _gguf_step_dot(q, scale, minc, _gguf_x(x_ptr, kb, K, True, A, B, L))
             y = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]
         else:  # 2-8 rows: each step is decoded once and used by every row
             y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for kb in range(0, steps):
                 if kb > 0:
-                    q, scale, minc = _gguf_step(rows, kb, n_mask2, K, magic, True, QTYPE, A, B, L)
+                    q, scale, minc = _gguf_step(rows, kb, n_mask2, K, magic, MAGIC, QTYPE, A, B, L)
                 for mi in tl.static_range(BLOCK_M):
                     x = _gguf_x(x_ptr + mi * stride_xm, kb, K, mi < M, A, B, L)
                     part = tl.sum(tl.sum(_gguf_step_dot(q, scale, minc, x), axis=2), axis=1)
@@ -274,10 +276,10 @@ if HAS_TRITON:
 # Sub-block layout of one 256-element kernel step per type (`_gguf_step`): (A, B, L).
 STEP_LAYOUT = {Q4_0: (8, 2, 16), Q8_0: (8, 1, 32), Q4_K: (4, 2, 32), Q5_K: (4, 2, 32), Q6_K: (8, 2, 16)}
 
-# Tuned configurations of `gguf_gemv`: (qtype, N, K, rows) -> (BLOCK_N, num_warps, num_stages),
-# rows 1 (M == 1) or 4 (2-8 rows); printed by `benchmarks/quant_bench.py kernels` (paste its
+# Tuned configurations of `gguf_gemv`: (qtype, N, K, rows) -> (BLOCK_N, num_warps, num_stages[,
+# MAGIC]), rows 1 (M == 1) or 4 (2-8 rows); printed by `benchmarks/quant_bench.py kernels` (paste its
 # GGUF_GEMV_CONFIGS here). Shapes not listed take `_gguf_default_config`.
-GGUF_GEMV_CONFIGS: dict[tuple[int, int, int, int], tuple[int, int, int]] = {}
+GGUF_GEMV_CONFIGS: dict[tuple[int, int, int, int], tuple[int, ...]] = {}
 
 
 def _gguf_default_config(qtype: int, N: int, K: int, M: int) -> tuple[int, int, int]:
@@ -285,32 +287,35 @@ def _gguf_default_config(qtype: int, N: int, K: int, M: int) -> tuple[int, int, 
     return (8, 4, 2) if M == 1 else (4, 4, 2)
 
 
-def gguf_gemv_config(qtype: int, N: int, K: int, M: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of `gguf_gemv`: `GGUF_GEMV_CONFIGS[(qtype, N, K, 1 or 4)]`,
+def gguf_gemv_config(qtype: int, N: int, K: int, M: int) -> tuple[int, ...]:
+    """(BLOCK_N, num_warps, num_stages[, MAGIC]) of `gguf_gemv`: `GGUF_GEMV_CONFIGS[(qtype, N, K, 1 or 4)]`,
     else `_gguf_default_config`."""
     return GGUF_GEMV_CONFIGS.get((qtype, N, K, 1 if M == 1 else 4)) or _gguf_default_config(qtype, N, K, M)
 
 
 def gguf_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: int, bias: torch.Tensor | None = None,
-              config: tuple[int, int, int] | None = None) -> torch.Tensor:
+              config: tuple[int, ...] | None = None) -> torch.Tensor:
     """x: [M, K] (M <= 8, unit stride along K); raw: [N, K // QK * BPB] uint8 (rows
     contiguous); bias [N] or None -> [M, N] in x's dtype (float32 accumulation). Each program
     streams BLOCK_N rows one 256-element step at a time: the step's quant bytes are loaded
     once, its block headers (d, dmin, 6-bit scales) decoded once per sub-block, and the
     product factored per sub-block, scale * sum(q x) - min * sum(x) (as llama.cpp's
-    vec_dot_q*_K kernels). `config` (BLOCK_N, warps, stages) overrides `gguf_gemv_config`."""
+    vec_dot_q*_K kernels). `config` (BLOCK_N, warps, stages[, MAGIC]) overrides
+    `gguf_gemv_config`; MAGIC 1 (the default) turns quants into floats by the 2^23 mantissa trick,
+    0 by int->float conversion (fewer instructions, but I2F runs at a quarter rate on sm_90)."""
     M, K = x.shape
     N = raw.shape[0]
     qk, bpb = BLOCK[qtype]
     assert M <= MAX_GEMV_ROWS and raw.shape[1] * qk == K * bpb and raw.stride(1) == 1 and x.stride(1) == 1
-    bn, warps, stages = config or gguf_gemv_config(qtype, N, K, M)
+    bn, warps, stages, *magic = config or gguf_gemv_config(qtype, N, K, M)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     pdl = pdl_ok(x)
     A, B, L = STEP_LAYOUT[qtype]
     _gguf_gemv_kernel[(triton.cdiv(N, bn),)](
         x, raw, bias if bias is not None else x, y, M, N, K, F32_2P23_BITS, x.stride(0), raw.stride(0), y.stride(0),
         QTYPE=qtype, HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=bn,
-        A=A, B=B, L=L, USE_PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
+        A=A, B=B, L=L, MAGIC=bool(magic[0]) if magic else True, USE_PDL=pdl, num_warps=warps,
+        num_stages=stages, launch_pdl=pdl)
     return y
 
 
