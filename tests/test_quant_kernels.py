@@ -137,12 +137,16 @@ def check_int4_gemv(device: str, shapes=((64, 256), (40, 128)), rows=(1, 5)) -> 
 def check_int4_gemv_configs(device: str, N: int = 24, K: int = 384) -> None:
     """The 4-bit GEMV's other paths at explicit configs: tiles inside one group (BLOCK_K <
     group) and spanning several, split-K (float32 partials + the reduce kernel, with bias),
-    masked tails (N, K not dividing the tile at the default shape), g_idx with split-K."""
+    masked tails (N, K not dividing the tile at the default shape), g_idx with split-K and
+    with 4 rows, tiles wider than K."""
     from ferrum.ops import int4
     gen = torch.Generator().manual_seed(12)
     cases = [(128, False, 1, (16, 64, 4, 1, 1)), (128, False, 1, (16, 64, 4, 1, 3)),
              (32, False, 3, (8, 256, 4, 1, 2)), (128, False, 2, (16, 256, 4, 1, 1)),
-             (64, True, 1, (8, 128, 4, 1, 2)), (64, True, 6, (8, 64, 4, 1, 1))]
+             (64, True, 1, (8, 128, 4, 1, 2)), (64, True, 6, (8, 64, 4, 1, 1)),
+             # tiles of 1024 features (8 groups of 128; masked past K = 384), 4 rows with g_idx
+             (128, False, 1, (16, 1024, 4, 1, 1)), (128, False, 4, (8, 1024, 4, 1, 1)),
+             (32, True, 4, (8, 128, 4, 1, 1))]
     for group, act_order, M, cfg in cases:
         qw, s, z, g = _int4_case(N, K, group, act_order, gen, device)
         ref_w = int4.dequantize_int4(qw.cpu(), s.cpu(), z.cpu(), group, None if g is None else g.cpu()).double()
@@ -264,6 +268,10 @@ def check_gguf_gemv(device: str, shapes=((24, 512), (10, 256)), rows=(1, 3)) -> 
                 ref = torch.nn.functional.linear(x.double(), ref_w, None if bias is None else bias.double())
                 got = gguf.gguf_gemv(x.to(device), raw.to(device), qtype, None if bias is None else bias.to(device))
                 _check(got, ref, torch.bfloat16, f"gguf gemv qtype {qtype} M={M} N={N} K={K}")
+                # the int->float conversion variant (MAGIC 0) that the benchmark sweep times too
+                got = gguf.gguf_gemv(x.to(device), raw.to(device), qtype, None if bias is None else bias.to(device),
+                                     config=(4, 4, 1, 0))
+                _check(got, ref, torch.bfloat16, f"gguf gemv qtype {qtype} M={M} N={N} K={K} MAGIC=0")
         check_gguf_gemm(device, qtype, shapes[-1], (9,) if device == "cpu" else (9, 100), gen)
 
 
@@ -329,10 +337,11 @@ def check_sm90_compile(device: str) -> None:
                           dict(w4_ptrs, y_ptr="*bf16" if sp == 1 else "*fp32"), w, st,
                           f"int4 gemv M={M} {n}x{k} g_idx={gidx} split={sp}")
             for qtype in gguf.PACKED_TYPES:
-                bn, w, st = gguf.gguf_gemv_config(qtype, n, k, M)
+                bn, w, st, *magic = gguf.gguf_gemv_config(qtype, n, k, M)
                 A, B, L = gguf.STEP_LAYOUT[qtype]
                 build(gguf._gguf_gemv_kernel, dict(QTYPE=qtype, HAS_BIAS=False, BLOCK_M=triton.next_power_of_2(M),
-                                                    BLOCK_N=bn, A=A, B=B, L=L, USE_PDL=True),
+                                                    BLOCK_N=bn, A=A, B=B, L=L, USE_PDL=True,
+                                                    MAGIC=bool(magic[0]) if magic else True),
                       dict(x_ptr="*bf16", w_ptr="*u8", b_ptr="*bf16", y_ptr="*bf16"), w, st,
                       f"gguf {qtype} gemv M={M} {n}x{k}")
     build(int4._splitk_reduce_kernel, dict(SPLIT_K=4, HAS_BIAS=True, BLOCK=1024, USE_PDL=True),

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ferrum.ops.fp8 import MAX_GEMV_ROWS
+from ferrum.ops.int4 import F32_2P23_BITS
 from ferrum.ops.triton_utils import HAS_TRITON, pdl_ok, pdl_start, use_triton
 
 if HAS_TRITON:
@@ -120,14 +121,16 @@ if HAS_TRITON:
         return w
 
     @triton.jit
-    def _gguf_step(rows, kb, n_mask, K, QTYPE: tl.constexpr, A: tl.constexpr, B: tl.constexpr,
+    def _gguf_step(rows, kb, n_mask, K, magic, MAGIC: tl.constexpr, QTYPE: tl.constexpr, A: tl.constexpr,
+                   B: tl.constexpr,
                    L: tl.constexpr):
         """Elements 256 kb .. 256 kb + 255 of the rows at byte pointers `rows` [BLOCK_N, 1],
         laid out [BLOCK_N, A, B, L] (element 256 kb + (B a + b) L + l) as w = scale * q - minc:
         returns q [BLOCK_N, A, B, L] float32 and scale, minc [BLOCK_N, A, B] float32 (one per
         sub-block of L elements; sub-block (a, b) of a K-quant super-block is the one whose
         header entry the formats' docs name). K-quants: one super-block; Q4_0 / Q8_0: 8 blocks
-        (past K: zeros)."""
+        (past K: zeros). MAGIC: q to float32 through magic = 0x4B000000 (`F32_2P23_BITS`), else
+        by int->float conversion (the GEMM: the magic path spills registers for Q5_K there)."""
         a3 = tl.arange(0, A)[None, :, None]
         b3 = tl.arange(0, B)[None, None, :]
         a4 = a3[:, :, :, None]
@@ -144,8 +147,8 @@ if HAS_TRITON:
                 scale = d + 0.0 * b3
                 minc = 8.0 * scale
             else:
-                q = tl.load(blk[:, :, :, None] + 2 + l4, mask=bmask[:, :, :, None], other=0
-                            ).to(tl.int8, bitcast=True).to(tl.int32)
+                # int8 q + 128 = byte ^ 0x80: an offset, so the float trick below stays non-negative
+                q = _u8(blk[:, :, :, None] + 2 + l4, bmask[:, :, :, None]) ^ 0x80
                 scale = d
                 minc = 0.0 * d
         else:  # K-quants: super-block kb
@@ -174,7 +177,13 @@ if HAS_TRITON:
                 sc, m = _scale_min_k4(blk + 4, 2 * a3 + b3, mask3)
                 scale = _f16(blk, mask3) * sc
                 minc = _f16(blk + 2, mask3) * m
-        return q.to(tl.float32), scale, minc
+        # float(q) exactly without the quarter-rate I2F: q (0..255) ORed into the mantissa of
+        # 2^23 (`magic` = 0x4B000000, a register operand so that the AND before fuses into one
+        # LOP3), minus 2^23 per element (minus 2^23 + 128 for Q8_0's offset)
+        OFF: tl.constexpr = 8388608.0 + (128.0 if QTYPE == 8 else 0.0)
+        if MAGIC:
+            return (q | magic).to(tl.float32, bitcast=True) - OFF, scale, minc
+        return q.to(tl.float32) - (128.0 if QTYPE == 8 else 0.0), scale, minc
 
     @triton.jit
     def _gguf_x(x_ptr, kb, K, valid, A: tl.constexpr, B: tl.constexpr, L: tl.constexpr):
@@ -189,31 +198,33 @@ if HAS_TRITON:
         return scale * tl.sum(q * x[None, :, :, :], axis=3) - minc * tl.sum(x, axis=2)[None, :, :]
 
     @triton.jit
-    def _gguf_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    def _gguf_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, magic, stride_xm, stride_wn, stride_ym,
                           QTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, A: tl.constexpr, B: tl.constexpr, L: tl.constexpr,
-                          USE_PDL: tl.constexpr):
+                          MAGIC: tl.constexpr, USE_PDL: tl.constexpr):
+        """y [M, N] = x W^T (+ bias), BLOCK_N rows per program; MAGIC: quants to float32 through
+        the 2^23 mantissa trick (LOP3 + FADD) instead of I2F (`_gguf_step`)."""
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         offs_m = tl.arange(0, BLOCK_M)
         rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
         n_mask2 = n_mask[:, None]
-        q, scale, minc = _gguf_step(rows, 0, n_mask2, K, QTYPE, A, B, L)  # weights before waiting for x
+        q, scale, minc = _gguf_step(rows, 0, n_mask2, K, magic, MAGIC, QTYPE, A, B, L)  # weights before waiting for x
         if USE_PDL:
             pdl_start()
         steps = tl.cdiv(K, 256)
         if BLOCK_M == 1:  # one row: accumulate per sub-block, reduce once at the end
             acc = _gguf_step_dot(q, scale, minc, _gguf_x(x_ptr, 0, K, True, A, B, L))
             for kb in range(1, steps):
-                q, scale, minc = _gguf_step(rows, kb, n_mask2, K, QTYPE, A, B, L)
+                q, scale, minc = _gguf_step(rows, kb, n_mask2, K, magic, MAGIC, QTYPE, A, B, L)
                 acc += _gguf_step_dot(q, scale, minc, _gguf_x(x_ptr, kb, K, True, A, B, L))
             y = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]
         else:  # 2-8 rows: each step is decoded once and used by every row
             y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for kb in range(0, steps):
                 if kb > 0:
-                    q, scale, minc = _gguf_step(rows, kb, n_mask2, K, QTYPE, A, B, L)
+                    q, scale, minc = _gguf_step(rows, kb, n_mask2, K, magic, MAGIC, QTYPE, A, B, L)
                 for mi in tl.static_range(BLOCK_M):
                     x = _gguf_x(x_ptr + mi * stride_xm, kb, K, mi < M, A, B, L)
                     part = tl.sum(tl.sum(_gguf_step_dot(q, scale, minc, x), axis=2), axis=1)
@@ -224,7 +235,7 @@ if HAS_TRITON:
                  mask=(offs_m < M)[:, None] & n_mask[None, :])
 
     @triton.jit
-    def _gguf_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    def _gguf_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, magic, stride_xm, stride_wn, stride_ym,
                           QTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, A: tl.constexpr, B: tl.constexpr, L: tl.constexpr,
                           DOT_PREC: tl.constexpr):
@@ -242,7 +253,7 @@ if HAS_TRITON:
             offs_k = kb * 256 + tl.arange(0, 256)
             x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                         mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-            q, scale, minc = _gguf_step(rows, kb, n_mask[:, None], K, QTYPE, A, B, L)
+            q, scale, minc = _gguf_step(rows, kb, n_mask[:, None], K, magic, False, QTYPE, A, B, L)
             w = tl.reshape(scale[:, :, :, None] * q - minc[:, :, :, None], (BLOCK_N, 256))
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PREC)
         if HAS_BIAS:
@@ -265,10 +276,10 @@ if HAS_TRITON:
 # Sub-block layout of one 256-element kernel step per type (`_gguf_step`): (A, B, L).
 STEP_LAYOUT = {Q4_0: (8, 2, 16), Q8_0: (8, 1, 32), Q4_K: (4, 2, 32), Q5_K: (4, 2, 32), Q6_K: (8, 2, 16)}
 
-# Tuned configurations of `gguf_gemv`: (qtype, N, K, rows) -> (BLOCK_N, num_warps, num_stages),
-# rows 1 (M == 1) or 4 (2-8 rows); printed by `benchmarks/quant_bench.py kernels` (paste its
+# Tuned configurations of `gguf_gemv`: (qtype, N, K, rows) -> (BLOCK_N, num_warps, num_stages[,
+# MAGIC]), rows 1 (M == 1) or 4 (2-8 rows); printed by `benchmarks/quant_bench.py kernels` (paste its
 # GGUF_GEMV_CONFIGS here). Shapes not listed take `_gguf_default_config`.
-GGUF_GEMV_CONFIGS: dict[tuple[int, int, int, int], tuple[int, int, int]] = {}
+GGUF_GEMV_CONFIGS: dict[tuple[int, int, int, int], tuple[int, ...]] = {}
 
 
 def _gguf_default_config(qtype: int, N: int, K: int, M: int) -> tuple[int, int, int]:
@@ -276,32 +287,35 @@ def _gguf_default_config(qtype: int, N: int, K: int, M: int) -> tuple[int, int, 
     return (8, 4, 2) if M == 1 else (4, 4, 2)
 
 
-def gguf_gemv_config(qtype: int, N: int, K: int, M: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of `gguf_gemv`: `GGUF_GEMV_CONFIGS[(qtype, N, K, 1 or 4)]`,
+def gguf_gemv_config(qtype: int, N: int, K: int, M: int) -> tuple[int, ...]:
+    """(BLOCK_N, num_warps, num_stages[, MAGIC]) of `gguf_gemv`: `GGUF_GEMV_CONFIGS[(qtype, N, K, 1 or 4)]`,
     else `_gguf_default_config`."""
     return GGUF_GEMV_CONFIGS.get((qtype, N, K, 1 if M == 1 else 4)) or _gguf_default_config(qtype, N, K, M)
 
 
 def gguf_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: int, bias: torch.Tensor | None = None,
-              config: tuple[int, int, int] | None = None) -> torch.Tensor:
+              config: tuple[int, ...] | None = None) -> torch.Tensor:
     """x: [M, K] (M <= 8, unit stride along K); raw: [N, K // QK * BPB] uint8 (rows
     contiguous); bias [N] or None -> [M, N] in x's dtype (float32 accumulation). Each program
     streams BLOCK_N rows one 256-element step at a time: the step's quant bytes are loaded
     once, its block headers (d, dmin, 6-bit scales) decoded once per sub-block, and the
     product factored per sub-block, scale * sum(q x) - min * sum(x) (as llama.cpp's
-    vec_dot_q*_K kernels). `config` (BLOCK_N, warps, stages) overrides `gguf_gemv_config`."""
+    vec_dot_q*_K kernels). `config` (BLOCK_N, warps, stages[, MAGIC]) overrides
+    `gguf_gemv_config`; MAGIC 1 (the default) turns quants into floats by the 2^23 mantissa trick,
+    0 by int->float conversion (fewer instructions, but I2F runs at a quarter rate on sm_90)."""
     M, K = x.shape
     N = raw.shape[0]
     qk, bpb = BLOCK[qtype]
     assert M <= MAX_GEMV_ROWS and raw.shape[1] * qk == K * bpb and raw.stride(1) == 1 and x.stride(1) == 1
-    bn, warps, stages = config or gguf_gemv_config(qtype, N, K, M)
+    bn, warps, stages, *magic = config or gguf_gemv_config(qtype, N, K, M)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     pdl = pdl_ok(x)
     A, B, L = STEP_LAYOUT[qtype]
     _gguf_gemv_kernel[(triton.cdiv(N, bn),)](
-        x, raw, bias if bias is not None else x, y, M, N, K, x.stride(0), raw.stride(0), y.stride(0),
+        x, raw, bias if bias is not None else x, y, M, N, K, F32_2P23_BITS, x.stride(0), raw.stride(0), y.stride(0),
         QTYPE=qtype, HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=bn,
-        A=A, B=B, L=L, USE_PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
+        A=A, B=B, L=L, MAGIC=bool(magic[0]) if magic else True, USE_PDL=pdl, num_warps=warps,
+        num_stages=stages, launch_pdl=pdl)
     return y
 
 
@@ -322,7 +336,7 @@ def gguf_gemm(x: torch.Tensor, raw: torch.Tensor, qtype: int, bias: torch.Tensor
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     A, B, L = STEP_LAYOUT[qtype]
     _gguf_gemm_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-        x, raw, bias if bias is not None else x, y, M, N, K, x.stride(0), raw.stride(0), y.stride(0),
+        x, raw, bias if bias is not None else x, y, M, N, K, F32_2P23_BITS, x.stride(0), raw.stride(0), y.stride(0),
         QTYPE=qtype, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, A=A, B=B, L=L,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
     return y

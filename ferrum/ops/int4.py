@@ -9,12 +9,13 @@ ferrum/layers/quantization/gptq.py and awq.py):
     g_idx   [K] int32 or None.
 Rows are output features, so a GEMV program streams whole rows like the bf16 GEMV does.
 
-- `int4_gemv` (1-8 rows, CUDA): Triton; each program streams [BLOCK_N, BLOCK_K // 8] tiles of
-  words, unpacks the 8 nibbles of a word by broadcast shifts into [BLOCK_N, BLOCK_K // 8, 8]
-  against x laid out [BLOCK_K // 8, 8] (feature 8w + j), and factors the dequantization per
-  group as GPTQ/Marlin/llama.cpp kernels do: y_n += s_n * (sum_k q[n, k] x[k] - z_n * sum_k x[k]),
-  so the scale and zero are read once per tile (per word when a tile spans several groups; per
-  element, gathered, with act-order g_idx). Optional split-K (float32 partials, then a small
+- `int4_gemv` (1-8 rows, CUDA): Triton; each program streams [BLOCK_N, GT, WG] tiles of words
+  (GT groups of WG words) and takes nibble j of every word as a separate [BLOCK_N, GT, WG] tensor
+  against x[8w + j] (no 4-D shapes, no cross-thread reductions inside the loop): each nibble
+  becomes a float without an int->float conversion (`_w4_nibble`: masked into the mantissa of
+  2^23, the 2^23 folded into the zero point exactly), the scale is applied once per word and
+  group (per element, gathered, with act-order g_idx), and with 2-8 rows each nibble is
+  dequantized once per tile for all rows. Optional split-K (float32 partials, then a small
   reduce kernel) for matrices with few rows; PDL as the bf16 GEMV. Configurations:
   `W4_GEMV_CONFIGS`.
 - `int4_gemm` (more rows, CUDA): Triton tensor-core GEMM that dequantizes each weight tile in
@@ -34,6 +35,7 @@ if HAS_TRITON:
     import triton.language as tl
 
 PACK = 8  # 4-bit values per int32
+F32_2P23_BITS = 0x4B000000  # float32 2^23: ORing an integer < 2^23 into its mantissa adds it
 
 
 def unpack_int4_rows(qweight: torch.Tensor) -> torch.Tensor:
@@ -66,11 +68,11 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
 
 if HAS_TRITON:
     @triton.jit
-    def _w4_tile(qw_rows, s_rows, z_rows, g_ptr, k0, n_mask, K, GROUP: tl.constexpr,
+    def _w4_tile(qw_rows, s_rows, z_rows, g_ptr, k0, n_mask, K, magic, GROUP: tl.constexpr,
                  HAS_GIDX: tl.constexpr, EVEN: tl.constexpr, BLOCK_K: tl.constexpr):
         """[BLOCK_N, BLOCK_K] float32 weights for input features k0 .. k0 + BLOCK_K (k0 a
         multiple of 8) of the rows whose base pointers are qw_rows / s_rows / z_rows
-        ([BLOCK_N, 1] each)."""
+        ([BLOCK_N, 1] each); magic: 0x4B000000."""
         offs_k = k0 + tl.arange(0, BLOCK_K)
         offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         if EVEN:
@@ -81,7 +83,8 @@ if HAS_TRITON:
         words = tl.interleave(words, words)
         words = tl.interleave(words, words)
         words = tl.interleave(words, words)           # [BLOCK_N, BLOCK_K]: the word of each k
-        q = (words >> ((offs_k % 8) * 4)[None, :]) & 0xF
+        # float(q) as in `_w4_nibble`: ORed into the mantissa of 2^23, the 2^23 folded into z exactly
+        q = (((words >> ((offs_k % 8) * 4)[None, :]) & 0xF) | magic).to(tl.float32, bitcast=True)
         if HAS_GIDX:
             g = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0)
         else:
@@ -93,58 +96,135 @@ if HAS_TRITON:
             gmask = n_mask[:, None] & (offs_k < K)[None, :]
             s = tl.load(s_rows + g[None, :], mask=gmask, other=0.0).to(tl.float32)
             z = tl.load(z_rows + g[None, :], mask=gmask, other=0.0).to(tl.float32)
-        return (q.to(tl.float32) - z) * s
+        return (q - (z + 8388608.0)) * s
+
+    @triton.jit
+    def _w4_nibble(words, hi, J: tl.constexpr, magic):
+        """float32 2^23 + 16^(J % 4) q_J for nibble J (0..7) of each int32 word (hi = words >> 16):
+        the nibble is masked in place, unshifted (bits <= 15, inside the 23-bit mantissa) and
+        ORed into `magic` = 0x4B000000, the bits of 2^23, so the float is exact without an
+        int->float conversion (I2F is quarter rate on sm_90). `magic` is a kernel argument, not a
+        literal: LOP3 takes one immediate, so only a register operand lets ptxas fuse the AND
+        and the OR into one LOP3."""
+        if J < 4:
+            src = words
+        else:
+            src = hi
+        return ((src & (0xF << (4 * (J % 4)))) | magic).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _w4_x8(x_ptr, k0, K, valid, EVEN: tl.constexpr, GT: tl.constexpr, WG: tl.constexpr):
+        """x[k0 + 8 (WG g + w) + j] for j = 0..7 as eight [GT, WG] float32 (0 past K or when not
+        `valid`): the input features that nibble j of word (g, w) of the tile multiplies. One
+        contiguous [GT, WG, 8] load (16 bytes per word), split in registers."""
+        offs = (k0 + 8 * (WG * tl.arange(0, GT)[:, None, None] + tl.arange(0, WG)[None, :, None])
+                + tl.arange(0, 8)[None, None, :])
+        if EVEN:
+            x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + offs, mask=(offs < K) & valid, other=0.0).to(tl.float32)
+        x01, x23 = tl.split(tl.reshape(x, (GT, WG, 4, 2)))        # j even / odd
+        x0, x2 = tl.split(tl.reshape(x01, (GT, WG, 2, 2)))        # j = 0, 4 / 2, 6
+        x1, x3 = tl.split(tl.reshape(x23, (GT, WG, 2, 2)))        # j = 1, 5 / 3, 7
+        xa, xe = tl.split(x0)
+        xc, xg = tl.split(x2)
+        xb, xf = tl.split(x1)
+        xd, xh = tl.split(x3)
+        return xa, xb, xc, xd, xe, xf, xg, xh
+
+    @triton.jit
+    def _w4_group_sz(s_rows, z_rows, g_ptr, k0, n_mask, K, J: tl.constexpr, GROUP: tl.constexpr,
+                     HAS_GIDX: tl.constexpr, EVEN: tl.constexpr, GT: tl.constexpr, WG: tl.constexpr):
+        """(s * 16^-(J % 4), 2^23 + 16^(J % 4) z) of the group of nibble J of each word of the
+        tile, as [BLOCK_N, GT, 1] (one group per g; tiles never straddle groups) or, with g_idx
+        (GT == 1), gathered per word, [BLOCK_N, 1, WG]. 2^23 + 16^i z is exact (< 2^24), so
+        `_w4_nibble` minus it is 16^i (q - z) exactly: no cancellation."""
+        if HAS_GIDX:
+            offs_k = k0 + 8 * tl.arange(0, WG) + J
+            g = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0)[None, None, :]
+            gmask = n_mask[:, :, None] & (offs_k < K)[None, None, :]
+            s = tl.load(s_rows[:, :, None] + g, mask=gmask, other=0.0).to(tl.float32)
+            z = tl.load(z_rows[:, :, None] + g, mask=gmask, other=0.0).to(tl.float32)
+        else:
+            g = (k0 // GROUP + tl.arange(0, GT))[None, :, None]
+            if EVEN:
+                s = tl.load(s_rows[:, :, None] + g).to(tl.float32)
+                z = tl.load(z_rows[:, :, None] + g).to(tl.float32)
+            else:
+                gmask = n_mask[:, :, None] & (k0 + GROUP * tl.arange(0, GT) < K)[None, :, None]
+                s = tl.load(s_rows[:, :, None] + g, mask=gmask, other=0.0).to(tl.float32)
+                z = tl.load(z_rows[:, :, None] + g, mask=gmask, other=0.0).to(tl.float32)
+        i: tl.constexpr = J % 4
+        return s * (1.0 / (1 << (4 * i))), z * (1 << (4 * i)) + 8388608.0
 
     @triton.jit
     def _w4_words(qw_rows, k0, n_mask, K, EVEN: tl.constexpr, GT: tl.constexpr, WG: tl.constexpr):
-        """[BLOCK_N, GT, WG, 8] int32 nibbles of input features k0 .. k0 + 8 GT WG: element
-        [n, g, w, j] is feature k0 + 8 (WG g + w) + j (bits 4j..4j+3 of its word)."""
+        """[BLOCK_N, GT, WG] int32 words of input features k0 .. k0 + 8 GT WG: word [n, g, w]
+        holds features k0 + 8 (WG g + w) + j, j = 0..7, in bits 4j..4j+3."""
         offs_w = k0 // 8 + WG * tl.arange(0, GT)[:, None] + tl.arange(0, WG)[None, :]   # [GT, WG]
         if EVEN:
-            words = tl.load(qw_rows[:, :, None] + offs_w[None, :, :], eviction_policy="evict_first")
-        else:
-            words = tl.load(qw_rows[:, :, None] + offs_w[None, :, :],
-                            mask=n_mask[:, None, None] & (offs_w * 8 < K)[None, :, :], other=0,
-                            eviction_policy="evict_first")
-        shifts = 4 * tl.arange(0, 8)
-        return (words[:, :, :, None] >> shifts[None, None, None, :]) & 0xF
+            return tl.load(qw_rows[:, :, None] + offs_w[None, :, :], eviction_policy="evict_first")
+        return tl.load(qw_rows[:, :, None] + offs_w[None, :, :],
+                       mask=n_mask[:, :, None] & (offs_w * 8 < K)[None, :, :], other=0,
+                       eviction_policy="evict_first")
 
     @triton.jit
-    def _w4_x(x_ptr, k0, K, valid, GT: tl.constexpr, WG: tl.constexpr):
-        """x[k0 + 8 (WG g + w) + j] as [GT, WG, 8] float32 (0 past K or when not `valid`)."""
-        offs = (k0 + 8 * (WG * tl.arange(0, GT)[:, None, None] + tl.arange(0, WG)[None, :, None])
-                + tl.arange(0, 8)[None, None, :])
-        return tl.load(x_ptr + offs, mask=(offs < K) & valid, other=0.0).to(tl.float32)
+    def _w4_dot1(words, magic, x_ptr, s_rows, z_rows, g_ptr, k0, n_mask, K, GROUP: tl.constexpr,
+                 HAS_GIDX: tl.constexpr, EVEN: tl.constexpr, GT: tl.constexpr, WG: tl.constexpr):
+        """[BLOCK_N, GT, WG] float32: sum_j w[n, k] x[k] over the 8 features of each word
+        ([BLOCK_N, GT, WG] int32, `_w4_words`) and one row of x. Per nibble: one LOP3, one FADD
+        (q - z, exact) and one FFMA; without g_idx the scale (and the 16^-i of `_w4_nibble`) is
+        applied once per word and i."""
+        hi = words >> 16
+        xs = _w4_x8(x_ptr, k0, K, True, EVEN, GT, WG)
+        acc = tl.zeros(words.shape, dtype=tl.float32)
+        for i in tl.static_range(4):
+            sc, zz = _w4_group_sz(s_rows, z_rows, g_ptr, k0, n_mask, K, i, GROUP, HAS_GIDX, EVEN, GT, WG)
+            lo = (_w4_nibble(words, hi, i, magic) - zz) * xs[i][None, :, :]
+            if HAS_GIDX:  # per-word scales
+                sc_hi, zz_hi = _w4_group_sz(s_rows, z_rows, g_ptr, k0, n_mask, K, i + 4, GROUP, HAS_GIDX, EVEN,
+                                            GT, WG)
+                acc += lo * sc + (_w4_nibble(words, hi, i + 4, magic) - zz_hi) * xs[i + 4][None, :, :] * sc_hi
+            else:  # nibbles i and i + 4 share the group's scale
+                acc += (lo + (_w4_nibble(words, hi, i + 4, magic) - zz) * xs[i + 4][None, :, :]) * sc
+        return acc
 
     @triton.jit
-    def _w4_tile_dot(q, x, s_rows, z_rows, g_ptr, k0, n_mask, K, GROUP: tl.constexpr, HAS_GIDX: tl.constexpr,
-                     EVEN: tl.constexpr, GT: tl.constexpr, WG: tl.constexpr):
-        """[BLOCK_N, GT, WG] float32: per weight word, sum_j w[n, k] x[k] over its 8 features, of
-        the nibbles q ([BLOCK_N, GT, WG, 8], `_w4_words`) and x ([GT, WG, 8]). Without g_idx,
-        [.., g, ..] is one quantization group (tiles never straddle groups), so the sum is
-        factored as s * (sum_j q x - z * sum_j x) with the scale and zero loaded once per group
-        ([BLOCK_N, GT]); with g_idx (GT == 1) each element's group is gathered."""
-        if HAS_GIDX:
-            offs_k = k0 + 8 * tl.arange(0, WG)[:, None] + tl.arange(0, 8)[None, :]    # [WG, 8]
-            g = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0)[None, None, :, :]
-            gmask = n_mask[:, None, None, None] & (offs_k < K)[None, None, :, :]
-            s = tl.load(s_rows[:, :, None, None] + g, mask=gmask, other=0.0).to(tl.float32)
-            z = tl.load(z_rows[:, :, None, None] + g, mask=gmask, other=0.0).to(tl.float32)
-            return tl.sum((q.to(tl.float32) - z) * s * x[None, :, :, :], axis=3)
-        qx = tl.sum(q.to(tl.float32) * x[None, :, :, :], axis=3)     # [BLOCK_N, GT, WG]
-        xs = tl.sum(x, axis=2)[None, :, :]                          # [1, GT, WG]
-        g = (k0 // GROUP + tl.arange(0, GT))[None, :]
-        if EVEN:
-            s = tl.load(s_rows + g).to(tl.float32)
-            z = tl.load(z_rows + g).to(tl.float32)
-        else:
-            gmask = n_mask[:, None] & (k0 + GROUP * tl.arange(0, GT) < K)[None, :]
-            s = tl.load(s_rows + g, mask=gmask, other=0.0).to(tl.float32)
-            z = tl.load(z_rows + g, mask=gmask, other=0.0).to(tl.float32)
-        return s[:, :, None] * qx - (s * z)[:, :, None] * xs
+    def _w4_dequant(words, hi, magic, s_rows, z_rows, g_ptr, k0, n_mask, K, J: tl.constexpr, GROUP: tl.constexpr,
+                    HAS_GIDX: tl.constexpr, EVEN: tl.constexpr, GT: tl.constexpr, WG: tl.constexpr):
+        """[BLOCK_N, GT, WG] float32 weights of nibble J of each word: (q - z) * s (one LOP3, one
+        FADD, one FMUL)."""
+        sc, zz = _w4_group_sz(s_rows, z_rows, g_ptr, k0, n_mask, K, J, GROUP, HAS_GIDX, EVEN, GT, WG)
+        return (_w4_nibble(words, hi, J, magic) - zz) * sc
 
     @triton.jit
-    def _w4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, y_ptr, M, N, K, K_SPLIT,
+    def _w4_rows_dot(words, magic, x_ptr, stride_xm, M, s_rows, z_rows, g_ptr, k0, n_mask, K, GROUP: tl.constexpr,
+                     HAS_GIDX: tl.constexpr, EVEN: tl.constexpr, GT: tl.constexpr, WG: tl.constexpr,
+                     BLOCK_M: tl.constexpr):
+        """[BLOCK_M, BLOCK_N] float32: rows 0 .. M-1 of x times the tile's weights. Each nibble
+        is dequantized once (`_w4_dequant`) and used by every row (one FFMA per row and nibble)."""
+        hi = words >> 16
+        w = (_w4_dequant(words, hi, magic, s_rows, z_rows, g_ptr, k0, n_mask, K, 0, GROUP, HAS_GIDX, EVEN, GT, WG),
+             _w4_dequant(words, hi, magic, s_rows, z_rows, g_ptr, k0, n_mask, K, 1, GROUP, HAS_GIDX, EVEN, GT, WG),
+             _w4_dequant(words, hi, magic, s_rows, z_rows, g_ptr, k0, n_mask, K, 2, GROUP, HAS_GIDX, EVEN, GT, WG),
+             _w4_dequant(words, hi, magic, s_rows, z_rows, g_ptr, k0, n_mask, K, 3, GROUP, HAS_GIDX, EVEN, GT, WG),
+             _w4_dequant(words, hi, magic, s_rows, z_rows, g_ptr, k0, n_mask, K, 4, GROUP, HAS_GIDX, EVEN, GT, WG),
+             _w4_dequant(words, hi, magic, s_rows, z_rows, g_ptr, k0, n_mask, K, 5, GROUP, HAS_GIDX, EVEN, GT, WG),
+             _w4_dequant(words, hi, magic, s_rows, z_rows, g_ptr, k0, n_mask, K, 6, GROUP, HAS_GIDX, EVEN, GT, WG),
+             _w4_dequant(words, hi, magic, s_rows, z_rows, g_ptr, k0, n_mask, K, 7, GROUP, HAS_GIDX, EVEN, GT, WG))
+        offs_m = tl.arange(0, BLOCK_M)
+        y = tl.zeros((BLOCK_M, words.shape[0]), dtype=tl.float32)
+        for mi in tl.static_range(BLOCK_M):
+            xs = _w4_x8(x_ptr + mi * stride_xm, k0, K, mi < M, EVEN, GT, WG)
+            p = w[0] * xs[0][None, :, :]
+            for j in tl.static_range(1, 8):
+                p += w[j] * xs[j][None, :, :]
+            part = tl.sum(tl.sum(p, axis=2), axis=1)
+            y += tl.where(offs_m[:, None] == mi, part[None, :], 0.0)
+        return y
+
+    @triton.jit
+    def _w4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, y_ptr, M, N, K, K_SPLIT, magic,
                         stride_xm, stride_qn, stride_sn, stride_ym, stride_ys,
                         GROUP: tl.constexpr, HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr,
                         EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -153,7 +233,7 @@ if HAS_TRITON:
         (K_SPLIT a multiple of BLOCK_K). A tile of BLOCK_K features spans GT quantization
         groups (1 when BLOCK_K <= GROUP or with g_idx). SPLIT_K == 1 writes y [M, N] (+ bias) in y's dtype;
         else float32 partial sums into y [SPLIT_K, M, N] (stride_ys), reduced by
-        `_splitk_reduce_kernel`."""
+        `_splitk_reduce_kernel`. magic: 0x4B000000 (`_w4_nibble`)."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -162,30 +242,28 @@ if HAS_TRITON:
         qw_rows = qw_ptr + offs_n[:, None].to(tl.int64) * stride_qn
         s_rows = s_ptr + offs_n[:, None].to(tl.int64) * stride_sn
         z_rows = z_ptr + offs_n[:, None].to(tl.int64) * stride_sn
+        n_mask2 = n_mask[:, None]
         k_start = pid_k * K_SPLIT
         k_end = tl.minimum(k_start + K_SPLIT, K)
         WG: tl.constexpr = BLOCK_K // 8 // GT
-        q = _w4_words(qw_rows, k_start, n_mask, K, EVEN, GT, WG)  # first tile: weights only
+        words = _w4_words(qw_rows, k_start, n_mask2, K, EVEN, GT, WG)  # first tile: weights only
         if USE_PDL:
             pdl_start()  # x (the previous kernel's output) is ready after this
-        if BLOCK_M == 1:  # one row: accumulate per word, reduce once at the end
-            acc = _w4_tile_dot(q, _w4_x(x_ptr, k_start, K, True, GT, WG), s_rows, z_rows, g_ptr, k_start,
-                               n_mask, K, GROUP, HAS_GIDX, EVEN, GT, WG)
+        if BLOCK_M == 1:  # one row: accumulate per word, reduce once at the end (no shuffles in the loop)
+            acc = _w4_dot1(words, magic, x_ptr, s_rows, z_rows, g_ptr, k_start, n_mask2, K, GROUP, HAS_GIDX, EVEN,
+                           GT, WG)
             for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
-                q = _w4_words(qw_rows, k0, n_mask, K, EVEN, GT, WG)
-                acc += _w4_tile_dot(q, _w4_x(x_ptr, k0, K, True, GT, WG), s_rows, z_rows, g_ptr, k0,
-                                    n_mask, K, GROUP, HAS_GIDX, EVEN, GT, WG)
+                words = _w4_words(qw_rows, k0, n_mask2, K, EVEN, GT, WG)
+                acc += _w4_dot1(words, magic, x_ptr, s_rows, z_rows, g_ptr, k0, n_mask2, K, GROUP, HAS_GIDX, EVEN,
+                                GT, WG)
             y = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]
-        else:  # 2-8 rows: the nibbles of a tile are widened once and used by every row
-            y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(k_start, k_end, BLOCK_K):
-                if k0 > k_start:
-                    q = _w4_words(qw_rows, k0, n_mask, K, EVEN, GT, WG)
-                for mi in tl.static_range(BLOCK_M):
-                    x = _w4_x(x_ptr + mi * stride_xm, k0, K, mi < M, GT, WG)
-                    part = tl.sum(tl.sum(_w4_tile_dot(q, x, s_rows, z_rows, g_ptr, k0, n_mask, K, GROUP,
-                                                      HAS_GIDX, EVEN, GT, WG), axis=2), axis=1)
-                    y += tl.where(offs_m[:, None] == mi, part[None, :], 0.0)
+        else:  # 2-8 rows: each nibble is dequantized once per tile and used by every row
+            y = _w4_rows_dot(words, magic, x_ptr, stride_xm, M, s_rows, z_rows, g_ptr, k_start, n_mask2, K, GROUP,
+                             HAS_GIDX, EVEN, GT, WG, BLOCK_M)
+            for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+                words = _w4_words(qw_rows, k0, n_mask2, K, EVEN, GT, WG)
+                y += _w4_rows_dot(words, magic, x_ptr, stride_xm, M, s_rows, z_rows, g_ptr, k0, n_mask2, K, GROUP,
+                                  HAS_GIDX, EVEN, GT, WG, BLOCK_M)
         out_mask = (offs_m < M)[:, None] & n_mask[None, :]
         if SPLIT_K == 1:
             if HAS_BIAS:
@@ -211,7 +289,7 @@ if HAS_TRITON:
         tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _w4_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, y_ptr, M, N, K,
+    def _w4_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, y_ptr, M, N, K, magic,
                         stride_xm, stride_qn, stride_sn, stride_ym,
                         GROUP: tl.constexpr, HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr,
                         EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -230,7 +308,7 @@ if HAS_TRITON:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                         mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-            w = _w4_tile(qw_rows, s_rows, z_rows, g_ptr, k0, n_mask, K, GROUP, HAS_GIDX, EVEN, BLOCK_K)
+            w = _w4_tile(qw_rows, s_rows, z_rows, g_ptr, k0, n_mask, K, magic, GROUP, HAS_GIDX, EVEN, BLOCK_K)
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PREC)
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -242,7 +320,7 @@ def _launch_args(x, qweight, scales, zeros, g_idx, bias, y, group_size):
     M, K = x.shape
     N = qweight.shape[0]
     return (x, qweight, scales, zeros, g_idx if g_idx is not None else qweight,
-            bias if bias is not None else scales, y, M, N, K, x.stride(0), qweight.stride(0),
+            bias if bias is not None else scales, y, M, N, K, F32_2P23_BITS, x.stride(0), qweight.stride(0),
             scales.stride(0), y.stride(0)), dict(GROUP=group_size, HAS_GIDX=g_idx is not None,
                                                   HAS_BIAS=bias is not None)
 
@@ -305,7 +383,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     pdl = pdl_ok(x)
     _w4_gemv_kernel[(triton.cdiv(N, bn), split)](
         x, qweight, scales, zeros, g_idx if g_idx is not None else qweight,
-        bias if bias is not None else scales, out, M, N, K, k_split, x.stride(0), qweight.stride(0),
+        bias if bias is not None else scales, out, M, N, K, k_split, F32_2P23_BITS, x.stride(0), qweight.stride(0),
         scales.stride(0), N, M * N, GROUP=group_size, HAS_GIDX=g_idx is not None, HAS_BIAS=bias is not None,
         EVEN=N % bn == 0 and K % bk == 0, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_K=bk,
         GT=gt, SPLIT_K=split, USE_PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
