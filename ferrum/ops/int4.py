@@ -329,7 +329,16 @@ def _launch_args(x, qweight, scales, zeros, g_idx, bias, y, group_size):
 # SPLIT_K), rows 1 (M == 1) or 4 (2-8 rows), for group size 128 without g_idx; printed by
 # `benchmarks/quant_bench.py kernels` (paste its W4_GEMV_CONFIGS here). Shapes not listed take
 # `_w4_default_config`.
-W4_GEMV_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {}
+W4_GEMV_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {
+    (4096, 4096, 1): (8, 1024, 4, 3, 1),
+    (4096, 4096, 4): (16, 256, 4, 3, 2),
+    (4096, 14336, 1): (16, 512, 4, 3, 2),
+    (4096, 14336, 4): (16, 256, 4, 3, 2),
+    (6144, 4096, 1): (8, 1024, 4, 3, 1),
+    (6144, 4096, 4): (16, 512, 4, 3, 1),
+    (28672, 4096, 1): (32, 256, 4, 3, 1),
+    (28672, 4096, 4): (16, 256, 4, 3, 1),
+}
 
 
 def _w4_default_config(N: int, K: int, M: int) -> tuple[int, int, int, int, int]:
