@@ -551,7 +551,20 @@ def check_prefill_graph(device: str) -> None:
                           f"prefill graph K/V, tokens {lo}..{hi}")
     # the start-up warm-up forward (all rows padding) stores nothing and changes no later result
     before = [layer.kv_cache.clone() for layer in run.attn_layers]
-    run.warmup_prefill(48)
+    from ferrum.executor import model_runner
+    shapes, real = [], model_runner.PrefillGraphInputs
+
+    def recording(runner, tokens, blocks):
+        shapes.append((tokens, blocks))
+        return real(runner, tokens, blocks)
+    model_runner.PrefillGraphInputs = recording
+    try:
+        run.warmup_prefill(50)
+    finally:
+        model_runner.PrefillGraphInputs = real
+    # one chunk per class of Triton's integer specialization (multiple of 16, other)
+    assert [(t % 16 == 0, b % 16 == 0) for t, b in shapes] == [(True, True), (False, False)], shapes
+    assert all(t <= 50 and b > 1 for t, b in shapes), shapes
     for layer, kv in zip(run.attn_layers, before):
         assert torch.equal(layer.kv_cache.isnan(), kv.isnan()) and torch.equal(
             torch.nan_to_num(layer.kv_cache), torch.nan_to_num(kv)), "warmup_prefill wrote the cache"
