@@ -26,7 +26,7 @@ from ferrum.loader.base import ModelSource
 from ferrum.loader.model_loader import init_dummy_weights, load_weights
 from ferrum.models.registry import get_model_class
 from ferrum.ops import attention_torch, attention_triton
-from ferrum.ops.cpu_blas import cpu_blas_forward
+from ferrum.ops import cpu_blas
 from ferrum.ops.triton_utils import HAS_TRITON
 
 log = logging.getLogger("ferrum")
@@ -173,6 +173,11 @@ class ModelRunner:
                                          dtype=self.kv_cache_dtype, device=self.device)
 
     # ---- forward ------------------------------------------------------------------------
+    def _cpu_blas_forward(self, num_tokens: int):
+        """The `cpu_blas.cpu_blas_forward` context for a forward of `num_tokens` tokens: active
+        on a single-process CPU float32 model when `cpu_blas.use_for(num_tokens)`."""
+        return cpu_blas.cpu_blas_forward(self.cpu_blas and cpu_blas.use_for(num_tokens))
+
     @torch.inference_mode()
     def prefill(self, token_ids: list[list[int]], kv: list[KvCacheHandle],
                 prompt_logprob_targets: list[list[int]] | None = None, num_top_logprobs: int = 0
@@ -186,7 +191,7 @@ class ModelRunner:
             return self.prefill_graphs.run(token_ids[0], kv[0]), None
         dev = self.device
         ids, pos, attn_metadata, cu = prepare_prefill(token_ids, kv, self.block_size, dev)
-        with forward_context(attn_metadata, self.attn_backend), cpu_blas_forward(self.cpu_blas):
+        with forward_context(attn_metadata, self.attn_backend), self._cpu_blas_forward(len(ids)):
             hidden = self.model(ids, pos.to(dev, non_blocking=True))
             last = (cu[1:] - 1).to(dev, non_blocking=True)   # blocking, it would wait for the forward
             logits = self.model.compute_logits(hidden[last])
@@ -225,7 +230,7 @@ class ModelRunner:
         ids, pos, attn_metadata = prepare_decode(token_ids, kv, self.block_size, dev)
         if prev is not None:
             ids = take_prev_sampled(ids, prev, torch.tensor(prev_rows).to(dev, non_blocking=True))
-        with forward_context(attn_metadata, self.attn_backend), cpu_blas_forward(self.cpu_blas):
+        with forward_context(attn_metadata, self.attn_backend), self._cpu_blas_forward(len(ids)):
             hidden = self.model(ids, pos.to(dev, non_blocking=True))
             logits = self.model.compute_logits(hidden)
         return None if logits is None else logits.float()

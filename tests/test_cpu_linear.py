@@ -1,0 +1,70 @@
+"""CPU linears: which forwards run on numpy's OpenBLAS (`ferrum.ops.cpu_blas`, one-token
+forwards only) and which on torch, and that both give the same numbers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ferrum.ops import cpu_blas
+
+from tiny_models import make_tiny_model
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 32])
+@pytest.mark.parametrize("column_major", [False, True])
+def test_blas_linear_matches_float64(rows, column_major):
+    """blas_linear (sgemv at 1 row, sgemm above) and F.linear both within 1e-4 of float64,
+    for row- and column-major weights, with a bias."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen)
+    w = torch.randn(160, 96, generator=gen)
+    if column_major:
+        w = w.t().contiguous().t()
+    b = torch.randn(160, generator=gen)
+    ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    err_blas = (cpu_blas.blas_linear(x, w, b).double() - ref).abs().max().item()
+    err_torch = (torch.nn.functional.linear(x, w, b).double() - ref).abs().max().item()
+    assert err_blas < 1e-4 and err_torch < 1e-4, (err_blas, err_torch)
+
+
+def test_linear_uses_blas_only_inside_an_active_forward():
+    x, w = torch.randn(1, 8), torch.randn(4, 8)
+    assert not cpu_blas.can_use(x, w, True)
+    with cpu_blas.cpu_blas_forward(True):
+        assert cpu_blas.can_use(x, w, True)
+        assert not cpu_blas.can_use(x, w, False)              # TP ranks share the cores
+        assert not cpu_blas.can_use(x.double(), w.double(), True)
+        assert torch.get_num_threads() == 1                    # torch's pool parked meanwhile
+    assert not cpu_blas.can_use(x, w, True)
+    with cpu_blas.cpu_blas_forward(False):
+        assert not cpu_blas.can_use(x, w, True)
+    assert cpu_blas.use_for(1) and not cpu_blas.use_for(2) and not cpu_blas.use_for(32)
+
+
+def test_only_one_token_forwards_run_on_openblas(tmp_path):
+    """In an engine run (prefills of 5-9 tokens, decode batches of 3 down to 1) every
+    blas_linear call has one row, multi-row forwards take F.linear, and the greedy tokens of
+    the batch equal each prompt's alone (batch 1 decodes on OpenBLAS, the batch on torch)."""
+    from ferrum.entrypoints.llm import LLM
+    from ferrum.sampling_params import SamplingParams
+    folder = make_tiny_model(str(tmp_path / "tiny"), hidden=64, inter=192, vocab=256)
+    rows_seen = []
+    real = cpu_blas.blas_linear
+
+    def spy(x, weight, bias=None):
+        rows_seen.append(x.shape[0])
+        return real(x, weight, bias)
+
+    prompts = [[5 + i, 9, 23, 7, 11 + i] + [3] * i for i in range(3)]
+    params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(3)]
+    with LLM(folder, progress=False, device="cpu", dtype="float32", max_model_len=64) as llm:
+        try:
+            cpu_blas.blas_linear = spy
+            batch = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            blas_in_batch = len(rows_seen)
+            alone = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+        finally:
+            cpu_blas.blas_linear = real
+    assert rows_seen and set(rows_seen) == {1}
+    assert blas_in_batch > 0          # the batch's tail decoded one sequence alone
+    assert batch == alone
