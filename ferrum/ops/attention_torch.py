@@ -160,15 +160,18 @@ warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta"
 
 
 def _csr_plan(attn_metadata: AttentionMetadata, block_size: int, num_heads: int, num_kv_heads: int,
-              sliding_window: int | None = None):
+              num_rows: int, sliding_window: int | None = None):
     """Per step, shared by the layers (memoised in `attn_metadata.csr_plan`, by heads, KV
     heads and window): the attention pattern of a decode batch as a CSR matrix over the cache.
     Row r = i * H + h is sequence i's query head h; its entries are the key positions
     lo_i .. n_i - 1 of sequence i (n_i = context + 1, lo_i the window start or 0), in order;
-    the column of position p is the row of the cache
-    viewed as [num_blocks * block_size * Hkv, D] that holds K (or V) of p for h's KV head:
+    the column of position p is the row of the cache viewed as [num_rows, D]
+    (num_rows = num_blocks * block_size * Hkv) that holds K (or V) of p for h's KV head:
     (block_table[i][p // block_size] * block_size + p % block_size) * Hkv + h // (H / Hkv).
-    Returns (crow [B*H+1], col [nnz], row_len [B*H], row_of [nnz]), int64."""
+    Returns (pattern, col, starts, dense_index, width): `pattern` the float32 sparse CSR
+    [B*H, num_rows] with zero values, col [nnz] and starts [B*H] (row starts: crow[:-1]) int64,
+    and dense_index [nnz] int64: where entry e sits in the row-major [B*H, width] padding of
+    the rows (row * width + its rank in the row), width = the longest row."""
     key = (num_heads, num_kv_heads, sliding_window)
     plans = attn_metadata.csr_plan
     if plans is None:
@@ -189,10 +192,15 @@ def _csr_plan(attn_metadata: AttentionMetadata, block_size: int, num_heads: int,
         torch.cumsum(row_len, 0, out=crow[1:])
         nnz = int(crow[-1])
         row_of = torch.repeat_interleave(torch.arange(B * num_heads), row_len, output_size=nnz)
-        tok = (tok_start.repeat_interleave(num_heads) - crow[:-1])[row_of] + torch.arange(nnz)
+        rank = torch.arange(nnz) - crow[:-1][row_of]                     # position within the row
+        tok = tok_start.repeat_interleave(num_heads)[row_of] + rank
         kv_head = torch.arange(num_heads).repeat(B) // (num_heads // num_kv_heads)   # per row
         col = slot[tok] * num_kv_heads + kv_head[row_of]
-        plans[key] = (crow, col, row_len, row_of)
+        width = int(n.max())
+        # zeros, not empty: sampled_addmm computes beta * values + ..., and 0 * NaN garbage is NaN
+        pattern = torch.sparse_csr_tensor(crow, col, torch.zeros(nnz), size=(B * num_heads, num_rows),
+                                          check_invariants=False)
+        plans[key] = (pattern, col, crow[:-1], row_of * width + rank, width)
     return plans[key]
 
 
@@ -200,21 +208,20 @@ def _decode_csr(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Attentio
                 scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """Decode attention for a batch read in place from the paged cache (float32, CPU): scores
     = one sampled dense-dense product (q against exactly the cached K rows each head attends
-    to, the CSR pattern of `_csr_plan`), a softmax per row over the sparse values, and the
-    output = one weighted embedding-bag sum of the V rows. No K/V copy, no Python loop over
-    the sequences (with `sliding_window`: over each sequence's last W positions only).
-    q [B, H, D] -> [B, H, D]."""
+    to, the CSR pattern of `_csr_plan`), the softmax of each row on its scores scattered into a
+    -inf padded [B*H, longest row] matrix (one dense softmax instead of segment reductions over
+    the ragged rows), and the output = one weighted embedding-bag sum of the V rows. No K/V
+    copy, no Python loop over the sequences (with `sliding_window`: over each sequence's last W
+    positions only). q [B, H, D] -> [B, H, D]."""
     B, H, D = q.shape
     _, _, bs, hkv, _ = kv_cache.shape
-    crow, col, row_len, row_of = _csr_plan(attn_metadata, bs, H, hkv, sliding_window)
     k_rows, v_rows = kv_cache[0].view(-1, D), kv_cache[1].view(-1, D)
-    # zeros, not empty: sampled_addmm computes beta * values + ..., and 0 * NaN garbage is NaN
-    pattern = torch.sparse_csr_tensor(crow, col, torch.zeros(col.numel(), dtype=q.dtype),
-                                      size=(B * H, k_rows.shape[0]), check_invariants=False)
+    pattern, col, starts, dense_index, width = _csr_plan(attn_metadata, bs, H, hkv, k_rows.shape[0],
+                                                         sliding_window)
     s = torch.sparse.sampled_addmm(pattern, q.reshape(B * H, D), k_rows.t(), beta=0.0, alpha=scale).values()
-    p = (s - torch.segment_reduce(s, "max", lengths=row_len)[row_of]).exp_()
-    o = F.embedding_bag(col, v_rows, crow[:-1], mode="sum", per_sample_weights=p)
-    return (o / torch.segment_reduce(p, "sum", lengths=row_len)[:, None]).view(B, H, D)
+    dense = torch.full((B * H * width,), float("-inf"), dtype=s.dtype).index_copy_(0, dense_index, s)
+    p = torch.gather(dense.view(B * H, width).softmax(-1).view(-1), 0, dense_index)
+    return F.embedding_bag(col, v_rows, starts, mode="sum", per_sample_weights=p).view(B, H, D)
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
