@@ -511,6 +511,10 @@ class KernelConfig:
                        env="FERRUM_PDL")
     cpu_blas_gemv: bool = option(True, "CPU float32 linears through numpy's OpenBLAS (one "
                                  "process) instead of torch", env="FERRUM_CPU_BLAS_GEMV")
+    cpu_packed_weights: bool = option(
+        True, "keep a oneDNN-packed copy of each CPU float32 linear weight (one process) for "
+        "forwards of more than one token (batched decode, prefill); costs the weights' memory "
+        "again", env="FERRUM_CPU_PACKED_WEIGHTS")
     cpu_column_major_weights: bool = option(
         True, "store CPU linear weights column-major (faster batch-1 GEMV on MKL)",
         env="FERRUM_CPU_COLUMN_MAJOR_WEIGHTS")

@@ -1,11 +1,12 @@
 """CPU linears: which forwards run on numpy's OpenBLAS (`ferrum.ops.cpu_blas`, one-token
-forwards only) and which on torch, and that both give the same numbers."""
+forwards only) and which on oneDNN with weights packed at load (`ferrum.ops.cpu_packed`), and
+that every path gives the numbers of a float64 product."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ferrum.ops import cpu_blas
+from ferrum.ops import cpu_blas, cpu_packed
 
 from tiny_models import make_tiny_model
 
@@ -25,6 +26,12 @@ def test_blas_linear_matches_float64(rows, column_major):
     err_blas = (cpu_blas.blas_linear(x, w, b).double() - ref).abs().max().item()
     err_torch = (torch.nn.functional.linear(x, w, b).double() - ref).abs().max().item()
     assert err_blas < 1e-4 and err_torch < 1e-4, (err_blas, err_torch)
+    if cpu_packed.available():   # packed for PACK_ROWS rows, correct at any row count
+        packed = cpu_packed.pack(w)
+        for bias in (b, None):
+            want = ref if bias is not None else torch.nn.functional.linear(x.double(), w.double())
+            err = (cpu_packed.packed_linear(x, packed, bias).double() - want).abs().max().item()
+            assert err < 1e-4, err
 
 
 def test_linear_uses_blas_only_inside_an_active_forward():
@@ -43,28 +50,35 @@ def test_linear_uses_blas_only_inside_an_active_forward():
 
 def test_only_one_token_forwards_run_on_openblas(tmp_path):
     """In an engine run (prefills of 5-9 tokens, decode batches of 3 down to 1) every
-    blas_linear call has one row, multi-row forwards take F.linear, and the greedy tokens of
-    the batch equal each prompt's alone (batch 1 decodes on OpenBLAS, the batch on torch)."""
+    blas_linear call has one row, every multi-row linear runs on its packed weight, and the
+    greedy tokens of the batch equal each prompt's alone (batch 1 decodes on OpenBLAS, the
+    batch on oneDNN)."""
     from ferrum.entrypoints.llm import LLM
     from ferrum.sampling_params import SamplingParams
     folder = make_tiny_model(str(tmp_path / "tiny"), hidden=64, inter=192, vocab=256)
-    rows_seen = []
-    real = cpu_blas.blas_linear
+    rows_seen, packed_rows = [], []
+    real, real_packed = cpu_blas.blas_linear, cpu_packed.packed_linear
 
     def spy(x, weight, bias=None):
         rows_seen.append(x.shape[0])
         return real(x, weight, bias)
 
+    def spy_packed(x, packed, bias=None):
+        packed_rows.append(x.shape[0])
+        return real_packed(x, packed, bias)
+
     prompts = [[5 + i, 9, 23, 7, 11 + i] + [3] * i for i in range(3)]
     params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(3)]
     with LLM(folder, progress=False, device="cpu", dtype="float32", max_model_len=64) as llm:
         try:
-            cpu_blas.blas_linear = spy
+            cpu_blas.blas_linear, cpu_packed.packed_linear = spy, spy_packed
             batch = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             blas_in_batch = len(rows_seen)
             alone = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
         finally:
-            cpu_blas.blas_linear = real
+            cpu_blas.blas_linear, cpu_packed.packed_linear = real, real_packed
     assert rows_seen and set(rows_seen) == {1}
     assert blas_in_batch > 0          # the batch's tail decoded one sequence alone
+    if cpu_packed.available():
+        assert packed_rows and max(packed_rows) > 1   # (1 row: a one-prompt prefill's LM head)
     assert batch == alone

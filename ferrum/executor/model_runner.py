@@ -26,7 +26,7 @@ from ferrum.loader.base import ModelSource
 from ferrum.loader.model_loader import init_dummy_weights, load_weights
 from ferrum.models.registry import get_model_class
 from ferrum.ops import attention_torch, attention_triton
-from ferrum.ops import cpu_blas
+from ferrum.ops import cpu_blas, cpu_packed
 from ferrum.ops.triton_utils import HAS_TRITON
 
 log = logging.getLogger("ferrum")
@@ -46,6 +46,17 @@ def _column_major_weights(model: torch.nn.Module) -> None:
             w = mod.weight
             if w.dim() == 2 and w.shape[0] >= w.shape[1] and w.is_contiguous():
                 w.data = w.data.t().contiguous().t()
+
+
+def _pack_weights(model: torch.nn.Module) -> None:
+    """CPU float32, one process: give every unquantized linear layer and the LM head a
+    oneDNN-packed copy of its weight (`weight_packed`, `ferrum.ops.cpu_packed`), which
+    `ferrum.ops.linear` uses for forwards of more than one token. The plain weight stays (one-
+    token forwards and a tied embedding read it)."""
+    for mod in model.modules():
+        packed = isinstance(mod, LinearBase) and mod.quant_method.name != "unquantized"
+        if isinstance(mod, (LinearBase, ParallelLMHead)) and not packed and mod.weight.dtype == torch.float32:
+            mod.weight_packed = cpu_packed.pack(mod.weight.data)
 
 
 class ModelRunner:
@@ -83,9 +94,12 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # the paged attention every layer calls (through the forward context): Triton on CUDA
         self.attn_backend = attention_triton if HAS_TRITON and self.device.type == "cuda" else attention_torch
-        # CPU fp32, one process: linears run on numpy's BLAS (ferrum/ops/cpu_blas.py)
+        # CPU fp32, one process: one-token forwards' linears run on numpy's BLAS
+        # (ferrum/ops/cpu_blas.py), the others on weights packed for oneDNN (ops/cpu_packed.py)
         self.tp = get_tp()
         self.cpu_blas = self.device.type == "cpu" and dtype == torch.float32 and self.tp.size == 1
+        if self.cpu_blas and KERNELS.cpu_packed_weights and cpu_packed.available():
+            _pack_weights(self.model)
         self.block_size = 0   # set with the pool by allocate_kv_cache (CacheConfig.block_size)
         self.num_blocks = 0
         self.graphs = None

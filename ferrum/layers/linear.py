@@ -29,6 +29,8 @@ class LinearBase(nn.Module):
     (`output_shard`, `input_shard`)."""
 
     input_sharded = False  # RowParallelLinear: rank r holds input features [r*in, (r+1)*in)
+    # oneDNN-packed copy of an unquantized weight (`ferrum.ops.cpu_packed`), set by the CPU model runner
+    weight_packed: torch.Tensor | None = None
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool,
                  quant_config: QuantConfig | None = None):

@@ -53,10 +53,13 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The LM head: the same vocab-parallel weight layout (shared with the embedding when
     tie_word_embeddings), used as a linear map hidden -> logits."""
 
+    # oneDNN-packed copy of the weight (`ferrum.ops.cpu_packed`), set by the CPU model runner
+    weight_packed: torch.Tensor | None = None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: [N, hidden] -> logits [N, vocab_size] in the weight's dtype, gathered on TP
         rank 0 (None on the other ranks)."""
-        logits = linear(hidden, self.weight, None, self.tp.size == 1)
+        logits = linear(hidden, self.weight, None, self.tp.size == 1, self.weight_packed)
         logits = tensor_model_parallel_gather(logits, dim=-1, tp=self.tp)
         if logits is None:
             return None

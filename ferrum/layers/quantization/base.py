@@ -68,7 +68,7 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer, x, bias):
         from ferrum.ops.linear import linear
-        return linear(x, layer.weight, bias, layer.tp.size == 1)
+        return linear(x, layer.weight, bias, layer.tp.size == 1, layer.weight_packed)
 
     def init_dummy(self, layer, gen):
         layer.weight.normal_(0.0, 0.02, generator=gen)
