@@ -82,3 +82,29 @@ def test_only_one_token_forwards_run_on_openblas(tmp_path):
     if cpu_packed.available():
         assert packed_rows and max(packed_rows) > 1   # (1 row: a one-prompt prefill's LM head)
     assert batch == alone
+
+
+def test_packed_copies_skipped_when_memory_is_short(tmp_path, monkeypatch):
+    """The oneDNN copies double the linear weights' memory: with less than twice their size
+    available the runner keeps the plain weights only, and greedy tokens stay the same."""
+    from ferrum.entrypoints.llm import LLM
+    from ferrum.layers.linear import LinearBase
+    from ferrum.sampling_params import SamplingParams
+    assert cpu_packed.fits(0)
+    monkeypatch.setattr(cpu_packed, "available_memory_bytes", lambda: 2 * 1000 - 1)
+    assert not cpu_packed.fits(1000)
+    monkeypatch.setattr(cpu_packed, "available_memory_bytes", lambda: 2 * 1000)
+    assert cpu_packed.fits(1000)
+    folder = make_tiny_model(str(tmp_path / "tiny"), hidden=64, inter=192, vocab=256)
+    prompts = [[5, 9, 23, 7], [11, 3, 3]]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    tokens = {}
+    for free in (None, 1000):   # unknown (packs) / far too little (does not)
+        monkeypatch.setattr(cpu_packed, "available_memory_bytes", lambda free=free: free)
+        with LLM(folder, progress=False, device="cpu", dtype="float32", max_model_len=64) as llm:
+            model = llm.engine.executor.runner.model
+            linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+            has_copy = {m.weight_packed is not None for m in linears}
+            tokens[free] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert has_copy == {free is None and cpu_packed.available()}, (free, has_copy)
+    assert tokens[None] == tokens[1000]

@@ -52,11 +52,18 @@ def _pack_weights(model: torch.nn.Module) -> None:
     """CPU float32, one process: give every unquantized linear layer and the LM head a
     oneDNN-packed copy of its weight (`weight_packed`, `ferrum.ops.cpu_packed`), which
     `ferrum.ops.linear` uses for forwards of more than one token. The plain weight stays (one-
-    token forwards and a tied embedding read it)."""
-    for mod in model.modules():
-        packed = isinstance(mod, LinearBase) and mod.quant_method.name != "unquantized"
-        if isinstance(mod, (LinearBase, ParallelLMHead)) and not packed and mod.weight.dtype == torch.float32:
-            mod.weight_packed = cpu_packed.pack(mod.weight.data)
+    token forwards and a tied embedding read it). Skipped when the copies would take more than
+    half of the memory available (`cpu_packed.fits`)."""
+    mods = [mod for mod in model.modules()
+            if isinstance(mod, (LinearBase, ParallelLMHead)) and mod.weight.dtype == torch.float32
+            and not (isinstance(mod, LinearBase) and mod.quant_method.name != "unquantized")]
+    extra = sum(mod.weight.numel() * mod.weight.element_size() for mod in mods)
+    if not cpu_packed.fits(extra):
+        log.info("CPU linears: no oneDNN-packed weight copies (%.1f GiB would exceed half of the "
+                 "memory available); batched forwards use the plain weights", extra / 2**30)
+        return
+    for mod in mods:
+        mod.weight_packed = cpu_packed.pack(mod.weight.data)
 
 
 class ModelRunner:

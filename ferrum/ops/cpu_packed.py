@@ -6,7 +6,8 @@ counts of batched decode (2-64) that repacking costs about as much as the arithm
 weight packed once, SmolLM2's matrices take 1.5x less time per step at 16-32 rows (the LM head
 up to 2x; figures in benchmarks/results/README.md). The packed copy doubles the memory of the
 weights it is made for, so the model runner only makes it where it runs these linears (CPU,
-float32, one process: `KERNELS.cpu_packed_weights`, FERRUM_CPU_PACKED_WEIGHTS=0 turns it off).
+float32, one process: `KERNELS.cpu_packed_weights`, FERRUM_CPU_PACKED_WEIGHTS=0 turns it off)
+and only when the copy takes at most half of the memory available (`fits`).
 One-row forwards keep using the plain weight (`ferrum.ops.cpu_blas`: OpenBLAS's sgemv is faster
 there than oneDNN's packed path).
 """
@@ -23,6 +24,25 @@ def available() -> bool:
     """Whether this torch build has the oneDNN linear ops used here."""
     return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (Linux), None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def fits(extra_bytes: int) -> bool:
+    """Whether a packed copy of `extra_bytes` leaves at least half of the memory available now
+    (the KV cache and activations still need theirs); True where that cannot be read."""
+    free = available_memory_bytes()
+    return free is None or extra_bytes <= free // 2
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
