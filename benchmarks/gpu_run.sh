@@ -9,7 +9,7 @@
 # overrides it); a section that fails or runs out of time is recorded and the next one runs:
 #   tests     (a) pytest -m gpu -rA over $GPU_TESTS (default tests/test_gpu.py, test_sampler.py,
 #             test_triton_kernels.py, test_quant_kernels.py, test_moe.py, test_sliding_window.py,
-#             test_structured_output.py                    limit 210 s
+#             test_structured_output.py                    limit 480 s
 #   latency   (b) Llama-3-8B (dummy bf16) batch 1, 128 in / 512 out: decode tok/s, TTFT, MBU
 #             (spec 4.8 TB/s and the measured GEMV roofline), vLLM and gpt-fast side by side   330 s
 #   ttft      (c) TTFT at 128 / 1024 / 7500-token prompts, cached and cold, vLLM cold        300 s
@@ -137,7 +137,7 @@ free_gpu() {
     fi
 }
 
-declare -A LIMIT=([quant_vllm_awq]=200 [moe_vllm]=300 [tests]=210 [latency]=330 [ttft]=300 [nanovllm]=240 [tp2]=240 [quantkern]=240 [quant]=420 [moe]=480)
+declare -A LIMIT=([quant_vllm_awq]=200 [moe_vllm]=300 [tests]=480 [latency]=330 [ttft]=300 [nanovllm]=240 [tp2]=240 [quantkern]=240 [quant]=420 [moe]=480)
 summary=$OUT/summary.txt
 echo "gpu_run.sh ${sections[*]} at commit $FERRUM_GIT_COMMIT, $(date -u +%FT%TZ), device $DEVICE, $ngpus GPU(s), peers: ${peers[*]:-none}" >>"$summary"
 
