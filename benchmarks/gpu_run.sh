@@ -22,11 +22,13 @@
 #             Llama-3-70B FP8 on one GPU (quant_bench.py latency big, *_vs_vllm)         420 s
 #   moe       issue 17: vLLM on the Qwen3-30B-A3B shape (benchmarks/vllm_moe_peer.py), then
 #             ferrum (benchmarks/moe_bench.py latency batch256 nanovllm, *_vs_vllm)      480 s
-#   fp8       issue 15: 1000 x (1000 in, 1000 out) with FP8 weights + FP8 KV: vLLM (its driver,
-#             VB_QUANT=fp8 VB_KV=fp8), then ferrum (quant_bench.py throughput, fp8_vs_vllm),
-#             then a 256-prompt ferrum run with --step-log (where the step time goes)     600 s
+#   tput      issue 16: 1000 x (1000 in, 1000 out), bf16, ferrum at TPUT_SEQS (512) sequences
+#             per step, then vLLM, in one `ferrum bench throughput` (output_tok_s_vs_vllm) 480 s
+#   fp8       issue 15: the same with FP8 weights + FP8 KV cache, vLLM with VB_QUANT=fp8
+#             VB_KV=fp8 (its driver: quantization="fp8", kv_cache_dtype="fp8")           480 s
 #   attntune  decode attention over an FP8 cache (256 x 1536) and the prefill kernel at 1 x
-#             7500 / 16 x 1024 tokens, over their tile configs (tune_attention.py)        300 s
+#             7500 / 16 x 1024 tokens, over their tile configs and launch orders
+#             (tune_attention.py --small-grid)                                           300 s
 # Groups: `bench` = latency ttft nanovllm tp2; `all` = tests + bench. Planned as two commands
 # of <= 9 min: `tests latency` and `ttft nanovllm` (+ `tp2` on a 2-GPU machine).
 #
@@ -59,6 +61,11 @@ SMALL=${SMALL:-benchmarks/configs/qwen3-0.6b.json}
 LAT_IN_LEN=${LAT_IN_LEN:-128}
 LAT_OUT_LEN=${LAT_OUT_LEN:-512}
 TTFT_LENS=${TTFT_LENS:-128 1024 7500}   # 7500: see ferrum bench ttft --help
+# tput / fp8: TPUT_N prompts x (TPUT_LEN in, TPUT_LEN out), ferrum at TPUT_SEQS sequences per step
+# (vLLM's LLM class defaults to 1024 on an H200: its KV pool is then the limit)
+TPUT_N=${TPUT_N:-1000}
+TPUT_LEN=${TPUT_LEN:-1000}
+TPUT_SEQS=${TPUT_SEQS:-512}
 export PYTHONUNBUFFERED=1
 # NVLink multicast stays off on the shared H200 hosts (KINDS.md), in every process we start
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -90,8 +97,8 @@ for s in "${@:-all}"; do
     case $s in
         all) sections+=(tests latency ttft nanovllm tp2) ;;
         bench) sections+=(latency ttft nanovllm tp2) ;;
-        tests|latency|ttft|nanovllm|tp2|quantkern|quant|moe|fp8|attntune) sections+=("$s") ;;
-        *) echo "unknown section $s (tests latency ttft nanovllm tp2 quantkern quant moe fp8 attntune | bench | all)" >&2; exit 2 ;;
+        tests|latency|ttft|nanovllm|tp2|tput|quantkern|quant|moe|fp8|attntune) sections+=("$s") ;;
+        *) echo "unknown section $s (tests latency ttft nanovllm tp2 tput quantkern quant moe fp8 attntune | bench | all)" >&2; exit 2 ;;
     esac
 done
 
@@ -142,7 +149,7 @@ free_gpu() {
     fi
 }
 
-declare -A LIMIT=([quant_vllm_awq]=200 [moe_vllm]=300 [tests]=480 [latency]=330 [ttft]=300 [nanovllm]=240 [tp2]=240 [quantkern]=240 [quant]=420 [moe]=480 [fp8_vllm]=240 [fp8]=600 [attntune]=300)
+declare -A LIMIT=([quant_vllm_awq]=200 [moe_vllm]=300 [tests]=480 [latency]=330 [ttft]=300 [nanovllm]=240 [tp2]=240 [quantkern]=240 [quant]=420 [moe]=480 [tput]=480 [fp8]=480 [attntune]=300)
 summary=$OUT/summary.txt
 echo "gpu_run.sh ${sections[*]} at commit $FERRUM_GIT_COMMIT, $(date -u +%FT%TZ), device $DEVICE, $ngpus GPU(s), peers: ${peers[*]:-none}" >>"$summary"
 
@@ -223,22 +230,24 @@ for sec in "${sections[@]}"; do
         fi
         run_section quant "$PY" benchmarks/quant_bench.py latency big --out "$OUT" --vllm-dir "$OUT"
         ;;
+    tput)
+        # shellcheck disable=SC2046
+        run_section tput "${FERRUM[@]}" bench throughput "$LLAMA" --load-format dummy --dtype bfloat16 \
+            --device "$DEVICE" --num-prompts $TPUT_N --input-len $TPUT_LEN $TPUT_LEN --output-len $TPUT_LEN $TPUT_LEN \
+            --max-num-seqs $TPUT_SEQS --max-num-batched-tokens 8192 --max-model-len $((2 * TPUT_LEN + 16)) \
+            $(peers_of vllm) "${peer_flags[@]}" --peer-timeout 300 --out "$OUT/tput.json"
+        ;;
     fp8)
-        if has_peer vllm; then
-            run_section fp8_vllm env "PYTHONPATH=$VLLM_SITE" VLLM_USE_FLASHINFER_SAMPLER=0 VB_QUANT=fp8 VB_KV=fp8 \
-                PEER_CONFIGS=benchmarks/configs OUT="$OUT" setsid "$PY" "$PEERS_DIR/vllm_bench.py" throughput 1
-        fi
-        run_section fp8 bash -c "'$PY' benchmarks/quant_bench.py throughput --throughput-formats fp8 \
-            --throughput-kv fp8 --out '$OUT' --vllm-dir '$OUT' && '$PY' -m ferrum.entrypoints.cli bench \
-            throughput '$LLAMA' --load-format dummy --dtype bfloat16 --device '$DEVICE' --quantization fp8 \
-            --kv-cache-dtype fp8 --num-prompts 256 --input-len 1000 1000 --output-len 1000 1000 \
-            --max-num-seqs 256 --max-num-batched-tokens 8192 --step-log '$OUT/steplog-fp8' \
-            --out '$OUT/fp8_steplog_run.json' && tar -czf '$OUT/steplog-fp8.tgz' -C '$OUT' steplog-fp8 \
-            && rm -rf '$OUT/steplog-fp8'"
+        # shellcheck disable=SC2046
+        run_section fp8 "${FERRUM[@]}" bench throughput "$LLAMA" --load-format dummy --dtype bfloat16 \
+            --device "$DEVICE" --quantization fp8 --kv-cache-dtype fp8 --num-prompts $TPUT_N \
+            --input-len $TPUT_LEN $TPUT_LEN --output-len $TPUT_LEN $TPUT_LEN --max-num-seqs $TPUT_SEQS \
+            --max-num-batched-tokens 8192 --max-model-len $((2 * TPUT_LEN + 16)) $(peers_of vllm) \
+            "${peer_flags[@]}" --peer-env VB_QUANT=fp8 --peer-env VB_KV=fp8 --peer-timeout 300 --out "$OUT/fp8.json"
         ;;
     attntune)
         run_section attntune bash -c "'$PY' benchmarks/tune_attention.py --kv-dtype fp8 --small-grid \
-            --cases 256x1536 --out '$OUT' && '$PY' benchmarks/tune_attention.py --cases '' \
+            --cases 256x1536 --out '$OUT' && '$PY' benchmarks/tune_attention.py --cases '' --small-grid \
             --prefill-cases 1x7500,16x1024 --out '$OUT'"
         ;;
     moe)

@@ -59,10 +59,11 @@ def _time(fn, iters=20):
     return sorted(ts)[len(ts) // 2]
 
 
-def tune_prefill(cases: str, gen) -> dict:
-    """Time `prefill_attention` over (BLOCK_M, BLOCK_N, num_warps, num_stages) for cases
-    "BxL" (B sequences of L new tokens, no cached context), causal FLOPs 2 x 2 x H x D x L^2 / 2
-    per sequence reported as TFLOP/s. The first row is the default (`_prefill_config`)."""
+def tune_prefill(cases: str, gen, small: bool = False) -> dict:
+    """Time `prefill_attention` over (BLOCK_M, BLOCK_N, num_warps, num_stages, launch order
+    `PREFILL_HEAVY_FIRST`) for cases "BxL" (B sequences of L new tokens, no cached context),
+    causal FLOPs 2 x 2 x H x D x L^2 / 2 per sequence reported as TFLOP/s. The first row is the
+    default (`_prefill_config`). small: 3 tile shapes instead of 6 (24 configs)."""
     out = {}
     scale = D ** -0.5
     for case in cases.split(","):
@@ -81,23 +82,27 @@ def tune_prefill(cases: str, gen) -> dict:
             return tb.prefill_attention(q, kv, md, scale, None, None)
         ref = run()
         rows = []
-        grid = [(None, None, None, None)] + list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)))
-        for bm, bn, warps, stages in grid:
+        tiles = [(64, 64), (128, 64), (128, 128)] if small else list(itertools.product((64, 128), (32, 64, 128)))
+        grid = [(None, None, None, None, True)] + [
+            (bm, bn, w, st, heavy) for (bm, bn), w, st, heavy in itertools.product(tiles, (4, 8), (2, 3), (True, False))]
+        for bm, bn, warps, stages, heavy in grid:
             tb.PREFILL_BLOCK_M, tb.PREFILL_BLOCK_N, tb.PREFILL_NUM_WARPS, tb.PREFILL_NUM_STAGES = bm, bn, warps, stages
+            tb.PREFILL_HEAVY_FIRST = heavy
+            cfg = {"block_m": bm, "block_n": bn, "warps": warps, "stages": stages, "heavy_first": heavy}
             try:
                 err = (run().float() - ref.float()).abs().max().item()
                 us = _time(run, iters=10)
             except Exception as e:  # out of shared memory / registers for this config
-                rows.append({"block_m": bm, "block_n": bn, "warps": warps, "stages": stages,
-                             "error": str(e).splitlines()[0][:200]})
+                rows.append({**cfg, "error": str(e).splitlines()[0][:200]})
                 continue
-            rows.append({"block_m": bm, "block_n": bn, "warps": warps, "stages": stages, "us": us,
-                         "tflops": flops / us / 1e6, "max_abs_diff_vs_default": err})
+            rows.append({**cfg, "us": us, "tflops": flops / us / 1e6, "max_abs_diff_vs_default": err})
         tb.PREFILL_BLOCK_M = tb.PREFILL_BLOCK_N = tb.PREFILL_NUM_WARPS = tb.PREFILL_NUM_STAGES = None
+        tb.PREFILL_HEAVY_FIRST = True
         ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
         out[case] = {"default": rows[0], "best": ok[:5], "all": rows}
         print("prefill", case, "default", {k: rows[0].get(k) for k in ("us", "tflops")}, "best",
-              [{k: r[k] for k in ("block_m", "block_n", "warps", "stages", "us", "tflops")} for r in ok[:3]], flush=True)
+              [{k: r[k] for k in ("block_m", "block_n", "warps", "stages", "heavy_first", "us", "tflops")}
+               for r in ok[:3]], flush=True)
     return out
 
 
@@ -109,7 +114,8 @@ def main():
     p.add_argument("--heads", default=f"{H},{HKV}", help="query heads,KV heads (Qwen3-0.6B: 16,8)")
     p.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp8"], help="KV cache dtype (fp8: e4m3)")
     p.add_argument("--small-grid", action="store_true",
-                   help="BLOCK_N 32/64/128 x warps 4/8 x stages 2/3 x the two smallest split counts (24 configs)")
+                   help="decode: BLOCK_N 32/64/128 x warps 4/8 x stages 2/3 x the two smallest split counts "
+                   "(24 configs); prefill: 3 tile shapes (24 configs with the launch orders)")
     p.add_argument("--prefill-cases", default="",
                    help="also time prefill_attention for these BxL cases (e.g. 1x7500,16x1024)")
     args = p.parse_args()
@@ -150,7 +156,7 @@ def main():
               "best", [{k: r[k] for k in ("block_n", "warps", "stages", "splits", "us", "kv_TBps")} for r in ok[:3]],
               flush=True)
     if args.prefill_cases:
-        res["prefill"] = tune_prefill(args.prefill_cases, gen)
+        res["prefill"] = tune_prefill(args.prefill_cases, gen, args.small_grid)
     os.makedirs(args.out, exist_ok=True)
     import json
     with open(os.path.join(args.out, f"tune_attention{'_fp8' if fp8 else ''}.json"), "w") as f:

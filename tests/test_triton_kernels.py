@@ -230,9 +230,10 @@ def check_decode(device: str) -> None:
     _decode_case(device, bf16, 4, 4, 64, 16, [0, 0, 2], [8], gen)
 
 
-def _prefill_case(device, dtype, H, Hkv, D, page, ctx_lens, q_lens, gen, impl="triton", blocks=(None, None)):
-    """impl "triton": `attention_triton.prefill_attention` with the given tile sizes; "torch":
-    the torch backend (SDPA) on the same inputs."""
+def _prefill_case(device, dtype, H, Hkv, D, page, ctx_lens, q_lens, gen, impl="triton", blocks=(None, None),
+                  heavy_first=True):
+    """impl "triton": `attention_triton.prefill_attention` with the given tile sizes and launch
+    order (`PREFILL_HEAVY_FIRST`); "torch": the torch backend (SDPA) on the same inputs."""
     from ferrum.ops import attention_torch, attention_triton as tb
     seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
     cache, bt, clean = _paged_cache(seq_lens, Hkv, D, page, dtype, device, gen)
@@ -248,13 +249,14 @@ def _prefill_case(device, dtype, H, Hkv, D, page, ctx_lens, q_lens, gen, impl="t
     md = _md(True, slots.to(device), bt, torch.tensor(seq_lens, dtype=torch.int32, device=device),
              query_lens=list(q_lens), context_lens=list(ctx_lens), cu=cu.to(device))
     ref = torch.cat(_ref_attention(list(q.split(q_lens)), clean, bt, seq_lens, [p.tolist() for p in pos], D ** -0.5))
-    saved = tb.PREFILL_BLOCK_M, tb.PREFILL_BLOCK_N
+    saved = tb.PREFILL_BLOCK_M, tb.PREFILL_BLOCK_N, tb.PREFILL_HEAVY_FIRST
     tb.PREFILL_BLOCK_M, tb.PREFILL_BLOCK_N = blocks
+    tb.PREFILL_HEAVY_FIRST = heavy_first
     try:
         backend = tb if impl == "triton" else attention_torch
         out = backend.prefill_attention(q, cache, md, D ** -0.5, k, v)
     finally:
-        tb.PREFILL_BLOCK_M, tb.PREFILL_BLOCK_N = saved
+        tb.PREFILL_BLOCK_M, tb.PREFILL_BLOCK_N, tb.PREFILL_HEAVY_FIRST = saved
     assert out.shape == q.shape and out.dtype == q.dtype
     _assert_close(out, ref, dtype, f"prefill[{impl}] {dtype} H={H} Hkv={Hkv} D={D} page={page} "
                                    f"ctx={ctx_lens} q={q_lens} blocks={blocks}")
@@ -265,6 +267,7 @@ def check_prefill(device: str) -> None:
     f32, bf16 = torch.float32, torch.bfloat16
     ctx, ql = [0, 37, 16, 50], [20, 5, 33, 1]  # fresh prompt, chunks with cached context, 1-token chunk
     _prefill_case(device, f32, 4, 1, 64, 16, ctx, ql, gen, blocks=(16, 16))   # group 4, many tiles
+    _prefill_case(device, f32, 4, 1, 64, 16, ctx, ql, gen, blocks=(16, 16), heavy_first=False)  # grid (M, B, H)
     _prefill_case(device, f32, 3, 3, 64, 16, ctx[:2], ql[:2], gen)            # group 1, default tiles
     _prefill_case(device, bf16, 6, 2, 128, 8, [0, 21], [19, 12], gen, blocks=(16, 32))  # group 3, page 8
     _prefill_case(device, bf16, 8, 1, 64, 16, [30], [9], gen)                 # group 8
@@ -629,7 +632,8 @@ def check_sm90_compile(device: str) -> None:
         for windowed in (False, True):
             build(tb._prefill_kernel,
                   dict(GROUP=4, HEAD_DIM=D, PAGE=16, BLOCK_M=bm, BLOCK_N=bn,
-                       DOT_PREC=tb._dot_precision(dtype), FP8=fp8, WINDOWED=windowed),
+                       DOT_PREC=tb._dot_precision(dtype), FP8=fp8, HEAVY_FIRST=tb.PREFILL_HEAVY_FIRST,
+                       WINDOWED=windowed),
                   dict(q_ptr=t, kc_ptr=c, vc_ptr=c, o_ptr=t, bt_ptr="*i64", seqlen_ptr="*i32", cu_q_ptr="*i64",
                        ks_ptr="*fp32", vs_ptr="*fp32"),
                   w, st, f"prefill {dtype} D={D} fp8_kv={fp8} windowed={windowed}")

@@ -349,9 +349,16 @@ def main(args) -> int:
         section = "nanovllm" if args.workload == "nanovllm" else "throughput"
         peer = run_vllm(args, section, eng.config.parallel.tensor_parallel_size)
         res["peers"] = {"vllm": peer}
+        # the driver reports its weight format and KV dtype (VB_QUANT / VB_KV in --peer-env)
+        ours = (eng.config.quantization or "bf16", eng.config.cache.kv_cache_dtype)
+        theirs = (peer.get("quant", "bf16"), peer.get("kv_cache_dtype", "auto"))
+        if same and "error" not in peer and ours != theirs:
+            print(f"note: vLLM ran weights/KV {theirs}, ferrum {ours}: no ratio "
+                  "(pass --peer-env VB_QUANT=... --peer-env VB_KV=...)")
+            same = False
         res["ratios"] = {"output_tok_s_vs_vllm": ratio(batched["output_tok_s"], peer.get("output_tok_s"))
                          if same else None}
-        if not same:
+        if not same and ours == theirs:
             print("note: vLLM's driver ran 1000 x (1000 in, 1000 out), a different workload: no ratio")
         print(f"vLLM {section}: {peer.get('output_tok_s')} output tok/s; ratios {res['ratios']}")
     if args.plot:

@@ -53,6 +53,10 @@ PREFILL_BLOCK_M: int | None = None
 PREFILL_BLOCK_N: int | None = None
 PREFILL_NUM_WARPS: int | None = None
 PREFILL_NUM_STAGES: int | None = None
+# Launch the causal prefill's query blocks heaviest first (the last block of a chunk attends to
+# the whole chunk, the first to one tile), all heads of a block together: the light blocks then
+# fill the last wave instead of a few heavy ones running alone (FlashAttention's scheduling).
+PREFILL_HEAVY_FIRST: bool = True
 
 _LOG2E = 1.4426950408889634
 
@@ -370,10 +374,15 @@ if HAS_TRITON:
             qk_scale, window,
             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, FP8: tl.constexpr,
-            WINDOWED: tl.constexpr = False):
-        pid_m = tl.program_id(0)
-        b = tl.program_id(1)
-        h = tl.program_id(2)
+            HEAVY_FIRST: tl.constexpr, WINDOWED: tl.constexpr = False):
+        if HEAVY_FIRST:  # grid (H, B, query blocks): every head of the last block first
+            h = tl.program_id(0)
+            b = tl.program_id(1)
+            pid_m = tl.num_programs(2) - 1 - tl.program_id(2)
+        else:            # grid (query blocks, B, H)
+            pid_m = tl.program_id(0)
+            b = tl.program_id(1)
+            h = tl.program_id(2)
         q_start = tl.load(cu_q_ptr + b).to(tl.int32)
         q_len = tl.load(cu_q_ptr + b + 1).to(tl.int32) - q_start
         m0 = pid_m * BLOCK_M
@@ -475,7 +484,8 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: At
     bm, bn, warps, stages = _prefill_config(D, q.dtype)
     kc, vc = kv_cache[0], kv_cache[1]
     bt = attn_metadata.block_tables
-    grid = (triton.cdiv(max(attn_metadata.query_lens), bm), B, H)
+    n_m = triton.cdiv(max(attn_metadata.query_lens), bm)
+    grid = (H, B, n_m) if PREFILL_HEAVY_FIRST else (n_m, B, H)
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     _prefill_kernel[grid](
         q, kc, vc, out, bt, attn_metadata.seq_lens, cu, *((k_scale, v_scale) if fp8 else (q, q)),
@@ -483,6 +493,6 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: At
         kc.stride(0), kc.stride(1), kc.stride(2), bt.stride(0),
         scale * _LOG2E, sliding_window or 0,
         GROUP=H // hkv, HEAD_DIM=D, PAGE=page, BLOCK_M=bm, BLOCK_N=bn,
-        DOT_PREC=_dot_precision(q.dtype), FP8=fp8, WINDOWED=bool(sliding_window),
-        num_warps=warps, num_stages=stages)
+        DOT_PREC=_dot_precision(q.dtype), FP8=fp8, HEAVY_FIRST=PREFILL_HEAVY_FIRST,
+        WINDOWED=bool(sliding_window), num_warps=warps, num_stages=stages)
     return out
