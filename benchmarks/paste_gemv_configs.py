@@ -1,7 +1,8 @@
 """Write the tuned kernel config tables that `quant_bench.py kernels` / `moe_bench.py tune`
 measured into the kernel modules: FP8_GEMV_CONFIGS (ferrum/ops/fp8.py), W4_GEMV_CONFIGS
 (ferrum/ops/int4.py), GGUF_GEMV_CONFIGS (ferrum/ops/gguf.py), MOE_GEMM_CONFIGS
-(ferrum/ops/moe_triton.py), each replacing the module's current literal.
+(ferrum/ops/moe_triton.py), GLUON_GEMV_CONFIGS (ferrum/ops/gemv_gluon.py), each replacing the
+module's current literal.
 
     python3 benchmarks/paste_gemv_configs.py OUT/quant_kernels.json [OUT/moe_tune.json] [--root .]
 
@@ -17,12 +18,14 @@ import os
 import re
 
 TABLES = {"FP8_GEMV_CONFIGS": "ferrum/ops/fp8.py", "W4_GEMV_CONFIGS": "ferrum/ops/int4.py",
-          "GGUF_GEMV_CONFIGS": "ferrum/ops/gguf.py", "MOE_GEMM_CONFIGS": "ferrum/ops/moe_triton.py"}
+          "GGUF_GEMV_CONFIGS": "ferrum/ops/gguf.py", "MOE_GEMM_CONFIGS": "ferrum/ops/moe_triton.py",
+          "GLUON_GEMV_CONFIGS": "ferrum/ops/gemv_gluon.py"}
 
 
 def literal(table: dict[str, list]) -> str:
-    """{"(a, b, c)": [x, y]} -> a Python dict literal with tuple keys and values, one entry a line."""
-    items = sorted((ast.literal_eval(k), tuple(v)) for k, v in table.items())
+    """{"(a, b, c)": [x, y]} -> a Python dict literal with tuple keys and values (None kept), one
+    entry a line."""
+    items = sorted((ast.literal_eval(k), None if v is None else tuple(v)) for k, v in table.items())
     if not items:
         return "{}"
     return "{\n" + "".join(f"    {k!r}: {v!r},\n" for k, v in items) + "}"

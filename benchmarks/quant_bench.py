@@ -12,10 +12,12 @@ peer driver (../shared/peers/vllm_bench.py), so the figures compare one to one:
 - throughput: 1000 requests x (1000 in, 1000 out), ignore_eos, greedy, FP8 weights with the
   `--throughput-kv` KV cache dtype, and bf16 for the ratio.
 - big: Llama-3-70B with FP8 weights on one GPU, batch 1, 128 in / 128 out.
-- kernels: each 1-8 row GEMV (bf16, fp8, 4-bit g128, GGUF Q4_K / Q6_K / Q8_0) on the four
-  Llama-3-8B matrices at 1 and 4 rows, every candidate config (GB/s of weight bytes read, CUDA
-  graphs over weight copies larger than L2); prints the best configs as the dict literals
-  `W4_GEMV_CONFIGS` / `GGUF_GEMV_CONFIGS` to paste into ferrum/ops/int4.py / gguf.py.
+- kernels: each 1-8 row GEMV (bf16, fp8, 4-bit g128, GGUF Q4_K / Q6_K / Q8_0; at one row also
+  the Gluon GEMVs gbf16 / gfp8 / gw4 of ferrum/ops/gemv_gluon.py) on the four Llama-3-8B
+  matrices (and the LM head, bf16 kernels only) at 1 and 4 rows, every candidate config (GB/s
+  of weight bytes read, CUDA graphs over weight copies larger than L2); prints the best configs
+  as the dict literals `W4_GEMV_CONFIGS` / `GGUF_GEMV_CONFIGS` / `GLUON_GEMV_CONFIGS` (Gluon
+  where it beat the kind's best Triton config, else None) that paste_gemv_configs.py writes.
   `--grid full` times ~160 configs instead of ~60 (several minutes); `kernels --small` runs on
   CPU under TRITON_INTERPRET=1 (crash check).
 Each section writes `<out>/quant_<section>.json` with the keys `fp8_speedup_vs_bf16`,
@@ -125,7 +127,8 @@ def sec_big(args):
     save(args, "quant_big", res)
 
 
-LLAMA3_8B_MATRICES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+LLAMA3_8B_MATRICES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+                      "lm_head": (128256, 4096)}  # the LM head: bf16 kernels only
 SMALL_MATRICES = {"qkv": (48, 512), "down": (16, 1024)}  # --small: the interpreter smoke run
 OLD_W4_GBS = 770.0  # the int4 GEMV before the per-group factoring: 161 tok/s, 0.77 TB/s (issue 15)
 MAX_REL_ERR = 1e-2  # bf16 output: tests/test_quant_kernels.py's bound; a config above it is excluded
@@ -178,8 +181,17 @@ def _kernel_candidates(grid: str, M: int, N: int, K: int) -> dict[str, list[tupl
     cands = {"bf16": [gemv.gemv_config(N, K)] + dense if M == 1 else [],
              "fp8": [fp8.fp8_gemv_config(N, K, M)] + dense + fp8_wide,
              "w4": [int4.int4_gemv_config(N, K, M, 128, False)] + w4}
+    if M == 1:  # the Gluon GEMVs (BLOCK_N, num_warps, SPLIT_K), each against its kind's Triton best
+        from ferrum.ops import gemv_gluon
+        for kind, bns, warps in (("bf16", (2, 4, 8), (2, 4, 8)), ("fp8", (2, 4, 8), (2, 4, 8)),
+                                 ("w4", (4, 8, 16), (1, 2, 4))):
+            cfgs = [gemv_gluon.default_config(kind, N, K)]
+            cfgs += [(bn, w, sp) for bn in bns for w in warps for sp in (1, 2)]
+            cands["g" + kind] = [c for c in cfgs if c is not None and gemv_gluon.fits(kind, N, K, c)]
     for q in qtypes:
         cands[f"gguf_{q}"] = [gguf.gguf_gemv_config(q, N, K, M)] + gg
+    if grid == "gluon":  # the Gluon grids against each Triton GEMV's current config only
+        cands = {k: v if k in ("gbf16", "gfp8", "gw4") else v[:1] for k, v in cands.items()}
     return {k: list(dict.fromkeys(v)) for k, v in cands.items()}
 
 
@@ -246,10 +258,14 @@ def sec_kernels(args):
     matrices = SMALL_MATRICES if args.small else LLAMA3_8B_MATRICES
     gen = torch.Generator(device=device).manual_seed(0)
     res = {"old_w4_GBs": OLD_W4_GBS, "matrices": {}}
-    best_fp8, best_w4, best_gguf = {}, {}, {}
+    best_fp8, best_w4, best_gguf, best_gluon = {}, {}, {}, {}
+    from ferrum.ops import gemv_gluon
     call = {"bf16": lambda x, w, c: gemv.gemv(x, w, config=c),
             "fp8": lambda x, w, c: fp8.fp8_gemv(x, *w, config=c),
-            "w4": lambda x, w, c: int4.int4_gemv(x, *w, 128, config=c)}
+            "w4": lambda x, w, c: int4.int4_gemv(x, *w, 128, config=c),
+            "gbf16": lambda x, w, c: gemv_gluon.dense_gemv(x, w, config=c),
+            "gfp8": lambda x, w, c: gemv_gluon.dense_gemv(x, *w, config=c),
+            "gw4": lambda x, w, c: gemv_gluon.w4_gemv(x, *w, 128, config=c)}
     for q in (gguf.Q4_K, gguf.Q6_K, gguf.Q8_0):
         call[f"gguf_{q}"] = lambda x, w, c, q=q: gguf.gguf_gemv(x, w, q, config=c)
     for name, (N, K) in matrices.items():
@@ -263,7 +279,10 @@ def sec_kernels(args):
             for kern, configs in _kernel_candidates("small" if args.small else args.grid, M, N, K).items():
                 if args.kernels and kern not in args.kernels or not configs:
                     continue
-                ws = weights[kern]
+                if name == "lm_head" and kern not in ("bf16", "gbf16"):  # the LM head stays bf16
+                    continue
+                base = kern[1:] if kern in ("gbf16", "gfp8", "gw4") else kern  # Gluon: same weights
+                ws = weights[base]
                 times = {}
                 for cfg in configs:
                     try:
@@ -271,7 +290,7 @@ def sec_kernels(args):
                     except Exception as e:  # a config that does not compile / fit
                         times[cfg] = float("inf")
                         print(name, M, kern, cfg, type(e).__name__, str(e)[:200], flush=True)
-                ref = x.float() @ refs[kern].t()
+                ref = x.float() @ refs[base].t()
                 errs = {c: ((call[kern](x, ws[0], c).float() - ref).abs().max() / ref.abs().max()).item()
                         for c, t in times.items() if t < float("inf")}
                 for c, e in errs.items():  # a wrong config never becomes a table entry
@@ -282,7 +301,7 @@ def sec_kernels(args):
                 if times[best] == float("inf"):
                     row[kern] = {"error": "no config ran correctly"}
                     continue
-                gbs = {c: nbytes[kern] / t / 1e3 for c, t in times.items()}
+                gbs = {c: nbytes[base] / t / 1e3 for c, t in times.items()}
                 row[kern] = {"default_config": configs[0], "default_us": times[configs[0]],
                              "default_GBs": gbs[configs[0]], "best_config": best, "best_us": times[best],
                              "best_GBs": gbs[best], "max_rel_err": {str(c): e for c, e in errs.items()},
@@ -294,11 +313,15 @@ def sec_kernels(args):
                     row[kern]["best_vs_old"] = gbs[best] / OLD_W4_GBS
                 elif kern.startswith("gguf_"):
                     best_gguf[(int(kern[5:]), N, K, M)] = best
+                if base != kern and "best_us" in row.get(base, {}):  # Gluon vs its kind's Triton best
+                    faster = times[best] < row[base]["best_us"]
+                    best_gluon[(base, N, K)] = best if faster else None
+                    row[kern]["vs_triton"] = row[base]["best_us"] / times[best]
                 print(f"{name} M={M} {kern}: default {configs[0]} {gbs[configs[0]]:.1f} GB/s, best {best} "
                       f"{gbs[best]:.1f} GB/s, max rel err {errs[best]:.1e}", flush=True)
             res["matrices"][f"{name}_m{M}"] = row
             save(args, "quant_kernels", res)  # after every matrix: a timeout keeps what was measured
-        for M in [9] if args.small else args.gemm_rows:  # prefill: GGUF dequant-in-tile GEMM vs dequantize + cuBLAS
+        for M in [] if name == "lm_head" else [9] if args.small else args.gemm_rows:  # prefill: GGUF tiled GEMM vs dequant + cuBLAS
             x = torch.randn(M, K, device=device, generator=gen).bfloat16()
             row = {}
             for q in (gguf.Q4_K, gguf.Q6_K):
@@ -319,6 +342,7 @@ def sec_kernels(args):
     res["FP8_GEMV_CONFIGS"] = {str(k): v for k, v in best_fp8.items()}
     res["W4_GEMV_CONFIGS"] = {str(k): v for k, v in best_w4.items()}
     res["GGUF_GEMV_CONFIGS"] = {str(k): v for k, v in best_gguf.items()}
+    res["GLUON_GEMV_CONFIGS"] = {str(k): v for k, v in best_gluon.items()}
     save(args, "quant_kernels", res)
     print("# `python3 benchmarks/paste_gemv_configs.py <out>/quant_kernels.json` writes these tables:")
     print(f"FP8_GEMV_CONFIGS = {best_fp8!r}")
@@ -326,6 +350,8 @@ def sec_kernels(args):
     print(f"W4_GEMV_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {best_w4!r}")
     print("# paste into ferrum/ops/gguf.py:")
     print(f"GGUF_GEMV_CONFIGS: dict[tuple[int, int, int, int], tuple[int, int, int]] = {best_gguf!r}")
+    print("# paste into ferrum/ops/gemv_gluon.py (None: the Triton GEMV was faster):")
+    print(f"GLUON_GEMV_CONFIGS = {best_gluon!r}")
 
 
 def _ratios(args, res: dict, section: str, key: str) -> None:
@@ -353,13 +379,14 @@ def main():
     p.add_argument("--num-requests", type=int, default=1000)
     p.add_argument("--small", action="store_true",
                    help="kernels: tiny matrices and few configs (a crash check under TRITON_INTERPRET=1 on CPU)")
-    p.add_argument("--grid", default="default", choices=["default", "full"],
-                   help="kernels: candidate configs (full: ~200 compiles, several minutes)")
+    p.add_argument("--grid", default="default", choices=["default", "full", "gluon"],
+                   help="kernels: candidate configs (full: ~200 compiles, several minutes; gluon: the "
+                        "Gluon GEMVs' grids against each Triton GEMV's current config)")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4], help="kernels: activation rows M")
     p.add_argument("--gemm-rows", type=int, nargs="*", default=[64, 512],
                    help="kernels: prefill rows at which the GGUF GEMM is timed against dequantize + cuBLAS")
     p.add_argument("--kernels", nargs="+", default=None,
-                   help="kernels: only these (bf16 fp8 w4 gguf_12 gguf_14 gguf_8)")
+                   help="kernels: only these (bf16 fp8 w4 gguf_12 gguf_14 gguf_8; Gluon: gbf16 gfp8 gw4)")
     p.add_argument("--matrices", nargs="+", default=None, choices=list(LLAMA3_8B_MATRICES),
                    help="kernels: only these matrices")
     args = p.parse_args()

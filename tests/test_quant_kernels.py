@@ -173,7 +173,83 @@ def check_int4_gemm(device: str, shapes=((64, 256),), rows=(9, 40)) -> None:
                 _check(got, ref, torch.bfloat16, f"int4 gemm M={M} N={N} K={K} g={group} act_order={act_order}")
 
 
-CHECKS = ["check_fp8_gemv", "check_int4_gemv", "check_int4_gemv_configs", "check_int4_gemm"]
+def _gluon_kernels(device: str):
+    """ferrum.ops.gemv_gluon with its kernels runnable on `device`: on CPU (the interpreter
+    subprocess) rebuilt through tests/gluon_shim.py, which maps each gl op onto tl."""
+    from ferrum.ops import gemv_gluon
+    if device == "cpu":
+        sys.path.insert(0, os.path.dirname(HERE))
+        from gluon_shim import interpreted
+        gemv_gluon._dense_gemv_kernel = interpreted(gemv_gluon._dense_gemv_kernel)
+        gemv_gluon._w4_gemv_kernel = interpreted(gemv_gluon._w4_gemv_kernel)
+    return gemv_gluon
+
+
+def check_gluon_gemv(device: str, shapes=None) -> None:
+    """The Gluon batch-1 GEMVs (bf16 / fp16, FP8, 4-bit; ferrum/ops/gemv_gluon.py) against the
+    float64 reference: on CPU at small shapes over configs that cover 1-4 warps, split-K with
+    and without bias, fp16 and bf16 x, 4-bit groups 32 / 64 / 128; with `shapes` (GPU) at each
+    shape's own config. A config that does not tile the weight is a ValueError."""
+    from ferrum.ops import fp8, int4
+    gg = _gluon_kernels(device)
+    gen = torch.Generator().manual_seed(21)
+    if shapes is None:
+        dense = [(16, 1024, cfg) for cfg in ((4, 1, 1), (4, 2, 2), (8, 4, 1), (4, 1, 4))]
+        w4 = [(16, 2048, cfg) for cfg in ((8, 1, 1), (8, 2, 1), (16, 1, 2), (8, 2, 1))]
+    else:
+        dense = [(n, k, None) for n, k in shapes]
+        w4 = [(n, k, None) for n, k in shapes]
+    for N, K, cfg in dense:
+        for wfmt in ("16bit", "fp8"):
+            if wfmt == "fp8" and cfg is not None and K % (512 * cfg[1] * cfg[2]):
+                continue
+            for dtype in (torch.bfloat16, torch.float16):
+                raw = torch.randn(N, K, generator=gen) * 0.05
+                if wfmt == "fp8":
+                    w, scale = fp8.quantize_fp8_per_channel(raw)
+                    ref_w = fp8.dequantize_fp8(w, scale).double()
+                else:
+                    w, scale = raw.to(dtype), None
+                    ref_w = w.double()
+                x = torch.randn(1, K, generator=gen).to(dtype)
+                b = torch.randn(N, generator=gen).to(dtype)
+                for bias in (None, b):
+                    ref = torch.nn.functional.linear(x.double(), ref_w, None if bias is None else bias.double())
+                    got = gg.dense_gemv(x.to(device), w.to(device), None if scale is None else scale.to(device),
+                                        None if bias is None else bias.to(device),
+                                        cfg or gg.default_config("fp8" if scale is not None else "bf16", N, K))
+                    assert got.shape == (1, N) and got.dtype == dtype
+                    _check(got, ref, dtype, f"gluon {wfmt} gemv {dtype} N={N} K={K} config={cfg} "
+                           f"bias={bias is not None}")
+    for i, (N, K, cfg) in enumerate(w4):
+        for group in ((32, 64, 128) if shapes is None else (128,)):
+            qw, s, z, _ = _int4_case(N, K, group, False, gen, device)
+            ref_w = int4.dequantize_int4(qw.cpu(), s.cpu(), z.cpu(), group).double()
+            dtype = torch.float16 if i % 2 else torch.bfloat16
+            x = torch.randn(1, K, generator=gen).to(dtype)
+            b = torch.randn(N, generator=gen).to(dtype) if i % 2 == 0 else None
+            ref = torch.nn.functional.linear(x.double(), ref_w, None if b is None else b.double())
+            got = gg.w4_gemv(x.to(device), qw, s, z, group, None if b is None else b.to(device), cfg)
+            _check(got, ref, dtype, f"gluon w4 gemv {dtype} N={N} K={K} g={group} config={cfg} bias={b is not None}")
+    if shapes is not None:  # the linears' dispatch takes the Gluon GEMV for one row on the GPU
+        N, K = shapes[0]
+        x = torch.randn(1, K, generator=gen).to(torch.bfloat16)
+        w, scale = fp8.quantize_fp8_per_channel(torch.randn(N, K, generator=gen) * 0.05)
+        assert gg.config_for("fp8", x.to(device), N, K) is not None
+        ref = torch.nn.functional.linear(x.double(), fp8.dequantize_fp8(w, scale).double())
+        _check(fp8.fp8_linear(x.to(device), w.to(device), scale.to(device)), ref, torch.bfloat16,
+               f"fp8_linear one row {N}x{K} (Gluon)")
+        qw, s, z, _ = _int4_case(N, K, 128, False, gen, device)
+        assert gg.config_for("w4", x.to(device), N, K) is not None
+        ref = torch.nn.functional.linear(x.double(), int4.dequantize_int4(qw.cpu(), s.cpu(), z.cpu(), 128).double())
+        _check(int4.int4_linear(x.to(device), qw, s, z, 128), ref, torch.bfloat16, f"int4_linear one row {N}x{K} (Gluon)")
+    qw, s, z, _ = _int4_case(16, 2048, 128, False, gen, device)
+    for bad in ((8, 4, 1), (5, 1, 1), (8, 1, 4)):  # K not a multiple of the tile; N of BLOCK_N; split
+        with pytest.raises(ValueError):
+            gg.w4_gemv(torch.randn(1, 2048).to(torch.bfloat16).to(device), qw, s, z, 128, config=bad)
+
+
+CHECKS = ["check_fp8_gemv", "check_int4_gemv", "check_int4_gemv_configs", "check_int4_gemm", "check_gluon_gemv"]
 interp = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUDA + triton")]
 
@@ -232,6 +308,14 @@ def test_llama3_8b_shapes_on_gpu():
             err = _rel_err(got, ref)
             print(f"fp8 scaled_mm M={M} N={N} K={K}: max rel err {err:.2e}")
             assert err < 0.05, f"fp8 scaled_mm M={M} N={N} K={K}: {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUDA + triton")
+def test_gluon_gemv_llama3_8b_shapes_on_gpu():
+    """The Gluon GEMVs at every Llama-3-8B matrix (+ the LM head, TP=2 shapes) with the configs
+    they run in production, and fp8_linear / int4_linear dispatching one row to them."""
+    check_gluon_gemv("cuda", LLAMA3_8B + ((128256, 4096), (3072, 4096), (4096, 7168)))
 
 
 def _gguf_raw(qtype: int, N: int, K: int, gen: torch.Generator) -> torch.Tensor:
@@ -344,6 +428,24 @@ def check_sm90_compile(device: str) -> None:
                                                     MAGIC=bool(magic[0]) if magic else True),
                       dict(x_ptr="*bf16", w_ptr="*u8", b_ptr="*bf16", y_ptr="*bf16"), w, st,
                       f"gguf {qtype} gemv M={M} {n}x{k}")
+    from ferrum.ops import gemv_gluon as gg
+    for n, k in LLAMA3_8B + ((128256, 4096), (3072, 4096), (4096, 7168)):  # + LM head, TP=2 shapes
+        for kind in ("bf16", "fp8", "w4"):
+            cfg = gg.default_config(kind, n, k)
+            if cfg is None:
+                continue
+            bn, w, split = cfg
+            common = dict(BLOCK_N=bn, BLOCK_C=32 * w, HAS_BIAS=False, SPLIT_K=split, USE_PDL=True)
+            y = "*bf16" if split == 1 else "*fp32"
+            if kind == "w4":
+                sm90_compile(gg._w4_gemv_kernel, dict(common, GROUP=128, X_PAIRS=True),
+                             dict(x_ptr="*i32", qw_ptr="*i32", s_ptr="*fp16", z_ptr="*fp16", b_ptr="*fp16", y_ptr=y),
+                             w, 1, f"gluon w4 gemv {n}x{k} {cfg}", loop_without_barrier=True)
+            else:
+                sm90_compile(gg._dense_gemv_kernel, dict(common, E=gg.ELEMENTS[kind], HAS_SCALE=kind == "fp8"),
+                             dict(x_ptr="*bf16", w_ptr="*fp8e4nv" if kind == "fp8" else "*bf16", s_ptr="*fp32",
+                                  b_ptr="*bf16", y_ptr=y), w, 1, f"gluon {kind} gemv {n}x{k} {cfg}",
+                             loop_without_barrier=True)
     build(int4._splitk_reduce_kernel, dict(SPLIT_K=4, HAS_BIAS=True, BLOCK=1024, USE_PDL=True),
           dict(p_ptr="*fp32", b_ptr="*bf16", y_ptr="*bf16"), 4, 1, "split-K reduce")
     for M in (16, 512):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -577,12 +578,14 @@ def check_prefill_graph(device: str) -> None:
 
 
 def sm90_compile(fn, consts: dict, ptrs: dict, warps: int, stages: int, what: str,
-                 no_hint: tuple[str, ...] = ()) -> None:
-    """Compile Triton kernel `fn` for sm_90 (H100/H200) without a GPU (Triton's bundled ptxas)
-    and assert no register spills and shared memory within the 227 KB an sm_90 block may use.
-    consts: constexpr values; ptrs: pointer argument -> "*bf16" etc. (others are i32, or fp32
-    for qk_scale / eps). Integer and pointer arguments carry the divisible-by-16 hint the JIT
-    adds at run time for such values, except those named in `no_hint` (e.g. a row count)."""
+                 no_hint: tuple[str, ...] = (), loop_without_barrier: bool = False) -> None:
+    """Compile Triton (or Gluon) kernel `fn` for sm_90 (H100/H200) without a GPU (Triton's
+    bundled ptxas) and assert no register spills and shared memory within the 227 KB an sm_90
+    block may use. consts: constexpr values; ptrs: pointer argument -> "*bf16" etc. (others
+    are i32, or fp32 for qk_scale / eps). Integer and pointer arguments carry the
+    divisible-by-16 hint the JIT adds at run time for such values, except those named in
+    `no_hint` (e.g. a row count). `loop_without_barrier`: also assert that no loop of the SASS
+    (a backward branch's range) holds a BAR or a shared-memory access."""
     import subprocess as sp
     import tempfile
     import triton
@@ -594,16 +597,40 @@ def sm90_compile(fn, consts: dict, ptrs: dict, warps: int, stages: int, what: st
         sig[n] = "constexpr" if n in consts else ptrs.get(n, "fp32" if n in ("qk_scale", "eps") else "i32")
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if sig[n] not in ("constexpr", "fp32") and n not in no_hint}
-    k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+    source = ASTSource
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    k = triton.compile(source(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=warps, num_stages=stages))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
         f.flush()
         usage = sp.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        if loop_without_barrier:
+            sass = sp.run([cuobjdump, "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
+            for body in _sass_loops(sass):
+                bad = [i for i in body if i.split()[0].split(".")[0] in ("BAR", "LDS", "STS", "STSM", "LDSM")]
+                assert not bad, f"{what}: the loop moves data through shared memory: {bad[:4]}"
     line = next(ln for ln in usage.splitlines() if "REG:" in ln)
     print(f"sm_90 {what}: shared {k.metadata.shared} B, {line.split()[0]}, {line.split()[1]}")
     assert "STACK:0 " in line + " ", f"{what}: register spills: {line}"
     assert k.metadata.shared <= 227 * 1024, f"{what}: shared memory {k.metadata.shared}"
+
+
+def _sass_loops(sass: str) -> list[list[str]]:
+    """The instructions (opcode first, predicate dropped) of each loop in cuobjdump SASS: the
+    range from a backward branch's target to the branch."""
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            ins.append((int(m.group(1), 16), re.sub(r"^@!?U?P\w+\s+", "", m.group(2).strip())))
+    loops = []
+    for addr, text in ins:
+        m = re.match(r"BRA (?:`\(\.L_x_\d+\) )?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            loops.append([t for a, t in ins if int(m.group(1), 16) <= a <= addr])
+    return loops
 
 
 def check_sm90_compile(device: str) -> None:

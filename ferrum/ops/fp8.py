@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ferrum.config import KERNELS
+from ferrum.ops import gemv_gluon
 from ferrum.ops.triton_utils import HAS_TRITON, fit_block, pdl_ok, pdl_start, use_triton
 
 if HAS_TRITON:
@@ -213,10 +214,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
                input_scale: torch.Tensor | None = None) -> torch.Tensor:
     """y = x (scale * weight)^T + bias. x: [T, K] bf16/fp16/fp32; weight [N, K]
     float8_e4m3fn; scale [N] float32; input_scale: [1] float32 (static activation scale of
-    the checkpoint) or None. Dispatch: Triton GEMV for T <= 8, `torch._scaled_mm` above that
+    the checkpoint) or None. Dispatch: the Gluon GEMV for one row where its tile fits
+    (ferrum/ops/gemv_gluon.py), else the Triton GEMV for T <= 8, `torch._scaled_mm` above that
     on CUDA (bfloat16 x, N and K multiples of 16), else dequantize + F.linear."""
     T, K = x.shape
     if use_triton(x) and T <= MAX_GEMV_ROWS and x.dtype != torch.float32 and x.stride(1) == 1:
+        cfg = gemv_gluon.config_for("fp8", x, weight.shape[0], K) if weight.stride(1) == 1 else None
+        if cfg is not None:
+            return gemv_gluon.dense_gemv(x, weight, scale, bias, cfg)
         return fp8_gemv(x, weight, scale, bias)
     # row-wise scaled _scaled_mm produces bfloat16 only
     if x.is_cuda and x.dtype == torch.bfloat16 and K % 16 == 0 and weight.shape[0] % 16 == 0:

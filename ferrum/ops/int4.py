@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ferrum.ops import gemv_gluon
 from ferrum.ops.fp8 import MAX_GEMV_ROWS, gemv_rows_config
 from ferrum.ops.triton_utils import HAS_TRITON, fit_block, pdl_ok, pdl_start, use_triton
 
@@ -429,8 +430,14 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
                 group_size: int, g_idx: torch.Tensor | None = None,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T + bias with W in ferrum's packed 4-bit layout. x: [T, K]. Dispatch: Triton
-    GEMV for T <= 8, Triton dequant-in-tile GEMM above (CUDA); dequantize + F.linear on CPU."""
+    GEMV for T <= 8 (one row without g_idx: the Gluon GEMV where its tile fits,
+    ferrum/ops/gemv_gluon.py), Triton dequant-in-tile GEMM above (CUDA); dequantize + F.linear
+    on CPU."""
     if use_triton(x) and x.stride(1) == 1 and x.dtype != torch.float32:
+        cfg = None if g_idx is not None or group_size % 32 else gemv_gluon.config_for(
+            "w4", x, qweight.shape[0], qweight.shape[1] * 8)
+        if cfg is not None:
+            return gemv_gluon.w4_gemv(x, qweight, scales, zeros, group_size, bias, cfg)
         if x.shape[0] <= MAX_GEMV_ROWS:
             return int4_gemv(x, qweight, scales, zeros, group_size, g_idx, bias)
         return int4_gemm(x, qweight, scales, zeros, group_size, g_idx, bias)

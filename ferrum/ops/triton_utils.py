@@ -57,16 +57,21 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     return last_dim_contiguous(x).reshape(-1, x.shape[-1])
 
 
-def pdl_ok(t: torch.Tensor) -> bool:
-    """True when kernels on t's device may use programmatic dependent launch: KERNELS.pdl,
-    triton is installed, t is on CUDA and the device is sm_90 or newer (cached per device
+def is_sm90(t: torch.Tensor) -> bool:
+    """True when t is on a CUDA device of compute capability 9.0 or newer (cached per device
     index)."""
-    if not (KERNELS.pdl and HAS_TRITON and t.is_cuda):
+    if not t.is_cuda:
         return False
     idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
     if idx not in _SM90:
         _SM90[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
     return _SM90[idx]
+
+
+def pdl_ok(t: torch.Tensor) -> bool:
+    """True when kernels on t's device may use programmatic dependent launch: KERNELS.pdl,
+    triton is installed, t is on CUDA and the device is sm_90 or newer."""
+    return KERNELS.pdl and HAS_TRITON and is_sm90(t)
 
 
 if HAS_TRITON:

@@ -1,0 +1,325 @@
+"""Batch-1 GEMVs in Gluon, Triton's explicit-layout dialect: y = x W^T (+ b) for one row x
+with bf16 / fp16, FP8 e4m3 (per-channel scale) or 4-bit (GPTQ / AWQ, per-group scale and zero
+point; ferrum's packed layout, ferrum/ops/int4.py) weights, on CUDA sm_90.
+
+Why Gluon. A GEMV's speed is the rate at which its weights stream; every instruction a thread
+spends per weight byte beyond the multiply lowers that rate once the SM's issue slots run out
+(4-bit weights: ~3.5 instructions per nibble at 4.8 TB/s on an H200). In plain Triton the
+compiler picks each load's register layout: x's 1-D load gets a layout of its own, and every
+tile's x is moved through shared memory to broadcast it over the weight rows (2 barriers per
+loop iteration in the bf16 GEMV's sm_90 SASS, 8 in the FP8 one, 14 in the 4-bit one, whose
+loop spends 6.5 instructions per nibble). Here the layout is set once:
+
+    L3 = BlockedLayout([1, 1, E], [1, 32, 1], [1, num_warps, 1], [2, 1, 0])
+
+over a [BLOCK_N, BLOCK_C, E] tile: BLOCK_C chunks of E consecutive K elements (16 bytes of
+weights: E = 8 bf16, 16 fp8 or 4 int32 words of 8 nibbles), one chunk per thread, every thread
+holding its chunk for all BLOCK_N rows. A thread loads the x values of its own chunk in the
+slice layout of the tile (`SliceLayout(0, L3)`), so x never moves between threads and the loop
+has no barrier, no shared memory and one 16-byte load per row and chunk.
+
+4-bit dequantization (`_nib`): nibble j of a word is moved by a shift (four distinct shifts per
+word) to bits p..p+3, p = 12 or 16, and ORed into the bits of the float32 2^(23-p), whose
+mantissa's bit p then counts 1: the float is exactly 2^(23-p) + q, with no int->float
+conversion (I2F runs at a quarter of the FMA rate on sm_90). The kernel accumulates
+(2^(23-p) + q) x and subtracts sum 2^(23-p) x + z sum x per chunk, both computed once per chunk
+for all rows: per nibble one LOP3 and one FFMA, plus half a shift. The offsets (128 and 2048)
+cost float32 mantissa bits in the cancellation: ~3e-5 relative error per output in a float32
+emulation (p = 8 would save two shifts per word but cost ~1e-3, near bf16's own rounding).
+
+Constraints (else the Triton GEMVs run): N % BLOCK_N == 0, K a multiple of one tile (E * 32 *
+num_warps elements; 256 * num_warps features for 4-bit), 4-bit groups a multiple of 32 and no
+act-order g_idx. Split-K (`SPLIT_K` > 1): float32 partials per split, summed by
+`int4._splitk_reduce_kernel`. PDL as the Triton GEMVs (`triton_utils`): the first weight tile
+is loaded before waiting for x.
+
+The arithmetic and indexing run on CPU in the tests through `tests/gluon_shim.py` (each gl op
+mapped onto its tl twin under Triton's interpreter); the layouts are checked by compiling for
+sm_90 (no spills, no barrier in the loop).
+"""
+from __future__ import annotations
+
+import torch
+
+from ferrum.config import KERNELS
+from ferrum.ops.triton_utils import HAS_TRITON, is_sm90, pdl_ok
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    HAS_GLUON = HAS_TRITON
+except ImportError:  # pragma: no cover - triton < 3.5
+    HAS_GLUON = False
+
+F32_2P7_BITS = 0x43000000  # float32 128.0 = 2^7: nibble at bits 16..19 reads as 128 + q
+
+if HAS_GLUON:
+    import triton
+
+    @gluon.jit
+    def _pdl_start():
+        """`triton_utils.pdl_start` for Gluon kernels: wait for the previous kernel's outputs,
+        then let the next kernel launch."""
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.constexpr_function
+    def _tile_layout(E, num_warps):
+        """L3 of the module docstring for chunks of E elements."""
+        return gl.BlockedLayout([1, 1, E], [1, 32, 1], [1, num_warps, 1], [2, 1, 0])
+
+    @gluon.jit
+    def _chunk_offsets(BLOCK_C: gl.constexpr, E: gl.constexpr, L3: gl.constexpr):
+        """[BLOCK_C, E] int32 element offsets c * E + e of a tile, in SliceLayout(0, L3)."""
+        LCE: gl.constexpr = gl.SliceLayout(0, L3)
+        c = gl.arange(0, BLOCK_C, layout=gl.SliceLayout(1, LCE))
+        e = gl.arange(0, E, layout=gl.SliceLayout(0, LCE))
+        return gl.expand_dims(c, 1) * E + gl.expand_dims(e, 0)
+
+    @gluon.jit
+    def _store_rows(y_ptr, b_ptr, offs_n, y, pid_k, N, HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr):
+        """y [BLOCK_N] float32 -> y_ptr[offs_n] (+ bias) in y's dtype, or the float32 partial
+        of split pid_k (y_ptr [SPLIT_K, N] float32)."""
+        if SPLIT_K == 1:
+            if HAS_BIAS:
+                y += gl.load(b_ptr + offs_n).to(gl.float32)
+            gl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty))
+        else:
+            gl.store(y_ptr + pid_k * N + offs_n, y)
+
+    @gluon.jit
+    def _widen16(w):
+        """FP8 e4m3 -> float16 (exact); 16-bit weights as they are."""
+        if w.dtype == gl.float8e4nv:
+            out = w.to(gl.float16)
+        else:
+            out = w
+        return out
+
+    @gluon.jit
+    def _dense_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, K_SPLIT, stride_wn,
+                           E: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_C: gl.constexpr, HAS_SCALE: gl.constexpr,
+                           HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, USE_PDL: gl.constexpr):
+        """Program (pid_n, pid_k): rows pid_n * BLOCK_N .. of a bf16 / fp16 (E = 8) or FP8
+        (E = 16, HAS_SCALE: one float32 scale per row, applied once at the end) weight,
+        K elements pid_k * K_SPLIT .. (a multiple of the tile, BLOCK_C * E)."""
+        L3: gl.constexpr = _tile_layout(E, gl.num_warps())
+        LN: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))
+        BLOCK_K: gl.constexpr = BLOCK_C * E
+        pid_k = gl.program_id(1)
+        offs_n = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=LN)
+        offs_ce = _chunk_offsets(BLOCK_C, E, L3)
+        w_ptrs = (w_ptr + gl.expand_dims(gl.expand_dims(offs_n.to(gl.int64) * stride_wn, 1), 2)
+                  + gl.expand_dims(offs_ce, 0))
+        x_ptrs = x_ptr + offs_ce
+        k_start = pid_k * K_SPLIT
+        k_end = gl.minimum(k_start + K_SPLIT, K)
+        acc = gl.zeros([BLOCK_N, BLOCK_C, E], gl.float32, layout=L3)
+        # the next tile is loaded during this one's products; FP8 widens to fp16 at the load (the
+        # cvt takes byte pairs: a loop-carried fp8 tile would be carried byte by byte)
+        w = _widen16(gl.load(w_ptrs + k_start, eviction_policy="evict_first"))  # weights only: before the wait
+        if USE_PDL:
+            _pdl_start()
+        for k0 in range(k_start, k_end, BLOCK_K):
+            x = gl.load(x_ptrs + k0).to(gl.float32)
+            acc += w.to(gl.float32) * gl.expand_dims(x, 0)
+            if k0 + BLOCK_K < k_end:
+                w = _widen16(gl.load(w_ptrs + (k0 + BLOCK_K), eviction_policy="evict_first"))
+        y = gl.sum(gl.sum(acc, axis=2), axis=1)
+        if HAS_SCALE:
+            y = y * gl.load(s_ptr + offs_n)
+        _store_rows(y_ptr, b_ptr, offs_n, y, pid_k, N, HAS_BIAS, SPLIT_K)
+
+    @gluon.constexpr_function
+    def _nib_shift(j):
+        """Left shift (negative: right) that `_nib` applies to the word for nibble j."""
+        return (12, 8, 8, 0, 0, -8, -8, -12)[j]
+
+    @gluon.constexpr_function
+    def _nib_position(j):
+        """Bit position p (12 or 16) that `_nib` moves nibble j of a word to."""
+        return 4 * j + _nib_shift(j)
+
+    @gluon.jit
+    def _nib(words, J: gl.constexpr, magic):
+        """float32 2^(23 - p) + q_J for nibble J (0..7, bits 4J..4J+3) of int32 words, p =
+        `_nib_position(J)` (12 or 16; four distinct shifts per word): the nibble is shifted to
+        bits p..p+3 and ORed into the bits of 2^(23 - p). magic = 0x43000000 (2^7, p = 16) is
+        a kernel argument, so ptxas fuses mask and OR into one LOP3 (it takes one immediate)."""
+        S: gl.constexpr = _nib_shift(J)
+        P: gl.constexpr = _nib_position(J)
+        if S > 0:
+            src = words << S
+        elif S < 0:
+            src = words >> (-S)
+        else:
+            src = words
+        # 2^(23 - P): magic's exponent field plus 16 - P
+        return ((src & (0xF << P)) | (magic + ((16 - P) << 23))).to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _w4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, W_SPLIT, magic, stride_qn, stride_sn,
+                        GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_C: gl.constexpr, X_PAIRS: gl.constexpr,
+                        HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, USE_PDL: gl.constexpr):
+        """Program (pid_n, pid_k): rows pid_n * BLOCK_N .. of the 4-bit weight, words pid_k *
+        W_SPLIT .. (a multiple of the tile, BLOCK_C * 4 words). X_PAIRS: x_ptr is the bf16 row
+        viewed as int32 (pairs of bf16, split by shifts); else x_ptr is the 16-bit row."""
+        L3: gl.constexpr = _tile_layout(4, gl.num_warps())
+        LNC: gl.constexpr = gl.SliceLayout(2, L3)
+        LC: gl.constexpr = gl.SliceLayout(0, LNC)
+        LN: gl.constexpr = gl.SliceLayout(1, LNC)
+        BLOCK_W: gl.constexpr = BLOCK_C * 4
+        pid_k = gl.program_id(1)
+        offs_n = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=LN)
+        offs_c = gl.arange(0, BLOCK_C, layout=LC)
+        offs_cw = _chunk_offsets(BLOCK_C, 4, L3)                            # word c * 4 + v of the tile
+        q_ptrs = (qw_ptr + gl.expand_dims(gl.expand_dims(offs_n.to(gl.int64) * stride_qn, 1), 2)
+                  + gl.expand_dims(offs_cw, 0))
+        sz_off = gl.expand_dims(offs_n.to(gl.int64) * stride_sn, 1) + gl.expand_dims(offs_c * 32 // GROUP, 0)
+        w_start = pid_k * W_SPLIT
+        w_end = gl.minimum(w_start + W_SPLIT, K // 8)
+        acc = gl.zeros([BLOCK_N, BLOCK_C], gl.float32, layout=LNC)
+        words = gl.load(q_ptrs + w_start, eviction_policy="evict_first")  # weights only: before the wait
+        if USE_PDL:
+            _pdl_start()
+        for w0 in range(w_start, w_end, BLOCK_W):
+            part = gl.zeros([BLOCK_N, BLOCK_C, 4], gl.float32, layout=L3)
+            xsum = gl.zeros([BLOCK_C, 4], gl.float32, layout=gl.SliceLayout(0, L3))
+            xoff = gl.zeros([BLOCK_C, 4], gl.float32, layout=gl.SliceLayout(0, L3))
+            for i in gl.static_range(4):  # nibbles 2i, 2i + 1 of every word
+                if X_PAIRS:
+                    pair = gl.load(x_ptr + (w0 + offs_cw) * 4 + i)
+                    x_lo = (pair << 16).to(gl.float32, bitcast=True)
+                    x_hi = (pair & -65536).to(gl.float32, bitcast=True)
+                else:
+                    x_lo = gl.load(x_ptr + (w0 + offs_cw) * 8 + 2 * i).to(gl.float32)
+                    x_hi = gl.load(x_ptr + (w0 + offs_cw) * 8 + 2 * i + 1).to(gl.float32)
+                xsum += x_lo + x_hi
+                xoff += (2.0 ** (23 - _nib_position(2 * i))) * x_lo + (2.0 ** (23 - _nib_position(2 * i + 1))) * x_hi
+                part += _nib(words, 2 * i, magic) * gl.expand_dims(x_lo, 0)
+                part += _nib(words, 2 * i + 1, magic) * gl.expand_dims(x_hi, 0)
+            g0 = w0 * 8 // GROUP
+            s = gl.load(s_ptr + sz_off + g0).to(gl.float32)
+            z = gl.load(z_ptr + sz_off + g0).to(gl.float32)
+            x_off = gl.convert_layout(gl.sum(xoff, axis=1), LC, assert_trivial=True)
+            x_sum = gl.convert_layout(gl.sum(xsum, axis=1), LC, assert_trivial=True)
+            # sum_j (q_j - z) x_j = sum_j (2^(23-p_j) + q_j) x_j - sum_j 2^(23-p_j) x_j - z sum_j x_j
+            acc += s * (gl.sum(part, axis=2) - gl.expand_dims(x_off, 0) - z * gl.expand_dims(x_sum, 0))
+            if w0 + BLOCK_W < w_end:
+                words = gl.load(q_ptrs + (w0 + BLOCK_W), eviction_policy="evict_first")
+        _store_rows(y_ptr, b_ptr, offs_n, gl.sum(acc, axis=1), pid_k, N, HAS_BIAS, SPLIT_K)
+
+
+# Tuned (BLOCK_N, num_warps, SPLIT_K) per (kind, N, K), kind "bf16" / "fp8" / "w4" (group 128),
+# or None where the Triton GEMV was faster; timed on an H200 by `benchmarks/quant_bench.py
+# kernels` and written here by `benchmarks/paste_gemv_configs.py`. Shapes not listed take
+# `default_config` (fp8, w4) or the Triton GEMV (bf16: it already streams near the roofline).
+GLUON_GEMV_CONFIGS: dict[tuple[str, int, int], tuple[int, int, int] | None] = {}
+
+ELEMENTS = {"bf16": 8, "fp8": 16, "w4": 32}  # K elements per 16-byte chunk
+
+
+def default_config(kind: str, N: int, K: int) -> tuple[int, int, int] | None:
+    """(BLOCK_N, num_warps, SPLIT_K): the widest tile of <= 4 warps that divides K, BLOCK_N 8
+    (4 for bf16 and FP8: their float32 accumulators take 16 registers per row), split-K
+    until the grid has >= 2 programs per SM (264, H200's 132 SMs); None when no tile fits."""
+    e = ELEMENTS[kind]
+    bn = 8 if kind == "w4" else 4
+    warps = next((w for w in (4, 2, 1) if K % (32 * w * e) == 0), None)
+    if warps is None or N % bn:
+        return None
+    split, tiles = 1, K // (32 * warps * e)
+    while N // bn * split < 264 and tiles % (split * 2) == 0:
+        split *= 2
+    return bn, warps, split
+
+
+def gemv_config(kind: str, N: int, K: int) -> tuple[int, int, int] | None:
+    """`GLUON_GEMV_CONFIGS[(kind, N, K)]` if listed, else `default_config` (None for bf16)."""
+    if (kind, N, K) in GLUON_GEMV_CONFIGS:
+        return GLUON_GEMV_CONFIGS[(kind, N, K)]
+    return None if kind == "bf16" else default_config(kind, N, K)
+
+
+def fits(kind: str, N: int, K: int, config: tuple[int, int, int]) -> bool:
+    """True when config (BLOCK_N, num_warps, SPLIT_K) tiles an [N, K] weight exactly."""
+    bn, warps, split = config
+    tile = 32 * warps * ELEMENTS[kind]
+    return N % bn == 0 and K % (tile * split) == 0
+
+
+def config_for(kind: str, x: torch.Tensor, N: int, K: int) -> tuple[int, int, int] | None:
+    """The config a batch-1 linear of kind over an [N, K] weight runs the Gluon GEMV with, or
+    None when the Triton GEMV runs instead (`can_use`, `gemv_config`, `fits`)."""
+    if not can_use(x):
+        return None
+    cfg = gemv_config(kind, N, K)
+    return cfg if cfg is not None and fits(kind, N, K, cfg) else None
+
+
+def can_use(x: torch.Tensor) -> bool:
+    """True when the Gluon GEMVs may run on x: `KERNELS.gluon_gemv`, Gluon importable, x one
+    contiguous 16-bit row on an sm_90+ CUDA device."""
+    return (KERNELS.gluon_gemv and HAS_GLUON and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+            and x.dtype in (torch.bfloat16, torch.float16) and x.is_contiguous() and is_sm90(x))
+
+
+def _output(x: torch.Tensor, N: int, split: int) -> tuple[torch.Tensor, torch.Tensor]:
+    y = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    return y, (y if split == 1 else torch.empty(split, N, dtype=torch.float32, device=x.device))
+
+
+def _reduce_splits(part: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, pdl: bool) -> torch.Tensor:
+    from ferrum.ops.int4 import _splitk_reduce_kernel
+    split, N = part.shape
+    _splitk_reduce_kernel[(triton.cdiv(N, 1024),)](
+        part, bias if bias is not None else part, y, N, N, SPLIT_K=split, HAS_BIAS=bias is not None,
+        BLOCK=1024, USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
+    return y
+
+
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+               bias: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """y = x (scale * W)^T + bias. x: [1, K] bf16/fp16 contiguous (see `can_use`); weight
+    [N, K] in x's dtype or float8_e4m3fn (then scale [N] float32), unit stride along K; bias [N]
+    or None. Returns [1, N] in x's dtype (float32 accumulation). config (BLOCK_N, num_warps,
+    SPLIT_K) overrides `gemv_config`; raises ValueError when it does not tile the weight."""
+    N, K = weight.shape
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    kind = "fp8" if fp8 else "bf16"
+    cfg = config or gemv_config(kind, N, K)
+    if cfg is None or not fits(kind, N, K, cfg) or weight.stride(1) != 1:
+        raise ValueError(f"Gluon GEMV: config {cfg} does not tile a [{N}, {K}] {kind} weight")
+    bn, warps, split = cfg
+    y, out = _output(x, N, split)
+    pdl = pdl_ok(x)
+    _dense_gemv_kernel[(N // bn, split)](
+        x, weight, scale if fp8 else weight, bias if bias is not None else weight, out, N, K, K // split,
+        weight.stride(0), E=ELEMENTS[kind], BLOCK_N=bn, BLOCK_C=32 * warps, HAS_SCALE=fp8,
+        HAS_BIAS=bias is not None and split == 1, SPLIT_K=split, USE_PDL=pdl, num_warps=warps, launch_pdl=pdl)
+    return y if split == 1 else _reduce_splits(out, y, bias, pdl)
+
+
+def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+            bias: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """y = x W^T + bias with W in ferrum's packed 4-bit layout (ferrum/ops/int4.py; no
+    g_idx). x: [1, K] bf16/fp16 contiguous; group_size a multiple of 32; scales / zeros [N, G]
+    with unit stride along G. Returns [1, N] in x's dtype. config as `dense_gemv`'s; raises
+    ValueError when it does not tile the weight or the group size is not a multiple of 32."""
+    N, W = qweight.shape
+    K = W * 8
+    cfg = config or gemv_config("w4", N, K)
+    if cfg is None or not fits("w4", N, K, cfg) or group_size % 32 or scales.stride(1) != 1:
+        raise ValueError(f"Gluon GEMV: config {cfg} / group {group_size} does not tile a [{N}, {K}] 4-bit weight")
+    bn, warps, split = cfg
+    y, out = _output(x, N, split)
+    pdl = pdl_ok(x)
+    pairs = x.dtype == torch.bfloat16
+    _w4_gemv_kernel[(N // bn, split)](
+        x.view(torch.int32) if pairs else x, qweight, scales, zeros, bias if bias is not None else scales, out,
+        N, K, W // split, F32_2P7_BITS, qweight.stride(0), scales.stride(0), GROUP=group_size, BLOCK_N=bn,
+        BLOCK_C=32 * warps, X_PAIRS=pairs, HAS_BIAS=bias is not None and split == 1, SPLIT_K=split, USE_PDL=pdl,
+        num_warps=warps, launch_pdl=pdl)
+    return y if split == 1 else _reduce_splits(out, y, bias, pdl)
