@@ -131,6 +131,7 @@ LLAMA3_8B_MATRICES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672,
                       "lm_head": (128256, 4096)}  # the LM head: bf16 kernels only
 SMALL_MATRICES = {"qkv": (48, 512), "down": (16, 1024)}  # --small: the interpreter smoke run
 OLD_W4_GBS = 770.0  # the int4 GEMV before the per-group factoring: 161 tok/s, 0.77 TB/s (issue 15)
+GLUON_BASE = {"gbf16": "bf16", "gfp8": "fp8", "gw4": "w4", "gq4_k": "gguf_12"}  # Gluon kernel -> Triton twin
 MAX_REL_ERR = 1e-2  # bf16 output: tests/test_quant_kernels.py's bound; a config above it is excluded
 L2_FLUSH_BYTES = 256 * 2**20  # > 4x the H200's L2: each timed call reads its weights from HBM
 
@@ -184,14 +185,14 @@ def _kernel_candidates(grid: str, M: int, N: int, K: int) -> dict[str, list[tupl
     if M == 1:  # the Gluon GEMVs (BLOCK_N, num_warps, SPLIT_K), each against its kind's Triton best
         from ferrum.ops import gemv_gluon
         for kind, bns, warps in (("bf16", (2, 4, 8), (2, 4, 8)), ("fp8", (2, 4, 8), (2, 4, 8)),
-                                 ("w4", (4, 8, 16), (1, 2, 4))):
+                                 ("w4", (4, 8, 16), (1, 2, 4)), ("q4_k", (4, 8), (1, 2))):
             cfgs = [gemv_gluon.default_config(kind, N, K)]
             cfgs += [(bn, w, sp) for bn in bns for w in warps for sp in (1, 2)]
             cands["g" + kind] = [c for c in cfgs if c is not None and gemv_gluon.fits(kind, N, K, c)]
     for q in qtypes:
         cands[f"gguf_{q}"] = [gguf.gguf_gemv_config(q, N, K, M)] + gg
     if grid == "gluon":  # the Gluon grids against each Triton GEMV's current config only
-        cands = {k: v if k in ("gbf16", "gfp8", "gw4") else v[:1] for k, v in cands.items()}
+        cands = {k: v if k in GLUON_BASE else v[:1] for k, v in cands.items()}
     return {k: list(dict.fromkeys(v)) for k, v in cands.items()}
 
 
@@ -265,7 +266,8 @@ def sec_kernels(args):
             "w4": lambda x, w, c: int4.int4_gemv(x, *w, 128, config=c),
             "gbf16": lambda x, w, c: gemv_gluon.dense_gemv(x, w, config=c),
             "gfp8": lambda x, w, c: gemv_gluon.dense_gemv(x, *w, config=c),
-            "gw4": lambda x, w, c: gemv_gluon.w4_gemv(x, *w, 128, config=c)}
+            "gw4": lambda x, w, c: gemv_gluon.w4_gemv(x, *w, 128, config=c),
+            "gq4_k": lambda x, w, c: gemv_gluon.q4k_gemv(x, w, config=c)}
     for q in (gguf.Q4_K, gguf.Q6_K, gguf.Q8_0):
         call[f"gguf_{q}"] = lambda x, w, c, q=q: gguf.gguf_gemv(x, w, q, config=c)
     for name, (N, K) in matrices.items():
@@ -281,7 +283,7 @@ def sec_kernels(args):
                     continue
                 if name == "lm_head" and kern not in ("bf16", "gbf16"):  # the LM head stays bf16
                     continue
-                base = kern[1:] if kern in ("gbf16", "gfp8", "gw4") else kern  # Gluon: same weights
+                base = GLUON_BASE.get(kern, kern)  # a Gluon kernel reads its Triton twin's weights
                 ws = weights[base]
                 times = {}
                 for cfg in configs:
@@ -313,12 +315,13 @@ def sec_kernels(args):
                     row[kern]["best_vs_old"] = gbs[best] / OLD_W4_GBS
                 elif kern.startswith("gguf_"):
                     best_gguf[(int(kern[5:]), N, K, M)] = best
-                if base != kern and "best_us" in row.get(base, {}):  # Gluon vs its kind's Triton best
-                    faster = times[best] < row[base]["best_us"]
-                    best_gluon[(base, N, K)] = best if faster else None
-                    row[kern]["vs_triton"] = row[base]["best_us"] / times[best]
                 print(f"{name} M={M} {kern}: default {configs[0]} {gbs[configs[0]]:.1f} GB/s, best {best} "
                       f"{gbs[best]:.1f} GB/s, max rel err {errs[best]:.1e}", flush=True)
+            for kern, base in GLUON_BASE.items():  # each Gluon GEMV against its Triton twin's best
+                if M == 1 and "best_us" in row.get(kern, {}) and "best_us" in row.get(base, {}):
+                    faster = row[kern]["best_us"] < row[base]["best_us"]
+                    best_gluon[(kern[1:], N, K)] = row[kern]["best_config"] if faster else None
+                    row[kern]["vs_triton"] = row[base]["best_us"] / row[kern]["best_us"]
             res["matrices"][f"{name}_m{M}"] = row
             save(args, "quant_kernels", res)  # after every matrix: a timeout keeps what was measured
         for M in [] if name == "lm_head" else [9] if args.small else args.gemm_rows:  # prefill: GGUF tiled GEMM vs dequant + cuBLAS

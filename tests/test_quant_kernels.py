@@ -182,6 +182,7 @@ def _gluon_kernels(device: str):
         from gluon_shim import interpreted
         gemv_gluon._dense_gemv_kernel = interpreted(gemv_gluon._dense_gemv_kernel)
         gemv_gluon._w4_gemv_kernel = interpreted(gemv_gluon._w4_gemv_kernel)
+        gemv_gluon._q4k_gemv_kernel = interpreted(gemv_gluon._q4k_gemv_kernel)
     return gemv_gluon
 
 
@@ -231,6 +232,17 @@ def check_gluon_gemv(device: str, shapes=None) -> None:
             ref = torch.nn.functional.linear(x.double(), ref_w, None if b is None else b.double())
             got = gg.w4_gemv(x.to(device), qw, s, z, group, None if b is None else b.to(device), cfg)
             _check(got, ref, dtype, f"gluon w4 gemv {dtype} N={N} K={K} g={group} config={cfg} bias={b is not None}")
+    from ferrum.ops import gguf
+    q4k = [(16, 4096, cfg) for cfg in ((8, 1, 1), (8, 2, 1), (4, 1, 2))] if shapes is None else w4
+    for i, (N, K, cfg) in enumerate(q4k):
+        raw = _gguf_raw(gguf.Q4_K, N, K, gen)
+        ref_w = gguf.gguf_dequantize(raw, gguf.Q4_K, K).double()
+        dtype = torch.float16 if i % 2 else torch.bfloat16
+        x = torch.randn(1, K, generator=gen).to(dtype)
+        b = torch.randn(N, generator=gen).to(dtype) if i % 2 == 0 else None
+        ref = torch.nn.functional.linear(x.double(), ref_w, None if b is None else b.double())
+        got = gg.q4k_gemv(x.to(device), raw.to(device), None if b is None else b.to(device), cfg)
+        _check(got, ref, dtype, f"gluon q4_k gemv {dtype} N={N} K={K} config={cfg} bias={b is not None}")
     if shapes is not None:  # the linears' dispatch takes the Gluon GEMV for one row on the GPU
         N, K = shapes[0]
         x = torch.randn(1, K, generator=gen).to(torch.bfloat16)
@@ -243,6 +255,11 @@ def check_gluon_gemv(device: str, shapes=None) -> None:
         assert gg.config_for("w4", x.to(device), N, K) is not None
         ref = torch.nn.functional.linear(x.double(), int4.dequantize_int4(qw.cpu(), s.cpu(), z.cpu(), 128).double())
         _check(int4.int4_linear(x.to(device), qw, s, z, 128), ref, torch.bfloat16, f"int4_linear one row {N}x{K} (Gluon)")
+        raw = _gguf_raw(gguf.Q4_K, N, K, gen)
+        assert gg.config_for("q4_k", x.to(device), N, K) is not None
+        ref = torch.nn.functional.linear(x.double(), gguf.gguf_dequantize(raw, gguf.Q4_K, K).double())
+        _check(gguf.gguf_linear(x.to(device), raw.to(device), gguf.Q4_K), ref, torch.bfloat16,
+               f"gguf_linear Q4_K one row {N}x{K} (Gluon)")
     qw, s, z, _ = _int4_case(16, 2048, 128, False, gen, device)
     for bad in ((8, 4, 1), (5, 1, 1), (8, 1, 4)):  # K not a multiple of the tile; N of BLOCK_N; split
         with pytest.raises(ValueError):
@@ -430,14 +447,18 @@ def check_sm90_compile(device: str) -> None:
                       f"gguf {qtype} gemv M={M} {n}x{k}")
     from ferrum.ops import gemv_gluon as gg
     for n, k in LLAMA3_8B + ((128256, 4096), (3072, 4096), (4096, 7168)):  # + LM head, TP=2 shapes
-        for kind in ("bf16", "fp8", "w4"):
+        for kind in ("bf16", "fp8", "w4", "q4_k"):
             cfg = gg.default_config(kind, n, k)
             if cfg is None:
                 continue
             bn, w, split = cfg
             common = dict(BLOCK_N=bn, BLOCK_C=32 * w, HAS_BIAS=False, SPLIT_K=split, USE_PDL=True)
             y = "*bf16" if split == 1 else "*fp32"
-            if kind == "w4":
+            if kind == "q4_k":
+                sm90_compile(gg._q4k_gemv_kernel, dict(common, X_PAIRS=True),
+                             dict(x_ptr="*i32", w_ptr="*i32", b_ptr="*bf16", y_ptr=y), w, 1,
+                             f"gluon q4_k gemv {n}x{k} {cfg}", loop_without_barrier=True)
+            elif kind == "w4":
                 sm90_compile(gg._w4_gemv_kernel, dict(common, GROUP=128, X_PAIRS=True),
                              dict(x_ptr="*i32", qw_ptr="*i32", s_ptr="*fp16", z_ptr="*fp16", b_ptr="*fp16", y_ptr=y),
                              w, 1, f"gluon w4 gemv {n}x{k} {cfg}", loop_without_barrier=True)

@@ -1,6 +1,7 @@
 """Batch-1 GEMVs in Gluon, Triton's explicit-layout dialect: y = x W^T (+ b) for one row x
-with bf16 / fp16, FP8 e4m3 (per-channel scale) or 4-bit (GPTQ / AWQ, per-group scale and zero
-point; ferrum's packed layout, ferrum/ops/int4.py) weights, on CUDA sm_90.
+with bf16 / fp16, FP8 e4m3 (per-channel scale), 4-bit (GPTQ / AWQ, per-group scale and zero
+point; ferrum's packed layout, ferrum/ops/int4.py) or GGUF Q4_K (llama.cpp's blocks,
+ferrum/ops/gguf.py) weights, on CUDA sm_90.
 
 Why Gluon. A GEMV's speed is the rate at which its weights stream; every instruction a thread
 spends per weight byte beyond the multiply lowers that rate once the SM's issue slots run out
@@ -13,7 +14,8 @@ loop spends 6.5 instructions per nibble). Here the layout is set once:
     L3 = BlockedLayout([1, 1, E], [1, 32, 1], [1, num_warps, 1], [2, 1, 0])
 
 over a [BLOCK_N, BLOCK_C, E] tile: BLOCK_C chunks of E consecutive K elements (16 bytes of
-weights: E = 8 bf16, 16 fp8 or 4 int32 words of 8 nibbles), one chunk per thread, every thread
+weights: E = 8 bf16, 16 fp8 or 4 int32 words of 8 nibbles; Q4_K: 8 words, the 32 quant bytes
+of a 64-element group), one chunk per thread, every thread
 holding its chunk for all BLOCK_N rows. A thread loads the x values of its own chunk in the
 slice layout of the tile (`SliceLayout(0, L3)`), so x never moves between threads and the loop
 has no barrier, no shared memory and one 16-byte load per row and chunk.
@@ -27,9 +29,14 @@ for all rows: per nibble one LOP3 and one FFMA, plus half a shift. The offsets (
 cost float32 mantissa bits in the cancellation: ~3e-5 relative error per output in a float32
 emulation (p = 8 would save two shifts per word but cost ~1e-3, near bf16's own rounding).
 
+Q4_K (`_q4k_gemv_kernel`): the same trick on each byte's two nibbles (the low one to bits
+12..15, the high one to 16..19: one shift, two LOP3 per byte), the 16-byte block header (d,
+dmin, eight 6-bit scale / min pairs) decoded per row and chunk, and per sub-block
+d sc sum(q x) - dmin m sum(x) as llama.cpp's vec_dot_q4_K.
+
 Constraints (else the Triton GEMVs run): N % BLOCK_N == 0, K a multiple of one tile (E * 32 *
-num_warps elements; 256 * num_warps features for 4-bit), 4-bit groups a multiple of 32 and no
-act-order g_idx. Split-K (`SPLIT_K` > 1): float32 partials per split, summed by
+num_warps elements; 256 * num_warps features for 4-bit, 2048 * num_warps for Q4_K), 4-bit
+groups a multiple of 32 and no act-order g_idx. Split-K (`SPLIT_K` > 1): float32 partials per split, summed by
 `int4._splitk_reduce_kernel`. PDL as the Triton GEMVs (`triton_utils`): the first weight tile
 is loaded before waiting for x.
 
@@ -212,13 +219,125 @@ if HAS_GLUON:
         _store_rows(y_ptr, b_ptr, offs_n, gl.sum(acc, axis=1), pid_k, N, HAS_BIAS, SPLIT_K)
 
 
+    @gluon.constexpr_function
+    def _q4k_shift(i):
+        """Left shift (negative: right) that takes byte i's low nibble of a word to bits 12..15
+        and its high nibble to bits 16..19 (`_q4k_gemv_kernel`)."""
+        return 12 - 8 * i
+
+    @gluon.jit
+    def _q4k_nibbles(words, I: gl.constexpr, magic):
+        """(2^11 + low nibble, 2^7 + high nibble) of byte I (0..3) of int32 words, as float32
+        (the magic-number trick of `_nib`: one shift and two LOP3)."""
+        S: gl.constexpr = _q4k_shift(I)
+        if S > 0:
+            src = words << S
+        else:
+            src = words >> (-S)
+        lo = ((src & 0x0000F000) | (magic + (4 << 23))).to(gl.float32, bitcast=True)
+        hi = ((src & 0x000F0000) | magic).to(gl.float32, bitcast=True)
+        return lo, hi
+
+    @gluon.jit
+    def _byte(word, j):
+        """Byte j (a tensor of 0..3) of int32 words, as int32."""
+        return (word >> (8 * j)) & 0xFF
+
+    @gluon.jit
+    def _q4k_scale_min(h1, h2, h3, j):
+        """llama.cpp get_scale_min_k4 for sub-block j (a tensor of 0..7) from the scale bytes
+        q[0..11] of a Q4_K header held as int32 words h1 = q[0..3], h2 = q[4..7], h3 =
+        q[8..11]: (scale, min), 6-bit integers as float32."""
+        jj = j % 4
+        a = _byte(h1, jj)
+        b = _byte(h2, jj)
+        c = _byte(h3, jj)
+        sc = gl.where(j < 4, a & 63, (c & 15) | ((a >> 6) << 4))
+        m = gl.where(j < 4, b & 63, (c >> 4) | ((b >> 6) << 4))
+        return sc.to(gl.float32), m.to(gl.float32)
+
+    @gluon.jit
+    def _q4k_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, C_SPLIT, magic, stride_wn,
+                         BLOCK_N: gl.constexpr, BLOCK_C: gl.constexpr, X_PAIRS: gl.constexpr,
+                         HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, USE_PDL: gl.constexpr):
+        """GGUF Q4_K (ferrum/ops/gguf.py has the block layout) batch-1 GEMV. w_ptr: the raw
+        rows viewed as int32 (a 144-byte super-block is 36 words: d | dmin, 3 words of 6-bit
+        scales, 32 words of quants). A thread's chunk t is the 32 quant bytes of group c = t % 4
+        of super-block t // 4: byte l holds element 64 c + l (low nibble, sub-block 2c) and 64 c +
+        32 + l (high nibble, sub-block 2c + 1). Per sub-block: d sc sum(q x) - dmin m sum(x).
+        Program (pid_n, pid_k): rows pid_n * BLOCK_N .., chunks pid_k * C_SPLIT .. (a multiple
+        of BLOCK_C)."""
+        L3: gl.constexpr = _tile_layout(8, gl.num_warps())
+        LNC: gl.constexpr = gl.SliceLayout(2, L3)
+        LC: gl.constexpr = gl.SliceLayout(0, LNC)
+        LN: gl.constexpr = gl.SliceLayout(1, LNC)
+        pid_k = gl.program_id(1)
+        offs_n = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=LN)
+        cw = _chunk_offsets(BLOCK_C, 8, L3)                  # c * 8 + w over the tile, [BLOCK_C, 8]
+        tile_c = cw // 8
+        word = cw % 8
+        row = gl.expand_dims(offs_n.to(gl.int64) * stride_wn, 1)                       # [BN, 1]
+        # int32 offset of quant word w of chunk t: 36 (t // 4) + 4 + 8 (t % 4) + w; BLOCK_C % 4 == 0,
+        # so a tile's first chunk starts a super-block and the offsets are the tile's plus 9 t0
+        q_ptrs = w_ptr + gl.expand_dims(row, 2) + gl.expand_dims(36 * (tile_c // 4) + 4 + 8 * (tile_c % 4) + word, 0)
+        offs_c = gl.arange(0, BLOCK_C, layout=LC)
+        h_ptrs = w_ptr + row + gl.expand_dims(36 * (offs_c // 4), 0)                     # headers, [BN, BC]
+        sub = gl.expand_dims(2 * (offs_c % 4), 0)                                       # sub-block of the low nibbles
+        # x of byte 0 of each word: element 64 t + 4 w (bf16 pairs: int32 index 32 t + 2 w)
+        x_lo = x_ptr + gl.where(X_PAIRS, 32 * tile_c + 2 * word, 64 * tile_c + 4 * word)
+        t_start = pid_k * C_SPLIT
+        t_end = gl.minimum(t_start + C_SPLIT, K // 64)
+        acc = gl.zeros([BLOCK_N, BLOCK_C], gl.float32, layout=LNC)
+        words = gl.load(q_ptrs + 9 * t_start, eviction_policy="evict_first")  # weights only: before the wait
+        if USE_PDL:
+            _pdl_start()
+        for t0 in range(t_start, t_end, BLOCK_C):
+            hp = h_ptrs + 9 * t0
+            h0 = gl.load(hp)
+            h1 = gl.load(hp + 1)
+            h2 = gl.load(hp + 2)
+            h3 = gl.load(hp + 3)
+            p_lo = gl.zeros([BLOCK_N, BLOCK_C], gl.float32, layout=LNC)
+            p_hi = gl.zeros([BLOCK_N, BLOCK_C], gl.float32, layout=LNC)
+            xs_lo = gl.zeros([BLOCK_C, 8], gl.float32, layout=gl.SliceLayout(0, L3))
+            xs_hi = gl.zeros([BLOCK_C, 8], gl.float32, layout=gl.SliceLayout(0, L3))
+            for pr in gl.static_range(2):  # bytes 2 pr, 2 pr + 1 of every word: elements 4w + i, 32 + 4w + i
+                if X_PAIRS:  # x[e], x[e + 1] (e even) as one int32 of two bf16
+                    lo_pair = gl.load(x_lo + (32 * t0 + pr))
+                    hi_pair = gl.load(x_lo + (32 * t0 + pr + 16))
+                    xl = ((lo_pair << 16).to(gl.float32, bitcast=True), (lo_pair & -65536).to(gl.float32, bitcast=True))
+                    xh = ((hi_pair << 16).to(gl.float32, bitcast=True), (hi_pair & -65536).to(gl.float32, bitcast=True))
+                else:
+                    xl = (gl.load(x_lo + (64 * t0 + 2 * pr)).to(gl.float32),
+                          gl.load(x_lo + (64 * t0 + 2 * pr + 1)).to(gl.float32))
+                    xh = (gl.load(x_lo + (64 * t0 + 2 * pr + 32)).to(gl.float32),
+                          gl.load(x_lo + (64 * t0 + 2 * pr + 33)).to(gl.float32))
+                for h in gl.static_range(2):
+                    xs_lo += xl[h]
+                    xs_hi += xh[h]
+                    f_lo, f_hi = _q4k_nibbles(words, 2 * pr + h, magic)
+                    p_lo += gl.sum(f_lo * gl.expand_dims(xl[h], 0), axis=2)
+                    p_hi += gl.sum(f_hi * gl.expand_dims(xh[h], 0), axis=2)
+            s_lo = gl.expand_dims(gl.convert_layout(gl.sum(xs_lo, axis=1), LC, assert_trivial=True), 0)
+            s_hi = gl.expand_dims(gl.convert_layout(gl.sum(xs_hi, axis=1), LC, assert_trivial=True), 0)
+            d = (h0 & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+            dmin = (h0 >> 16).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+            sc_lo, m_lo = _q4k_scale_min(h1, h2, h3, sub)
+            sc_hi, m_hi = _q4k_scale_min(h1, h2, h3, sub + 1)
+            # p = sum (2^(23-p) + q) x: the offsets are 2^11 (low nibbles at bits 12..15), 2^7 (high)
+            acc += (d * (sc_lo * (p_lo - 2048.0 * s_lo) + sc_hi * (p_hi - 128.0 * s_hi))
+                    - dmin * (m_lo * s_lo + m_hi * s_hi))
+            if t0 + BLOCK_C < t_end:
+                words = gl.load(q_ptrs + 9 * (t0 + BLOCK_C), eviction_policy="evict_first")
+        _store_rows(y_ptr, b_ptr, offs_n, gl.sum(acc, axis=1), pid_k, N, HAS_BIAS, SPLIT_K)
+
 # Tuned (BLOCK_N, num_warps, SPLIT_K) per (kind, N, K), kind "bf16" / "fp8" / "w4" (group 128),
 # or None where the Triton GEMV was faster; timed on an H200 by `benchmarks/quant_bench.py
 # kernels` and written here by `benchmarks/paste_gemv_configs.py`. Shapes not listed take
 # `default_config` (fp8, w4) or the Triton GEMV (bf16: it already streams near the roofline).
 GLUON_GEMV_CONFIGS: dict[tuple[str, int, int], tuple[int, int, int] | None] = {}
 
-ELEMENTS = {"bf16": 8, "fp8": 16, "w4": 32}  # K elements per 16-byte chunk
+ELEMENTS = {"bf16": 8, "fp8": 16, "w4": 32, "q4_k": 64}  # K elements per thread chunk (16 bytes; Q4_K 32)
 
 
 def default_config(kind: str, N: int, K: int) -> tuple[int, int, int] | None:
@@ -226,7 +345,7 @@ def default_config(kind: str, N: int, K: int) -> tuple[int, int, int] | None:
     (4 for bf16 and FP8: their float32 accumulators take 16 registers per row), split-K
     until the grid has >= 2 programs per SM (264, H200's 132 SMs); None when no tile fits."""
     e = ELEMENTS[kind]
-    bn = 8 if kind == "w4" else 4
+    bn = 8 if kind in ("w4", "q4_k") else 4
     warps = next((w for w in (4, 2, 1) if K % (32 * w * e) == 0), None)
     if warps is None or N % bn:
         return None
@@ -266,9 +385,18 @@ def can_use(x: torch.Tensor) -> bool:
             and x.dtype in (torch.bfloat16, torch.float16) and x.is_contiguous() and is_sm90(x))
 
 
-def _output(x: torch.Tensor, N: int, split: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _prepare(kind: str, x: torch.Tensor, N: int, K: int, config: tuple[int, int, int] | None, ok: bool):
+    """(BLOCK_N, num_warps, SPLIT_K, y [1, N] in x's dtype, the kernel's output: y, or
+    [SPLIT_K, N] float32 partials, PDL on or off) for a launch; raises ValueError when the
+    config (`gemv_config` when None) does not tile an [N, K] weight of kind or not `ok` (the
+    launcher's own layout checks)."""
+    cfg = config or gemv_config(kind, N, K)
+    if cfg is None or not ok or not fits(kind, N, K, cfg):
+        raise ValueError(f"Gluon GEMV: config {cfg} does not tile a [{N}, {K}] {kind} weight (or its layout)")
+    bn, warps, split = cfg
     y = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    return y, (y if split == 1 else torch.empty(split, N, dtype=torch.float32, device=x.device))
+    out = y if split == 1 else torch.empty(split, N, dtype=torch.float32, device=x.device)
+    return bn, warps, split, y, out, pdl_ok(x)
 
 
 def _reduce_splits(part: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, pdl: bool) -> torch.Tensor:
@@ -289,12 +417,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
     N, K = weight.shape
     fp8 = weight.dtype == torch.float8_e4m3fn
     kind = "fp8" if fp8 else "bf16"
-    cfg = config or gemv_config(kind, N, K)
-    if cfg is None or not fits(kind, N, K, cfg) or weight.stride(1) != 1:
-        raise ValueError(f"Gluon GEMV: config {cfg} does not tile a [{N}, {K}] {kind} weight")
-    bn, warps, split = cfg
-    y, out = _output(x, N, split)
-    pdl = pdl_ok(x)
+    bn, warps, split, y, out, pdl = _prepare(kind, x, N, K, config, weight.stride(1) == 1)
     _dense_gemv_kernel[(N // bn, split)](
         x, weight, scale if fp8 else weight, bias if bias is not None else weight, out, N, K, K // split,
         weight.stride(0), E=ELEMENTS[kind], BLOCK_N=bn, BLOCK_C=32 * warps, HAS_SCALE=fp8,
@@ -310,16 +433,27 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     ValueError when it does not tile the weight or the group size is not a multiple of 32."""
     N, W = qweight.shape
     K = W * 8
-    cfg = config or gemv_config("w4", N, K)
-    if cfg is None or not fits("w4", N, K, cfg) or group_size % 32 or scales.stride(1) != 1:
-        raise ValueError(f"Gluon GEMV: config {cfg} / group {group_size} does not tile a [{N}, {K}] 4-bit weight")
-    bn, warps, split = cfg
-    y, out = _output(x, N, split)
-    pdl = pdl_ok(x)
+    bn, warps, split, y, out, pdl = _prepare("w4", x, N, K, config, group_size % 32 == 0 and scales.stride(1) == 1)
     pairs = x.dtype == torch.bfloat16
     _w4_gemv_kernel[(N // bn, split)](
         x.view(torch.int32) if pairs else x, qweight, scales, zeros, bias if bias is not None else scales, out,
         N, K, W // split, F32_2P7_BITS, qweight.stride(0), scales.stride(0), GROUP=group_size, BLOCK_N=bn,
         BLOCK_C=32 * warps, X_PAIRS=pairs, HAS_BIAS=bias is not None and split == 1, SPLIT_K=split, USE_PDL=pdl,
         num_warps=warps, launch_pdl=pdl)
+    return y if split == 1 else _reduce_splits(out, y, bias, pdl)
+
+
+def q4k_gemv(x: torch.Tensor, raw: torch.Tensor, bias: torch.Tensor | None = None,
+             config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """y = x W^T + bias with W in GGUF Q4_K blocks: raw [N, K // 256 * 144] uint8, rows
+    contiguous. x: [1, K] bf16/fp16 contiguous. Returns [1, N] in x's dtype. config as
+    `dense_gemv`'s; raises ValueError when it does not tile the weight."""
+    N = raw.shape[0]
+    K = raw.shape[1] // 144 * 256
+    bn, warps, split, y, out, pdl = _prepare("q4_k", x, N, K, config, raw.stride(1) == 1 and raw.stride(0) % 4 == 0)
+    pairs = x.dtype == torch.bfloat16
+    _q4k_gemv_kernel[(N // bn, split)](
+        x.view(torch.int32) if pairs else x, raw.view(torch.int32), bias if bias is not None else x, out, N, K,
+        K // 64 // split, F32_2P7_BITS, raw.stride(0) // 4, BLOCK_N=bn, BLOCK_C=32 * warps, X_PAIRS=pairs,
+        HAS_BIAS=bias is not None and split == 1, SPLIT_K=split, USE_PDL=pdl, num_warps=warps, launch_pdl=pdl)
     return y if split == 1 else _reduce_splits(out, y, bias, pdl)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ferrum.ops import gemv_gluon
 from ferrum.ops.fp8 import MAX_GEMV_ROWS
 from ferrum.ops.int4 import F32_2P23_BITS
 from ferrum.ops.triton_utils import HAS_TRITON, pdl_ok, pdl_start, use_triton
@@ -384,10 +385,13 @@ GGUF_GEMM_MAX_ROWS = 128
 
 def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T + bias with W packed as GGUF `qtype` (module docstring). x: [T, K]. CUDA:
-    the GEMV up to 8 rows, the dequant-in-tile GEMM up to `GGUF_GEMM_MAX_ROWS`, above that
+    the GEMV up to 8 rows (one row of Q4_K: the Gluon GEMV, ferrum/ops/gemv_gluon.py), the dequant-in-tile GEMM up to `GGUF_GEMM_MAX_ROWS`, above that
     the weight decoded once (`gguf_dequantize_triton`) and cuBLAS; CPU: dequantize + F.linear."""
     K = x.shape[1]
     if use_triton(x) and x.stride(1) == 1:
+        cfg = gemv_gluon.config_for("q4_k", x, raw.shape[0], K) if qtype == Q4_K and raw.stride(1) == 1 else None
+        if cfg is not None:
+            return gemv_gluon.q4k_gemv(x, raw, bias, cfg)
         if x.shape[0] <= MAX_GEMV_ROWS:
             return gguf_gemv(x, raw, qtype, bias)
         if x.shape[0] <= GGUF_GEMM_MAX_ROWS:
