@@ -335,7 +335,25 @@ if HAS_GLUON:
 # or None where the Triton GEMV was faster; timed on an H200 by `benchmarks/quant_bench.py
 # kernels` and written here by `benchmarks/paste_gemv_configs.py`. Shapes not listed take
 # `default_config` (fp8, w4) or the Triton GEMV (bf16: it already streams near the roofline).
-GLUON_GEMV_CONFIGS: dict[tuple[str, int, int], tuple[int, int, int] | None] = {}
+GLUON_GEMV_CONFIGS: dict[tuple[str, int, int], tuple[int, int, int] | None] = {
+    ('bf16', 4096, 4096): None,
+    ('bf16', 4096, 14336): (8, 4, 1),
+    ('bf16', 6144, 4096): (4, 4, 1),
+    ('bf16', 28672, 4096): (4, 4, 1),
+    ('bf16', 128256, 4096): (4, 2, 2),
+    ('fp8', 4096, 4096): (4, 2, 1),
+    ('fp8', 4096, 14336): (4, 2, 1),
+    ('fp8', 6144, 4096): (2, 2, 1),
+    ('fp8', 28672, 4096): None,
+    ('q4_k', 4096, 4096): (8, 2, 1),
+    ('q4_k', 4096, 14336): (8, 1, 1),
+    ('q4_k', 6144, 4096): (8, 1, 1),
+    ('q4_k', 28672, 4096): (8, 2, 1),
+    ('w4', 4096, 4096): (16, 4, 1),
+    ('w4', 4096, 14336): (8, 2, 1),
+    ('w4', 6144, 4096): (16, 2, 1),
+    ('w4', 28672, 4096): (8, 2, 1),
+}
 
 ELEMENTS = {"bf16": 8, "fp8": 16, "w4": 32, "q4_k": 64}  # K elements per thread chunk (16 bytes; Q4_K 32)
 
