@@ -459,7 +459,8 @@ class SchedulerConfig:
     max_num_seqs: int = option(256, "most sequences in one step")
     max_num_batched_tokens: int = option(4096, "most tokens (prefill + decode) in one step")
     max_model_len: int | None = option(None, "context length: prompt + output tokens "
-                                       "(default: the model's max_position_embeddings)",
+                                       "(default: the model's max_position_embeddings, lowered "
+                                       "to what the KV pool holds when it holds less)",
                                        aliases=("--ctx-size",))
     enable_chunked_prefill: bool = option(True, "split long prompts over several steps")
     max_waiting: int = option(4096, "most queued requests; more raise QueueFullError (HTTP 503)")
