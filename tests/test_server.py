@@ -366,6 +366,38 @@ def test_context_length_errors_give_the_numbers(server):
     assert "1000" in e["message"] and e["param"] == "max_completion_tokens"
 
 
+def test_completions_max_tokens_absent_or_null_is_16(server):
+    """OpenAI's default for /v1/completions is 16 tokens, for a null max_tokens as for an absent
+    one (null used to mean "the rest of the context"); chat's default stays vLLM's, the rest of
+    the context."""
+    from ferrum import SamplingParams
+    body = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "ignore_eos": True}
+    for extra in ({}, {"max_tokens": None}):
+        r = _post(server, "/v1/completions", {**body, **extra})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == SamplingParams.max_tokens == 16, extra
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True,
+            "max_tokens": None}
+    r = _post(server, "/v1/chat/completions", chat).json()
+    assert r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] == MAX_MODEL_LEN
+
+
+def test_readme_constrained_examples_pass_max_tokens(server):
+    """Every README curl example with an output constraint (response_format, tool_choice)
+    names max_tokens, so it ends even when the model never closes the JSON, and runs here."""
+    import pathlib
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    bodies = [json.loads(b) for b in re.findall(r"-d '(\{.*?\})'", readme, re.S)]
+    constrained = [b for b in bodies if "response_format" in b or "tool_choice" in b]
+    assert len(constrained) >= 2
+    for b in constrained:
+        assert isinstance(b.get("max_tokens"), int), b
+        r = _post(server, "/v1/chat/completions", {**b, "model": MODEL})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] <= b["max_tokens"]
+
+
 def test_api_key_is_enforced(server, client):
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
     e = _err(_post(server, "/v1/completions", body, key=None), 401)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from ferrum.entrypoints.chat_utils import response_format_constraint
 from ferrum.errors import InvalidRequestError
@@ -123,6 +123,12 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = SamplingParams.max_tokens   # 16, OpenAI's documented default too
     logprobs: int | None = None
     echo: bool = False
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _null_max_tokens_is_the_default(cls, v: int | None) -> int:
+        """A null max_tokens means the default (OpenAI), as an absent one does."""
+        return SamplingParams.max_tokens if v is None else v
 
     @property
     def echo_only(self) -> bool:
