@@ -398,6 +398,26 @@ def test_readme_constrained_examples_pass_max_tokens(server):
         assert r.json()["usage"]["completion_tokens"] <= b["max_tokens"]
 
 
+def test_body_over_the_limit_is_a_413_naming_it_and_the_server_serves_on(server):
+    """A body over the server's --max-request-body (default 8 MiB) is answered 413 before it is
+    parsed or tokenized, whether it says its Content-Length or comes chunked; the client,
+    still sending, reads the answer; nothing is queued and the next request is served."""
+    big = json.dumps({"model": MODEL, "prompt": "hi " * (3 * 2**20), "max_tokens": 1}).encode()
+    assert len(big) > 9 * 2**20
+    before = _status(server)
+    for content in (big, (big[i:i + 2**16] for i in range(0, len(big), 2**16))):
+        r = _post(server, "/v1/completions", content=content)
+        e = _err(r, 413)
+        assert e["type"] == "invalid_request_error" and "--max-request-body" in e["message"]
+        assert "8388608 bytes (8MiB)" in e["message"]
+    assert httpx.get(server + "/health", timeout=10).json() == {"status": "ok"}
+    after = _status(server)
+    assert after["num_waiting"] == 0 and after["kv_blocks_free"] == after["kv_blocks_total"]
+    assert after["prompt_tokens"] == before["prompt_tokens"]
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
 def test_api_key_is_enforced(server, client):
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
     e = _err(_post(server, "/v1/completions", body, key=None), 401)

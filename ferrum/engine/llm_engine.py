@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ferrum.config import EngineConfig, resolve_max_model_len
+from ferrum.config import EngineConfig, format_size, resolve_max_model_len
 from ferrum.engine.block_manager import BlockManager
 from ferrum.engine.scheduler import Scheduler
 from ferrum.engine.sequence import Request, Sequence, SequenceStatus
@@ -28,7 +28,7 @@ from ferrum.engine.output_state import SequenceOutputState
 from ferrum.errors import (CacheConfigError, InvalidRequestError, OutOfKvCacheError, QueueFullError,
                            check_prompt_len)
 from ferrum.executor.base import is_device_fault
-from ferrum.executor.memory import format_size, pool_flag
+from ferrum.executor.memory import pool_flag
 from ferrum.interfaces import (DecodeInput, KvCacheHandle, ModelExecutor, PrefillInput,
                                PromptLogprobs)
 from ferrum.layers.sampler import Sampler, SamplingMetadata, validate_token_ids
@@ -133,8 +133,10 @@ class LLMEngine:
                f"{self.num_blocks / per_seq:.2f} sequences of max_model_len {self.max_model_len}")
         if self.num_blocks < per_seq:   # max_model_len set by the user (else it was fitted)
             flag = pool_flag(config.cache, self.executor.info().device)
-            need = {"--num-kv-blocks": str(per_seq), "--kv-cache-memory": format_size(
-                per_seq * caps.memory.kv_bytes_per_block(self.block_size))}.get(flag)
+            need = per_seq * caps.memory.kv_bytes_per_block(self.block_size)
+            scale = 2**20 if need >= 2**20 else 2**10   # rounded up to whole MiB / KiB
+            need = {"--num-kv-blocks": str(per_seq),
+                    "--kv-cache-memory": format_size(-(-need // scale) * scale)}.get(flag)
             fix = f"raise {flag}" + (f" to at least {need}" if need else "")
             if self.num_blocks:
                 fix = f"lower --max-model-len to at most {self.num_blocks * self.block_size} or {fix}"

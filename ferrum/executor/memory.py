@@ -73,12 +73,6 @@ def num_kv_blocks(mem: MemoryRequirements, cache: CacheConfig, device: str, max_
     return max(0, budget // per_block)
 
 
-def format_size(n: int) -> str:
-    """`n` bytes rounded up to whole MiB (KiB below 1 MiB), as the size flags take it: 256KiB."""
-    unit, scale = ("MiB", 2**20) if n >= 2**20 else ("KiB", 2**10)
-    return f"{-(-n // scale)}{unit}"
-
-
 def pool_flag(cache: CacheConfig, device: str) -> str:
     """The flag that sizes this KV pool: --num-kv-blocks when it is set, else
     --gpu-memory-utilization on CUDA, --kv-cache-memory on CPU."""

@@ -35,6 +35,7 @@ Output_text logprobs cover the message text only.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import re
@@ -339,7 +340,7 @@ class OpenAIServingResponses:
         if s.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer, so it cannot take chat input; "
                                       "use /v1/completions with token ids", param="input")
-        chat = prepare_response(s, req)
+        chat = await asyncio.to_thread(prepare_response, s, req)   # tokenizing: off the loop
         ids = chat.prompt_token_ids
         params = chat.sampling_params(req.sampling_params(
             s._max_tokens(len(ids), req.max_output_tokens, "max_output_tokens")))

@@ -254,7 +254,8 @@ class OpenAIServing:
     async def completions(self, req: CompletionRequest, raw: Request):
         t0 = time.perf_counter()
         model = self.check_model(req.model)
-        prompts = [self._prompt(p, req.echo) for p in req.prompts()]
+        # tokenizing a long prompt takes seconds: in a thread, so the event loop serves on
+        prompts = await asyncio.to_thread(lambda: [self._prompt(p, req.echo) for p in req.prompts()])
         max_tokens = 1 if req.echo_only else req.max_tokens
         params = [req.sampling_params(self._max_tokens(len(p.token_ids), max_tokens, "max_tokens"))
                   for p in prompts]
@@ -361,12 +362,13 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         t0 = time.perf_counter()
         model = self.check_model(req.model)
-        chat = prepare_chat(self.tokenizer, req.messages, tools=req.tools,
-                            tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
-                            response_format=req.response_format, tool_parser=self.tool_parser,
-                            add_generation_prompt=req.add_generation_prompt,
-                            continue_final_message=req.continue_final_message,
-                            split_special_tokens=req.split_special_tokens)
+        chat = await asyncio.to_thread(   # rendering + tokenizing, off the event loop
+            prepare_chat, self.tokenizer, req.messages, tools=req.tools,
+            tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
+            response_format=req.response_format, tool_parser=self.tool_parser,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            split_special_tokens=req.split_special_tokens)
         ids = chat.prompt_token_ids
         prompts = [_Prompt(None, ids)]
         requested = req.requested_max_tokens()
