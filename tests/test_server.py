@@ -341,6 +341,44 @@ def test_bad_inputs(server):
     assert _post(server, "/v1/completions", ok).status_code == 200
 
 
+WRONG_TYPES = [   # (path, field, value): pydantic's lax mode took each ("5" -> 5, true -> 1)
+    ("/v1/completions", "max_tokens", "5"), ("/v1/completions", "max_tokens", True),
+    ("/v1/completions", "max_tokens", 5.0), ("/v1/completions", "temperature", "0.5"),
+    ("/v1/completions", "temperature", True), ("/v1/completions", "stream", "true"),
+    ("/v1/completions", "stream", 1), ("/v1/completions", "n", "2"),
+    ("/v1/completions", "logprobs", True), ("/v1/completions", "echo", 1),
+    ("/v1/completions", "top_p", "1"), ("/v1/completions", "seed", "3"),
+    ("/v1/completions", "ignore_eos", "yes"), ("/v1/completions", "stream_options", {"include_usage": 1}),
+    ("/v1/completions", "logit_bias", {"5": "1"}), ("/v1/completions", "stop", 5),
+    ("/v1/chat/completions", "max_completion_tokens", "5"), ("/v1/chat/completions", "logprobs", 1),
+    ("/v1/chat/completions", "top_logprobs", True), ("/v1/chat/completions", "parallel_tool_calls", 0),
+    ("/v1/chat/completions", "presence_penalty", "0"),
+    ("/v1/responses", "temperature", "1"), ("/v1/responses", "stream", 1),
+    ("/v1/responses", "store", 0), ("/v1/responses", "top_p", False),
+    ("/tokenize", "add_special_tokens", 1),
+]
+
+
+@pytest.mark.parametrize("path,field,value", WRONG_TYPES)
+def test_wrong_json_types_are_a_400_naming_the_field(server, path, field, value):
+    body = {"/v1/completions": {"prompt": "hi", "max_tokens": 2},
+            "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            "/v1/responses": {"input": "hi", "max_output_tokens": 2},
+            "/tokenize": {"prompt": "hi"}}[path]
+    e = _err(_post(server, path, {"model": MODEL, **body, field: value}), 400)
+    assert e["param"] == field and e["type"] == "invalid_request_error", e
+
+
+def test_json_ints_stay_valid_for_float_fields(server):
+    for path, body in [("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+                       ("/v1/responses", {"input": "hi", "max_output_tokens": 2})]:
+        r = _post(server, path, {"model": MODEL, **body, "temperature": 1, "top_p": 1})
+        assert r.status_code == 200, r.text
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                          "presence_penalty": 0, "logit_bias": {"5": 1}})
+    assert r.status_code == 200, r.text
+
+
 def test_errors_through_the_openai_client(client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)

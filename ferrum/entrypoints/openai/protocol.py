@@ -1,7 +1,9 @@
 """Request bodies of the OpenAI-compatible API (pydantic 2) and their mapping to SamplingParams.
 
 Every model forbids unknown fields (`extra="forbid"`): a field ferrum does not implement
-(`best_of`, `suffix`, ...) is answered with HTTP 400 naming it, never silently ignored. Value
+(`best_of`, `suffix`, ...) is answered with HTTP 400 naming it, never silently ignored; and
+every model is strict, so a value of the wrong JSON type (`"max_tokens": "5"`, `"stream": 1`,
+`"temperature": true`) is a 400 naming its field, not coerced. Value
 ranges (temperature >= 0, top_p in (0, 1], ...) are checked by `SamplingParams`, which raises
 InvalidRequestError with the offending parameter; messages, tools, tool_choice and
 response_format by `ferrum.entrypoints.chat_utils` (one checker for every API that takes
@@ -27,7 +29,10 @@ from ferrum.structured_output import StructuredOutputsParams
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A request body: unknown fields and values of the wrong JSON type are refused (strict:
+    "5" is no integer, true no number, 1 no boolean; an integer is a valid float)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):

@@ -43,12 +43,13 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Iterator, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import Field, StrictInt
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from ferrum.entrypoints.chat_utils import ChatPrompt, prepare_chat
 from ferrum.entrypoints.openai.logprobs import chat_logprobs, ready_tokens, token_texts
+from ferrum.entrypoints.openai.protocol import _Strict
 from ferrum.entrypoints.openai.serving import OpenAIServing, _Prompt, ferrum_error_body
 from ferrum.errors import FerrumError, InvalidRequestError
 from ferrum.outputs import RequestOutput
@@ -65,10 +66,6 @@ class ResponseNotFoundError(FerrumError):
 
     http_status = 404
     error_type = "not_found_error"
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class TextFormat(_Strict):
