@@ -317,6 +317,10 @@ def test_tools_and_text_format_bad_values_name_the_field(server):
             ({**ok, "tools": [{"type": "web_search"}]}, "tools[0].type"),
             ({**ok, "tools": [{"type": "function", "name": "a b"}]}, "tools[0].name"),
             ({**ok, "tools": [{"type": "function", "name": "f", "parameters": 3}]}, "tools[0].parameters"),
+            ({**ok, "tools": [*TOOLS, {"type": "function", "name": "f", "parameters": {"type": "objekt"}}]},
+             f"tools[{len(TOOLS)}].parameters"),
+            ({**ok, "tools": [{"type": "function", "name": "f", "parameters": {
+                "type": "array", "uniqueItems": True}}], "tool_choice": "required"}, "tools[0].parameters"),
             ({**ok, "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
             ({**ok, "tools": TOOLS, "tool_choice": {"type": "mcp"}}, "tool_choice"),
             ({**ok, "tool_choice": "required"}, "tool_choice"),

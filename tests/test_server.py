@@ -658,6 +658,12 @@ def _tokenize_chat(client, msgs) -> list[int]:
     return r.json()["tokens"]
 
 
+def _tool(name: str, parameters) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+UNIQUE = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+
 BAD_FIELDS = [
     ({"tools": "get_weather"}, "tools"),
     ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools[0].type"),
@@ -679,6 +685,16 @@ BAD_FIELDS = [
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_grammar": "start: nothing_defined"}, "guided_grammar"),
     ({"guided_json": "{not json"}, "guided_json"),
+    # every tool's parameters are a JSON schema, under any tool_choice, named by the tool
+    ({"tools": [_tool("f", {"type": "objekt"})]}, "tools[0].function.parameters"),
+    ({"tools": [*TOOLS, _tool("f", {"type": "object", "properties": 5})], "tool_choice": "none"},
+     f"tools[{len(TOOLS)}].function.parameters"),
+    ({"tools": [_tool("f", {"type": "object", "required": "city"})], "tool_choice": "auto"},
+     "tools[0].function.parameters"),
+    # enforced (required / named) schemas must also be enforceable: uniqueItems is not
+    ({"tools": [_tool("f", UNIQUE)], "tool_choice": "required"}, "tools[0].function.parameters"),
+    ({"tools": [*TOOLS, _tool("f", UNIQUE)], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     f"tools[{len(TOOLS)}].function.parameters"),
     ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice"),
     ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "response_format"),
     ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
@@ -696,6 +712,17 @@ def test_bad_tool_and_format_fields_are_named(server, case):
     e = _err(_post(server, "/v1/chat/completions", body), 400)
     assert e["param"] == param, e
     assert e["type"] == "invalid_request_error"
+
+
+def test_valid_schema_keywords_not_enforced_are_fine_where_nothing_is_enforced(client):
+    """uniqueItems is valid JSON Schema that constrained decoding cannot enforce: a tool that
+    uses it is refused only where its arguments are enforced (required / named), not under
+    auto or none, or when another tool is the named one."""
+    tools = [*TOOLS, _tool("f", UNIQUE)]
+    for choice in ("auto", "none", {"type": "function", "function": {"name": "get_weather"}}):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, tools=tools,
+                                           tool_choice=choice)
+        assert r.choices[0].finish_reason in ("stop", "length", "tool_calls"), choice
 
 
 def test_server_serves_after_bad_constraints(server, client):

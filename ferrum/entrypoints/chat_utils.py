@@ -23,7 +23,8 @@ tool_choice (OpenAI): "none" (tools are left out of the prompt and nothing is pa
 (default with tools: the model's own format is parsed), "required" (constrained decoding to a
 JSON array of {"name", "parameters"} calls built from the tools' parameter schemas), or
 {"type": "function", "function": {"name": ...}} (constrained to that function's parameter
-schema). `parallel_tool_calls: false` allows one call.
+schema). `parallel_tool_calls: false` allows one call. Every tool's parameters are checked as a
+JSON schema on every request, and the enforced ones as enforceable (`check_tool_schemas`).
 """
 from __future__ import annotations
 
@@ -196,6 +197,19 @@ def parse_tool_choice(tool_choice, tools: list[dict] | None) -> str | dict:
     return {"type": "function", "function": {"name": fn["name"]}}
 
 
+def check_tool_schemas(tools: list[dict] | None, tool_choice) -> None:
+    """Every tool's `parameters` must be a valid JSON schema, whatever tool_choice is; the
+    schemas tool_choice enforces ("required": all, a named function: its own) must also be
+    ones constrained decoding can enforce (`structured_output.grammar.check_json_schema`).
+    Raises InvalidRequestError naming `tools[i].function.parameters`."""
+    from ferrum.structured_output.grammar import check_json_schema
+    for i, t in enumerate(tools or []):
+        fn = t["function"]
+        enforced = tool_choice == "required" or (
+            isinstance(tool_choice, dict) and tool_choice["function"]["name"] == fn["name"])
+        check_json_schema(fn["parameters"], f"tools[{i}].function.parameters", enforced)
+
+
 def _lift_defs(schema: dict, defs: dict) -> dict:
     """Move a parameter schema's $defs / definitions into `defs` (the combined schema's root,
     where its "#/$defs/..." references resolve). Raises InvalidRequestError on a name two tools
@@ -349,6 +363,7 @@ def prepare_chat(tokenizer, messages, *, tools=None, tool_choice=None,
     msgs = parse_messages(messages)
     tools = parse_tools(tools)
     choice = parse_tool_choice(tool_choice, tools)
+    check_tool_schemas(tools, choice)
     if not isinstance(parallel_tool_calls, bool):
         raise _bad("parallel_tool_calls", "must be a boolean")
     constraint = tool_choice_constraint(tools, choice, parallel_tool_calls) if tools else None
