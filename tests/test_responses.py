@@ -325,6 +325,8 @@ def test_tools_and_text_format_bad_values_name_the_field(server):
             ({**ok, "tools": TOOLS, "tool_choice": {"type": "mcp"}}, "tool_choice"),
             ({**ok, "tool_choice": "required"}, "tool_choice"),
             ({**ok, "text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format"),
+            ({**ok, "text": {"format": {"type": "json_schema", "name": "a b", "schema": {}}}},
+             "text.format.name"),
             ({**ok, "text": {"format": {"type": "json_schema", "name": "n",
                                         "schema": {"type": "array", "uniqueItems": True}}}}, "text.format"),
             ({**ok, "tools": TOOLS, "tool_choice": "required", "text": {"format": {"type": "json_object"}}},

@@ -679,6 +679,10 @@ BAD_FIELDS = [
      "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "n", "schema": {"type": "array", "uniqueItems": True}}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}},
+     "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "strict": 1}}},
+     "response_format.json_schema.strict"),
     ({"structured_outputs": {"jsn": {}}}, "structured_outputs"),
     ({"structured_outputs": {"choice": ["a"], "regex": "b"}}, "structured_outputs"),
     ({"guided_regex": "(unclosed"}, "guided_regex"),

@@ -245,10 +245,42 @@ def tool_choice_constraint(tools: list[dict], tool_choice, parallel_tool_calls: 
     return StructuredOutputsParams(json=schema, param="tool_choice")
 
 
+# keywords whose value is a schema / a list of schemas / a map of name -> schema
+_SUBSCHEMA = ("items", "additionalProperties", "contains", "additionalItems", "propertyNames")
+_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema):
+    """A copy of a JSON schema in which every object schema (type "object", or properties
+    without a type) that does not set additionalProperties sets it to false: what OpenAI's
+    `strict: true` assumes. Descends into subschemas (properties, items, anyOf / oneOf
+    branches, $defs, ...) but not into allOf: closing each part would refuse what only the
+    parts together allow."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key, value in schema.items():
+        if key in _SUBSCHEMA:
+            out[key] = closed_objects(value)
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            out[key] = [closed_objects(v) for v in value]
+        elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: closed_objects(v) for name, v in value.items()}
+    kind = schema.get("type")
+    if (kind == "object" or (isinstance(kind, list) and "object" in kind)
+            or (kind is None and "properties" in schema)):
+        out.setdefault("additionalProperties", False)
+    return out
+
+
 def response_format_constraint(response_format) -> StructuredOutputsParams | None:
     """OpenAI `response_format`: {"type": "text"} (None), {"type": "json_object"}, or
-    {"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}.
-    Raises InvalidRequestError (param "response_format")."""
+    {"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}:
+    `name` is required (OpenAI's rule for names), `schema` optional (any object), and
+    `strict: true` closes every object that does not set additionalProperties
+    (`closed_objects`). Raises InvalidRequestError (param "response_format", or
+    "response_format.json_schema.<key>" for a bad key)."""
     if response_format is None:
         return None
     kind = response_format.get("type") if isinstance(response_format, dict) else None
@@ -258,13 +290,21 @@ def response_format_constraint(response_format) -> StructuredOutputsParams | Non
         return StructuredOutputsParams(json_object=True, param="response_format")
     if kind == "json_schema":
         spec = response_format.get("json_schema")
+        where = "response_format.json_schema"
         if not isinstance(spec, dict):
             raise _bad("response_format", "json_schema needs a \"json_schema\" object with "
                                           "\"name\" and \"schema\"")
+        name = spec.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise _bad(f"{where}.name", f"is required: 1-64 letters, digits, '_' or '-'; got {name!r}")
         schema = spec.get("schema", {"type": "object"})   # OpenAI: schema is optional
         if not isinstance(schema, dict):
-            raise _bad("response_format", "json_schema.schema must be a JSON schema object")
-        return StructuredOutputsParams(json=schema, param="response_format")
+            raise _bad(f"{where}.schema", "must be a JSON schema object")
+        strict = spec.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise _bad(f"{where}.strict", f"must be a boolean, got {strict!r}")
+        return StructuredOutputsParams(json=closed_objects(schema) if strict else schema,
+                                       param="response_format")
     raise _bad("response_format", f"type must be text, json_object or json_schema; got {kind!r}")
 
 

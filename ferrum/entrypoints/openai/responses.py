@@ -207,8 +207,8 @@ def _chat_param(param: str | None) -> str | None:
         return None
     if param.startswith("messages"):
         return "input"
-    if param.startswith("response_format"):
-        return "text.format"
+    if param.startswith("response_format"):   # response_format.json_schema.name -> text.format.name
+        return re.sub(r"^response_format(\.json_schema)?", "text.format", param)
     param = re.sub(r"^tools\[(\d+)\]\.function", r"tools[\1]", param)
     return re.sub(r"^tool_choice\.function", "tool_choice", param)
 
