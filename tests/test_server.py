@@ -402,6 +402,17 @@ def test_context_length_errors_give_the_numbers(server):
     e = _err(_post(server, "/v1/chat/completions", {
         "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 1000}), 400)
     assert "1000" in e["message"] and e["param"] == "max_completion_tokens"
+    # a prompt too long by itself names the field it came from: messages (chat), input (Responses)
+    long_text = "hi " * MAX_MODEL_LEN
+    for path, body, param in [
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": long_text}]}, "messages"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": long_text}],
+                                      "max_tokens": 5}, "messages"),
+            ("/v1/responses", {"input": long_text}, "input"),
+            ("/v1/completions", {"prompt": long_text}, "prompt")]:
+        e = _err(_post(server, path, {"model": MODEL, **body}), 400)
+        assert e["param"] == param and e["message"].startswith(f"{param}: "), (path, e)
+        assert str(MAX_MODEL_LEN) in e["message"]
 
 
 def test_completions_max_tokens_absent_or_null_is_16(server):

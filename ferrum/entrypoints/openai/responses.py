@@ -340,7 +340,7 @@ class OpenAIServingResponses:
         chat = await asyncio.to_thread(prepare_response, s, req)   # tokenizing: off the loop
         ids = chat.prompt_token_ids
         params = chat.sampling_params(req.sampling_params(
-            s._max_tokens(len(ids), req.max_output_tokens, "max_output_tokens")))
+            s._max_tokens(len(ids), req.max_output_tokens, "max_output_tokens", "input")))
         rid = f"resp_{uuid.uuid4().hex}"
         streams = await s._start(rid, [_Prompt(None, ids)], [params])
         state = _ResponseState(rid, model, req, len(ids), s.fmt, chat.tool_parser)

@@ -159,11 +159,13 @@ class OpenAIServing:
                 if need_text and self.tokenizer else None)
         return _Prompt(text, list(p))
 
-    def _max_tokens(self, num_prompt: int, requested: int | None, param: str) -> int | None:
+    def _max_tokens(self, num_prompt: int, requested: int | None, param: str,
+                    prompt_param: str = "prompt") -> int | None:
         """max_tokens for a prompt of `num_prompt` tokens: `requested`, or what is left of the
-        context when None. Raises PromptTooLongError when they do not fit in max_model_len."""
+        context when None. Raises PromptTooLongError when they do not fit in max_model_len,
+        naming `prompt_param` (the prompt's field) or `param` (the max_tokens field)."""
         limit = self.engine.max_model_len
-        check_prompt_len(num_prompt, limit)
+        check_prompt_len(num_prompt, limit, prompt_param)
         if requested is None:
             return limit - num_prompt
         if isinstance(requested, int) and requested > 0 and num_prompt + requested > limit:
@@ -373,7 +375,8 @@ class OpenAIServing:
         prompts = [_Prompt(None, ids)]
         requested = req.requested_max_tokens()
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        params = chat.sampling_params(req.sampling_params(self._max_tokens(len(ids), requested, param)))
+        params = chat.sampling_params(req.sampling_params(self._max_tokens(len(ids), requested, param,
+                                                                           "messages")))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._start(rid, prompts, [params])
         top_n = req.top_logprobs or 0
