@@ -146,6 +146,7 @@ def test_bad_values_name_the_field(server):
             ({**ok, "reasoning": {"effort": "high"}}, "reasoning", "reasoning"),
             ({**ok, "input": image}, "input", "text only"),
             ({**ok, "input": []}, "input", "empty"),
+            ({**ok, "input": ""}, "input", "empty"),   # as /v1/completions refuses prompt ""
             ({**ok, "input": [{"role": "robot", "content": "x"}]}, "input", "input[0].role"),
             ({**ok, "input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "stored state"),
             ({**ok, "input": [{"type": "function_call", "call_id": "c"}]}, "input", "input[0].name"),
@@ -160,6 +161,8 @@ def test_bad_values_name_the_field(server):
         status = 404 if param is None else 400
         e = _err(_post(server, "/v1/responses", body), status)
         assert e["param"] == param and words in e["message"], (body, e)
+    e = _err(_post(server, "/v1/completions", {"model": MODEL, "prompt": "", "max_tokens": 4}), 400)
+    assert e["param"] == "prompt" and "empty" in e["message"]
 
 
 def test_function_call_items_and_their_events():

@@ -276,6 +276,9 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
     if req.instructions:
         msgs.append({"role": "system", "content": req.instructions})
     if isinstance(req.input, str):
+        if not req.input:   # as /v1/completions refuses prompt ""
+            raise InvalidRequestError("input is an empty string; give the user's text or input "
+                                      "items", param="input")
         return msgs + [{"role": "user", "content": req.input}]
     if not req.input:
         raise InvalidRequestError("input is an empty list; give at least one item", param="input")
