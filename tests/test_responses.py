@@ -139,6 +139,7 @@ def test_bad_values_name_the_field(server):
             ({**ok, "max_output_tokens": 0}, "max_output_tokens", ">= 1"),
             ({**ok, "max_output_tokens": 100000}, "max_output_tokens", "max_model_len"),
             ({**ok, "temperature": -1}, "temperature", ">= 0"),
+            ({**ok, "temperature": 2.01}, "temperature", "less than or equal to 2"),
             ({**ok, "top_p": 0}, "top_p", "(0, 1]"),
             ({**ok, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
             ({**ok, "include": ["file_search_call.results"]}, "include", "not supported"),

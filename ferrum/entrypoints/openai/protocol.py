@@ -4,7 +4,8 @@ Every model forbids unknown fields (`extra="forbid"`): a field ferrum does not i
 (`best_of`, `suffix`, ...) is answered with HTTP 400 naming it, never silently ignored; and
 every model is strict, so a value of the wrong JSON type (`"max_tokens": "5"`, `"stream": 1`,
 `"temperature": true`) is a 400 naming its field, not coerced. Value
-ranges (temperature >= 0, top_p in (0, 1], ...) are checked by `SamplingParams`, which raises
+ranges (temperature >= 0, top_p in (0, 1], ...) are checked by `SamplingParams`, except
+temperature's upper bound, OpenAI's 2, which only the server sets (`Temperature`); it raises
 InvalidRequestError with the offending parameter; messages, tools, tool_choice and
 response_format by `ferrum.entrypoints.chat_utils` (one checker for every API that takes
 them), which names the field's path.
@@ -18,7 +19,7 @@ structured-output fields: `structured_outputs` (vLLM's current name: {"json" | "
 """
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
@@ -39,6 +40,10 @@ class StreamOptions(_Strict):
     include_usage: bool = False     # one last chunk with `usage` and no choices
 
 
+# OpenAI's temperature range is [0, 2]: the server refuses more (SamplingParams, offline, takes
+# any temperature >= 0; its own check names a negative one).
+Temperature = Annotated[float, Field(le=2.0)]
+
 # Sampling fields a client may leave out (null): SamplingParams' defaults apply.
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                       "presence_penalty", "frequency_penalty")
@@ -49,7 +54,7 @@ class _SamplingFields(_Strict):
 
     model: str | None = None
     n: int = SamplingParams.n
-    temperature: float | None = None    # None: SamplingParams' default (1.0, OpenAI's too)
+    temperature: Temperature | None = None    # None: SamplingParams' default (1.0, OpenAI's too)
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None

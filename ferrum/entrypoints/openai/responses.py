@@ -49,7 +49,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from ferrum.entrypoints.chat_utils import ChatPrompt, prepare_chat
 from ferrum.entrypoints.openai.logprobs import chat_logprobs, ready_tokens, token_texts
-from ferrum.entrypoints.openai.protocol import _Strict
+from ferrum.entrypoints.openai.protocol import Temperature, _Strict
 from ferrum.entrypoints.openai.serving import OpenAIServing, _Prompt, ferrum_error_body
 from ferrum.errors import FerrumError, InvalidRequestError
 from ferrum.outputs import RequestOutput
@@ -96,7 +96,7 @@ class ResponsesRequest(_Strict):
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: StrictInt | None = None
-    temperature: float | None = None
+    temperature: Temperature | None = None
     top_p: float | None = None
     top_logprobs: StrictInt | None = None
     include: list[str] | None = None
