@@ -104,6 +104,16 @@ def test_pull_help_lists_the_known_names(capsys):
     assert all(name in out for name in store.known_names())
 
 
+def test_bench_help_names_every_benchmark(capsys):
+    """`ferrum --help` and `ferrum bench --help` name each benchmark (ttft and sweep were left
+    out of the description)."""
+    for argv in (["--help"], ["bench", "--help"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(argv)
+        out = " ".join(capsys.readouterr().out.split())   # argparse wraps the line
+        assert "benchmarks: latency | ttft | throughput | sweep | serve" in out, out
+
+
 # ---- one source for every default -------------------------------------------------------------
 
 @pytest.mark.parametrize("command", [["run"], ["serve"], ["bench", "latency"], ["bench", "throughput"]])

@@ -137,9 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     ls = command("list", "list cached models")
     ls.set_defaults(func=_cmd_list)
 
-    b = command("bench", "benchmarks: latency | throughput | serve")
+    from ferrum.benchmarks import BENCHES, add_bench_parsers
+    b = command("bench", "benchmarks: " + " | ".join(BENCHES))
     bsub = b.add_subparsers(dest="bench", required=True)
-    from ferrum.benchmarks import add_bench_parsers
     add_bench_parsers(bsub, add_engine_args, parents=[verbose], formatter_class=HelpFormatter)
     return p
 
