@@ -377,6 +377,12 @@ def resolve_max_model_len(model: ModelConfig, requested: int | None) -> int:
     return requested
 
 
+# `ferrum serve --max-request-body`: the largest POST body the server reads. 8 MiB holds a
+# million-token context of English text (about 4 bytes a token) and its JSON, or a million
+# token ids; a larger body is answered 413 before anything parses or tokenizes it.
+MAX_REQUEST_BODY = "8MiB"
+
+
 def parse_size(value) -> int:
     """Bytes from an int or a size string: `2GiB`, `512 MiB` (powers of 1024), `2GB`, `2g`
     (powers of 1000), `1073741824`; parsed by pydantic's ByteSize. Raises
@@ -389,6 +395,15 @@ def parse_size(value) -> int:
     except ValidationError:
         raise InvalidRequestError(f"{value!r} is not a size: give bytes or a number with a unit "
                                   "such as 512MiB, 2GiB or 4GB") from None
+
+
+def format_size(n: int) -> str:
+    """`n` bytes as the size options take them (`parse_size` reads it back): in the largest
+    of GiB, MiB, KiB that divides it (8MiB, 1536KiB), else in bytes."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
 
 
 def option(default=None, help: str = "", *, default_factory=None, env: str | None = None,
@@ -459,7 +474,8 @@ class SchedulerConfig:
     max_num_seqs: int = option(256, "most sequences in one step")
     max_num_batched_tokens: int = option(4096, "most tokens (prefill + decode) in one step")
     max_model_len: int | None = option(None, "context length: prompt + output tokens "
-                                       "(default: the model's max_position_embeddings)",
+                                       "(default: the model's max_position_embeddings, lowered "
+                                       "to what the KV pool holds when it holds less)",
                                        aliases=("--ctx-size",))
     enable_chunked_prefill: bool = option(True, "split long prompts over several steps")
     max_waiting: int = option(4096, "most queued requests; more raise QueueFullError (HTTP 503)")

@@ -24,13 +24,14 @@ class PromptTooLongError(InvalidRequestError):
     """Prompt tokens (+ max_tokens) exceed the model's context length (`max_model_len`)."""
 
 
-def check_prompt_len(num_prompt_tokens: int, max_model_len: int) -> None:
-    """Raise PromptTooLongError (param "prompt") unless the prompt leaves room for at least
-    one generated token: at most max_model_len - 1 prompt tokens."""
+def check_prompt_len(num_prompt_tokens: int, max_model_len: int, param: str = "prompt") -> None:
+    """Raise PromptTooLongError naming `param` (the request field the prompt came from:
+    "prompt", chat's "messages", Responses' "input") unless the prompt leaves room for at
+    least one generated token: at most max_model_len - 1 prompt tokens."""
     if num_prompt_tokens >= max_model_len:
-        raise PromptTooLongError(f"prompt has {num_prompt_tokens} tokens but max_model_len is "
-                                 f"{max_model_len}: at most {max_model_len - 1} prompt tokens "
-                                 "are allowed", param="prompt")
+        raise PromptTooLongError(f"{param}: the prompt has {num_prompt_tokens} tokens but "
+                                 f"max_model_len is {max_model_len}: at most {max_model_len - 1} "
+                                 "prompt tokens are allowed", param=param)
 
 
 class ConfigError(InvalidRequestError):

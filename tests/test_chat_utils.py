@@ -179,14 +179,48 @@ def test_response_format_values():
     assert response_format_constraint({"type": "text"}) is None
     assert response_format_constraint({"type": "json_object"}).json_object
     s = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    c = response_format_constraint({"type": "json_schema", "json_schema": {"name": "x", "schema": s,
-                                                                          "strict": True}})
-    assert c.json == s and c.param == "response_format"
-    for bad in ({"type": "xml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": 3}},
-                "json", {"type": "json_schema", "json_schema": []}):
+    for strict in (None, False):
+        c = response_format_constraint({"type": "json_schema", "json_schema": {"name": "x", "schema": s,
+                                                                              "strict": strict}})
+        assert c.json == s and c.param == "response_format"
+    for bad in ({"type": "xml"}, {"type": "json_schema"}, "json", {"type": "json_schema", "json_schema": []}):
         with pytest.raises(InvalidRequestError) as info:
             response_format_constraint(bad)
         assert info.value.param == "response_format"
+    # OpenAI requires the name (a-z, A-Z, 0-9, _ and -, up to 64); strict must be a boolean
+    for spec, param in [({"schema": s}, "name"), ({"name": "a b", "schema": s}, "name"),
+                        ({"name": "x" * 65}, "name"), ({"name": "x", "schema": 3}, "schema"),
+                        ({"name": "x", "schema": s, "strict": "yes"}, "strict")]:
+        with pytest.raises(InvalidRequestError) as info:
+            response_format_constraint({"type": "json_schema", "json_schema": spec})
+        assert info.value.param == f"response_format.json_schema.{param}", spec
+        assert str(info.value).startswith(info.value.param)
+
+
+def test_strict_json_schema_closes_objects_that_do_not_say():
+    """strict: true (OpenAI) means additionalProperties: false in every object schema that does
+    not set it: nested properties, items, anyOf branches and $defs; an object that sets it keeps
+    its value, and the parts of an allOf stay open (closing each would refuse their union)."""
+    leaf = {"type": "object", "properties": {"v": {"type": "string"}}}
+    schema = {"type": "object", "properties": {
+        "a": leaf, "b": {"type": "array", "items": leaf}, "c": {"anyOf": [leaf, {"type": "null"}]},
+        "d": {"type": "object", "additionalProperties": {"type": "integer"}},
+        "e": {"allOf": [leaf, {"type": "object", "properties": {"w": {"type": "integer"}}}]},
+        "f": {"$ref": "#/$defs/thing"}},
+        "$defs": {"thing": {"type": ["object", "null"], "properties": {"x": leaf}}}}
+    closed = {**leaf, "properties": {"v": {"type": "string"}}, "additionalProperties": False}
+    c = response_format_constraint({"type": "json_schema", "json_schema": {
+        "name": "x", "schema": schema, "strict": True}})
+    assert c.json == {"type": "object", "additionalProperties": False, "properties": {
+        "a": closed, "b": {"type": "array", "items": closed}, "c": {"anyOf": [closed, {"type": "null"}]},
+        "d": {"type": "object", "additionalProperties": {"type": "integer"}},
+        "e": schema["properties"]["e"], "f": {"$ref": "#/$defs/thing"}},
+        "$defs": {"thing": {"type": ["object", "null"], "properties": {"x": closed},
+                            "additionalProperties": False}}}
+    assert schema["properties"]["a"] == leaf   # the request's own schema is left as it was
+    jsonschema.validate({"a": {"v": "1"}, "f": {"x": {"v": "2"}}}, c.json)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"a": {"v": "1", "extra": 2}}, c.json)
 
 
 def test_prepare_chat_modes(smollm2_tokenizer):

@@ -104,6 +104,16 @@ def test_pull_help_lists_the_known_names(capsys):
     assert all(name in out for name in store.known_names())
 
 
+def test_bench_help_names_every_benchmark(capsys):
+    """`ferrum --help` and `ferrum bench --help` name each benchmark (ttft and sweep were left
+    out of the description)."""
+    for argv in (["--help"], ["bench", "--help"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(argv)
+        out = " ".join(capsys.readouterr().out.split())   # argparse wraps the line
+        assert "benchmarks: latency | ttft | throughput | sweep | serve" in out, out
+
+
 # ---- one source for every default -------------------------------------------------------------
 
 @pytest.mark.parametrize("command", [["run"], ["serve"], ["bench", "latency"], ["bench", "throughput"]])
@@ -402,3 +412,54 @@ def test_post_without_json_content_type_is_a_clear_400(app_engine, ctype):
     ok = _asgi(app, "POST", "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 1},
                headers={"content-type": "application/json; charset=utf-8"})
     assert ok.status_code == 200, ok.text
+
+
+def test_request_body_limit_is_a_server_option(app_engine):
+    from ferrum.entrypoints.openai.server import build_app
+    app = build_app(app_engine, ["m"], max_request_body="1KiB")
+    body = {"model": "m", "prompt": "hi", "max_tokens": 1}
+    r = _asgi(app, "POST", "/v1/completions", json={**body, "prompt": "x" * 1024})
+    assert r.status_code == 413
+    err = r.json()["error"]
+    assert err["code"] == 413 and "1024 bytes (1KiB)" in err["message"], err
+    assert _asgi(app, "POST", "/v1/completions", json=body).status_code == 200
+    p = build_parser()
+    assert p.parse_args(["serve", "--max-request-body", "2MiB"]).max_request_body == 2 * 2**20
+    assert p.parse_args(["serve"]).max_request_body == 8 * 2**20
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize"])
+def test_prompts_are_tokenized_off_the_event_loop(app_engine, monkeypatch, path):
+    """While one request's prompt is being tokenized (here: blocked until /health has
+    answered), the event loop serves other requests."""
+    import threading
+    from ferrum.entrypoints.openai.server import build_app
+    tok = app_engine.tokenizer
+    started, health_done, waited = threading.Event(), threading.Event(), []
+
+    def blocking(real):
+        def run(*args, **kw):
+            started.set()
+            waited.append(health_done.wait(5))   # False: /health could not answer meanwhile
+            return real(*args, **kw)
+        return run
+    monkeypatch.setattr(tok, "encode", blocking(tok.encode))
+    monkeypatch.setattr(tok, "apply_chat_template", blocking(tok.apply_chat_template))
+    body = {"/v1/completions": {"prompt": "hi", "max_tokens": 1},
+            "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+            "/v1/responses": {"input": "hi", "max_output_tokens": 1},
+            "/tokenize": {"prompt": "hi"}}[path]
+    app = build_app(app_engine, ["m"])
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://ferrum") as c:
+            request = asyncio.create_task(c.post(path, json={"model": "m", **body}))
+            while not started.is_set() and not request.done():
+                await asyncio.sleep(0.01)
+            health = await c.get("/health")
+            health_done.set()
+            return health, await request
+    health, r = asyncio.run(go())
+    assert health.status_code == 200 and r.status_code == 200, r.text
+    assert waited and all(waited), waited

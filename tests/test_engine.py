@@ -345,6 +345,37 @@ def test_cache_too_small_and_unknown_model(folder):
         LLM(str(folder) + "-missing/", progress=False)
 
 
+def test_max_model_len_shrinks_to_a_small_pool_unless_set(folder, caplog):
+    """A KV pool smaller than one sequence at the model's max_position_embeddings (512) makes
+    an unset max_model_len shrink to the pool's whole capacity (a block multiple), with one
+    log line naming both values and the flags; a max_model_len the user set is kept and the
+    named error says which flags to change."""
+    # 2 layers x 2 KV heads x head_dim 16 x (K, V) x 4 bytes = 512 bytes a token, 8 KiB a block
+    with caplog.at_level("WARNING", logger="ferrum"):
+        llm = LLM(folder, progress=False, device="cpu", kv_cache_memory=10 * 8192 + 100)
+    try:
+        assert llm.engine.max_model_len == 160 and llm.engine.num_blocks == 10
+        assert llm.engine.executor.capabilities().max_seq_len == 160
+        lines = [r.getMessage() for r in caplog.records if "max_model_len" in r.getMessage()]
+        assert len(lines) == 1 and "512 -> 160" in lines[0], lines
+        assert "--max-model-len" in lines[0] and "--kv-cache-memory" in lines[0]
+        out = llm.generate([[5] * 150], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) == 10 and out.finish_reason == "length"   # 150 + 10 = 160
+        with pytest.raises(PromptTooLongError):
+            llm.generate([[5] * 160], SamplingParams(max_tokens=1), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    with pytest.raises(CacheConfigError) as info:
+        LLM(folder, progress=False, device="cpu", max_model_len=512, kv_cache_memory=10 * 8192)
+    msg = str(info.value)
+    assert "--max-model-len to at most 160" in msg and "--kv-cache-memory to at least 256KiB" in msg, msg
+    with pytest.raises(CacheConfigError) as info:
+        LLM(folder, progress=False, device="cpu", max_model_len=512, num_kv_blocks=7)
+    assert "--max-model-len to at most 112" in str(info.value)
+    assert "--num-kv-blocks to at least 32" in str(info.value)
+
+
 def test_request_that_can_never_fit_fails_alone(folder):
     """A request whose KV cache could never fit the pool is refused at add_request with
     OutOfKvCacheError; requests already queued are unaffected.

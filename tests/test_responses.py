@@ -139,6 +139,7 @@ def test_bad_values_name_the_field(server):
             ({**ok, "max_output_tokens": 0}, "max_output_tokens", ">= 1"),
             ({**ok, "max_output_tokens": 100000}, "max_output_tokens", "max_model_len"),
             ({**ok, "temperature": -1}, "temperature", ">= 0"),
+            ({**ok, "temperature": 2.01}, "temperature", "less than or equal to 2"),
             ({**ok, "top_p": 0}, "top_p", "(0, 1]"),
             ({**ok, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
             ({**ok, "include": ["file_search_call.results"]}, "include", "not supported"),
@@ -146,6 +147,7 @@ def test_bad_values_name_the_field(server):
             ({**ok, "reasoning": {"effort": "high"}}, "reasoning", "reasoning"),
             ({**ok, "input": image}, "input", "text only"),
             ({**ok, "input": []}, "input", "empty"),
+            ({**ok, "input": ""}, "input", "empty"),   # as /v1/completions refuses prompt ""
             ({**ok, "input": [{"role": "robot", "content": "x"}]}, "input", "input[0].role"),
             ({**ok, "input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "stored state"),
             ({**ok, "input": [{"type": "function_call", "call_id": "c"}]}, "input", "input[0].name"),
@@ -160,6 +162,8 @@ def test_bad_values_name_the_field(server):
         status = 404 if param is None else 400
         e = _err(_post(server, "/v1/responses", body), status)
         assert e["param"] == param and words in e["message"], (body, e)
+    e = _err(_post(server, "/v1/completions", {"model": MODEL, "prompt": "", "max_tokens": 4}), 400)
+    assert e["param"] == "prompt" and "empty" in e["message"]
 
 
 def test_function_call_items_and_their_events():
@@ -317,10 +321,16 @@ def test_tools_and_text_format_bad_values_name_the_field(server):
             ({**ok, "tools": [{"type": "web_search"}]}, "tools[0].type"),
             ({**ok, "tools": [{"type": "function", "name": "a b"}]}, "tools[0].name"),
             ({**ok, "tools": [{"type": "function", "name": "f", "parameters": 3}]}, "tools[0].parameters"),
+            ({**ok, "tools": [*TOOLS, {"type": "function", "name": "f", "parameters": {"type": "objekt"}}]},
+             f"tools[{len(TOOLS)}].parameters"),
+            ({**ok, "tools": [{"type": "function", "name": "f", "parameters": {
+                "type": "array", "uniqueItems": True}}], "tool_choice": "required"}, "tools[0].parameters"),
             ({**ok, "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
             ({**ok, "tools": TOOLS, "tool_choice": {"type": "mcp"}}, "tool_choice"),
             ({**ok, "tool_choice": "required"}, "tool_choice"),
             ({**ok, "text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format"),
+            ({**ok, "text": {"format": {"type": "json_schema", "name": "a b", "schema": {}}}},
+             "text.format.name"),
             ({**ok, "text": {"format": {"type": "json_schema", "name": "n",
                                         "schema": {"type": "array", "uniqueItems": True}}}}, "text.format"),
             ({**ok, "tools": TOOLS, "tool_choice": "required", "text": {"format": {"type": "json_object"}}},

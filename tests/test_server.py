@@ -315,6 +315,11 @@ def test_bad_inputs(server):
     assert e["param"] == "seed"
     e = _err(_post(server, "/v1/completions", {**ok, "temperature": -1}), 400)
     assert e["param"] == "temperature"
+    for path, body in [("/v1/completions", ok), ("/v1/chat/completions", {
+            "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})]:
+        e = _err(_post(server, path, {**body, "temperature": 2.5}), 400)   # OpenAI: [0, 2]
+        assert e["param"] == "temperature" and "2" in e["message"]
+        assert _post(server, path, {**body, "temperature": 2}).status_code == 200
     # every bad logit_bias key is named, not only the first (issue 13 item 7)
     e = _err(_post(server, "/v1/completions", {**ok, "logit_bias": {"abc": 1, "5": 1, "-1": 2}}), 400)
     assert e["param"] == "logit_bias" and "'abc'" in e["message"] and "'-1'" in e["message"]
@@ -341,6 +346,44 @@ def test_bad_inputs(server):
     assert _post(server, "/v1/completions", ok).status_code == 200
 
 
+WRONG_TYPES = [   # (path, field, value): pydantic's lax mode took each ("5" -> 5, true -> 1)
+    ("/v1/completions", "max_tokens", "5"), ("/v1/completions", "max_tokens", True),
+    ("/v1/completions", "max_tokens", 5.0), ("/v1/completions", "temperature", "0.5"),
+    ("/v1/completions", "temperature", True), ("/v1/completions", "stream", "true"),
+    ("/v1/completions", "stream", 1), ("/v1/completions", "n", "2"),
+    ("/v1/completions", "logprobs", True), ("/v1/completions", "echo", 1),
+    ("/v1/completions", "top_p", "1"), ("/v1/completions", "seed", "3"),
+    ("/v1/completions", "ignore_eos", "yes"), ("/v1/completions", "stream_options", {"include_usage": 1}),
+    ("/v1/completions", "logit_bias", {"5": "1"}), ("/v1/completions", "stop", 5),
+    ("/v1/chat/completions", "max_completion_tokens", "5"), ("/v1/chat/completions", "logprobs", 1),
+    ("/v1/chat/completions", "top_logprobs", True), ("/v1/chat/completions", "parallel_tool_calls", 0),
+    ("/v1/chat/completions", "presence_penalty", "0"),
+    ("/v1/responses", "temperature", "1"), ("/v1/responses", "stream", 1),
+    ("/v1/responses", "store", 0), ("/v1/responses", "top_p", False),
+    ("/tokenize", "add_special_tokens", 1),
+]
+
+
+@pytest.mark.parametrize("path,field,value", WRONG_TYPES)
+def test_wrong_json_types_are_a_400_naming_the_field(server, path, field, value):
+    body = {"/v1/completions": {"prompt": "hi", "max_tokens": 2},
+            "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            "/v1/responses": {"input": "hi", "max_output_tokens": 2},
+            "/tokenize": {"prompt": "hi"}}[path]
+    e = _err(_post(server, path, {"model": MODEL, **body, field: value}), 400)
+    assert e["param"] == field and e["type"] == "invalid_request_error", e
+
+
+def test_json_ints_stay_valid_for_float_fields(server):
+    for path, body in [("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+                       ("/v1/responses", {"input": "hi", "max_output_tokens": 2})]:
+        r = _post(server, path, {"model": MODEL, **body, "temperature": 1, "top_p": 1})
+        assert r.status_code == 200, r.text
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                          "presence_penalty": 0, "logit_bias": {"5": 1}})
+    assert r.status_code == 200, r.text
+
+
 def test_errors_through_the_openai_client(client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
@@ -364,6 +407,69 @@ def test_context_length_errors_give_the_numbers(server):
     e = _err(_post(server, "/v1/chat/completions", {
         "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 1000}), 400)
     assert "1000" in e["message"] and e["param"] == "max_completion_tokens"
+    # a prompt too long by itself names the field it came from: messages (chat), input (Responses)
+    long_text = "hi " * MAX_MODEL_LEN
+    for path, body, param in [
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": long_text}]}, "messages"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": long_text}],
+                                      "max_tokens": 5}, "messages"),
+            ("/v1/responses", {"input": long_text}, "input"),
+            ("/v1/completions", {"prompt": long_text}, "prompt")]:
+        e = _err(_post(server, path, {"model": MODEL, **body}), 400)
+        assert e["param"] == param and e["message"].startswith(f"{param}: "), (path, e)
+        assert str(MAX_MODEL_LEN) in e["message"]
+
+
+def test_completions_max_tokens_absent_or_null_is_16(server):
+    """OpenAI's default for /v1/completions is 16 tokens, for a null max_tokens as for an absent
+    one (null used to mean "the rest of the context"); chat's default stays vLLM's, the rest of
+    the context."""
+    from ferrum import SamplingParams
+    body = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "ignore_eos": True}
+    for extra in ({}, {"max_tokens": None}):
+        r = _post(server, "/v1/completions", {**body, **extra})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == SamplingParams.max_tokens == 16, extra
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True,
+            "max_tokens": None}
+    r = _post(server, "/v1/chat/completions", chat).json()
+    assert r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] == MAX_MODEL_LEN
+
+
+def test_readme_constrained_examples_pass_max_tokens(server):
+    """Every README curl example with an output constraint (response_format, tool_choice)
+    names max_tokens, so it ends even when the model never closes the JSON, and runs here."""
+    import pathlib
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    bodies = [json.loads(b) for b in re.findall(r"-d '(\{.*?\})'", readme, re.S)]
+    constrained = [b for b in bodies if "response_format" in b or "tool_choice" in b]
+    assert len(constrained) >= 2
+    for b in constrained:
+        assert isinstance(b.get("max_tokens"), int), b
+        r = _post(server, "/v1/chat/completions", {**b, "model": MODEL})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] <= b["max_tokens"]
+
+
+def test_body_over_the_limit_is_a_413_naming_it_and_the_server_serves_on(server):
+    """A body over the server's --max-request-body (default 8 MiB) is answered 413 before it is
+    parsed or tokenized, whether it says its Content-Length or comes chunked; the client,
+    still sending, reads the answer; nothing is queued and the next request is served."""
+    big = json.dumps({"model": MODEL, "prompt": "hi " * (3 * 2**20), "max_tokens": 1}).encode()
+    assert len(big) > 9 * 2**20
+    before = _status(server)
+    for content in (big, (big[i:i + 2**16] for i in range(0, len(big), 2**16))):
+        r = _post(server, "/v1/completions", content=content)
+        e = _err(r, 413)
+        assert e["type"] == "invalid_request_error" and "--max-request-body" in e["message"]
+        assert "8388608 bytes (8MiB)" in e["message"]
+    assert httpx.get(server + "/health", timeout=10).json() == {"status": "ok"}
+    after = _status(server)
+    assert after["num_waiting"] == 0 and after["kv_blocks_free"] == after["kv_blocks_total"]
+    assert after["prompt_tokens"] == before["prompt_tokens"]
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
 def test_api_key_is_enforced(server, client):
@@ -568,6 +674,12 @@ def _tokenize_chat(client, msgs) -> list[int]:
     return r.json()["tokens"]
 
 
+def _tool(name: str, parameters) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+UNIQUE = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+
 BAD_FIELDS = [
     ({"tools": "get_weather"}, "tools"),
     ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools[0].type"),
@@ -583,12 +695,26 @@ BAD_FIELDS = [
      "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "n", "schema": {"type": "array", "uniqueItems": True}}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}},
+     "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "strict": 1}}},
+     "response_format.json_schema.strict"),
     ({"structured_outputs": {"jsn": {}}}, "structured_outputs"),
     ({"structured_outputs": {"choice": ["a"], "regex": "b"}}, "structured_outputs"),
     ({"guided_regex": "(unclosed"}, "guided_regex"),
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_grammar": "start: nothing_defined"}, "guided_grammar"),
     ({"guided_json": "{not json"}, "guided_json"),
+    # every tool's parameters are a JSON schema, under any tool_choice, named by the tool
+    ({"tools": [_tool("f", {"type": "objekt"})]}, "tools[0].function.parameters"),
+    ({"tools": [*TOOLS, _tool("f", {"type": "object", "properties": 5})], "tool_choice": "none"},
+     f"tools[{len(TOOLS)}].function.parameters"),
+    ({"tools": [_tool("f", {"type": "object", "required": "city"})], "tool_choice": "auto"},
+     "tools[0].function.parameters"),
+    # enforced (required / named) schemas must also be enforceable: uniqueItems is not
+    ({"tools": [_tool("f", UNIQUE)], "tool_choice": "required"}, "tools[0].function.parameters"),
+    ({"tools": [*TOOLS, _tool("f", UNIQUE)], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     f"tools[{len(TOOLS)}].function.parameters"),
     ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice"),
     ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "response_format"),
     ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
@@ -606,6 +732,17 @@ def test_bad_tool_and_format_fields_are_named(server, case):
     e = _err(_post(server, "/v1/chat/completions", body), 400)
     assert e["param"] == param, e
     assert e["type"] == "invalid_request_error"
+
+
+def test_valid_schema_keywords_not_enforced_are_fine_where_nothing_is_enforced(client):
+    """uniqueItems is valid JSON Schema that constrained decoding cannot enforce: a tool that
+    uses it is refused only where its arguments are enforced (required / named), not under
+    auto or none, or when another tool is the named one."""
+    tools = [*TOOLS, _tool("f", UNIQUE)]
+    for choice in ("auto", "none", {"type": "function", "function": {"name": "get_weather"}}):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, tools=tools,
+                                           tool_choice=choice)
+        assert r.choices[0].finish_reason in ("stop", "length", "tool_calls"), choice
 
 
 def test_server_serves_after_bad_constraints(server, client):

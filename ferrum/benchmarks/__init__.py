@@ -6,7 +6,7 @@ peers (`peers`).
 Each module defines `add_parser(subparsers, add_engine_args)` and `main(args) -> int`."""
 import importlib
 
-_BENCHES = ("latency", "ttft", "throughput", "sweep", "serve")
+BENCHES = ("latency", "ttft", "throughput", "sweep", "serve")   # `ferrum bench` subcommands
 
 
 class _SubparsersWithDefaults:
@@ -21,10 +21,10 @@ class _SubparsersWithDefaults:
 
 
 def add_bench_parsers(sub, add_engine_args, **parser_defaults) -> None:
-    """Add `latency`, `throughput`, `serve` subcommands to the argparse subparsers `sub`
-    (a benchmark whose imports fail is left out); parser_defaults go to every add_parser."""
+    """Add the BENCHES subcommands to the argparse subparsers `sub` (a benchmark whose
+    imports fail is left out); parser_defaults go to every add_parser."""
     sub = _SubparsersWithDefaults(sub, parser_defaults)
-    for name in _BENCHES:
+    for name in BENCHES:
         try:
             mod = importlib.import_module(f"ferrum.benchmarks.{name}")
         except ImportError:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ferrum.config import EngineConfig, resolve_max_model_len
+from ferrum.config import EngineConfig, format_size, resolve_max_model_len
 from ferrum.engine.block_manager import BlockManager
 from ferrum.engine.scheduler import Scheduler
 from ferrum.engine.sequence import Request, Sequence, SequenceStatus
@@ -28,6 +28,7 @@ from ferrum.engine.output_state import SequenceOutputState
 from ferrum.errors import (CacheConfigError, InvalidRequestError, OutOfKvCacheError, QueueFullError,
                            check_prompt_len)
 from ferrum.executor.base import is_device_fault
+from ferrum.executor.memory import pool_flag
 from ferrum.interfaces import (DecodeInput, KvCacheHandle, ModelExecutor, PrefillInput,
                                PromptLogprobs)
 from ferrum.layers.sampler import Sampler, SamplingMetadata, validate_token_ids
@@ -130,9 +131,16 @@ class LLMEngine:
                f"{self.num_blocks * self.block_size} tokens "
                f"({caps.memory.kv_bytes_per_block(self.block_size) * self.num_blocks / 2**20:.0f} MiB per rank); "
                f"{self.num_blocks / per_seq:.2f} sequences of max_model_len {self.max_model_len}")
-        if self.num_blocks < per_seq:
-            raise CacheConfigError(f"{msg}: not even one sequence fits. Raise --kv-cache-memory "
-                                   "(CPU) / --gpu-memory-utilization (GPU) or lower --max-model-len")
+        if self.num_blocks < per_seq:   # max_model_len set by the user (else it was fitted)
+            flag = pool_flag(config.cache, self.executor.info().device)
+            need = per_seq * caps.memory.kv_bytes_per_block(self.block_size)
+            scale = 2**20 if need >= 2**20 else 2**10   # rounded up to whole MiB / KiB
+            need = {"--num-kv-blocks": str(per_seq),
+                    "--kv-cache-memory": format_size(-(-need // scale) * scale)}.get(flag)
+            fix = f"raise {flag}" + (f" to at least {need}" if need else "")
+            if self.num_blocks:
+                fix = f"lower --max-model-len to at most {self.num_blocks * self.block_size} or {fix}"
+            raise CacheConfigError(f"{msg}: not even one sequence fits; {fix}")
         log.info(msg)
         self.block_manager = BlockManager(self.num_blocks, self.block_size,
                                           config.cache.enable_prefix_caching)

@@ -23,7 +23,8 @@ tool_choice (OpenAI): "none" (tools are left out of the prompt and nothing is pa
 (default with tools: the model's own format is parsed), "required" (constrained decoding to a
 JSON array of {"name", "parameters"} calls built from the tools' parameter schemas), or
 {"type": "function", "function": {"name": ...}} (constrained to that function's parameter
-schema). `parallel_tool_calls: false` allows one call.
+schema). `parallel_tool_calls: false` allows one call. Every tool's parameters are checked as a
+JSON schema on every request, and the enforced ones as enforceable (`check_tool_schemas`).
 """
 from __future__ import annotations
 
@@ -196,6 +197,19 @@ def parse_tool_choice(tool_choice, tools: list[dict] | None) -> str | dict:
     return {"type": "function", "function": {"name": fn["name"]}}
 
 
+def check_tool_schemas(tools: list[dict] | None, tool_choice) -> None:
+    """Every tool's `parameters` must be a valid JSON schema, whatever tool_choice is; the
+    schemas tool_choice enforces ("required": all, a named function: its own) must also be
+    ones constrained decoding can enforce (`structured_output.grammar.check_json_schema`).
+    Raises InvalidRequestError naming `tools[i].function.parameters`."""
+    from ferrum.structured_output.grammar import check_json_schema
+    for i, t in enumerate(tools or []):
+        fn = t["function"]
+        enforced = tool_choice == "required" or (
+            isinstance(tool_choice, dict) and tool_choice["function"]["name"] == fn["name"])
+        check_json_schema(fn["parameters"], f"tools[{i}].function.parameters", enforced)
+
+
 def _lift_defs(schema: dict, defs: dict) -> dict:
     """Move a parameter schema's $defs / definitions into `defs` (the combined schema's root,
     where its "#/$defs/..." references resolve). Raises InvalidRequestError on a name two tools
@@ -231,10 +245,42 @@ def tool_choice_constraint(tools: list[dict], tool_choice, parallel_tool_calls: 
     return StructuredOutputsParams(json=schema, param="tool_choice")
 
 
+# keywords whose value is a schema / a list of schemas / a map of name -> schema
+_SUBSCHEMA = ("items", "additionalProperties", "contains", "additionalItems", "propertyNames")
+_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema):
+    """A copy of a JSON schema in which every object schema (type "object", or properties
+    without a type) that does not set additionalProperties sets it to false: what OpenAI's
+    `strict: true` assumes. Descends into subschemas (properties, items, anyOf / oneOf
+    branches, $defs, ...) but not into allOf: closing each part would refuse what only the
+    parts together allow."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key, value in schema.items():
+        if key in _SUBSCHEMA:
+            out[key] = closed_objects(value)
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            out[key] = [closed_objects(v) for v in value]
+        elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: closed_objects(v) for name, v in value.items()}
+    kind = schema.get("type")
+    if (kind == "object" or (isinstance(kind, list) and "object" in kind)
+            or (kind is None and "properties" in schema)):
+        out.setdefault("additionalProperties", False)
+    return out
+
+
 def response_format_constraint(response_format) -> StructuredOutputsParams | None:
     """OpenAI `response_format`: {"type": "text"} (None), {"type": "json_object"}, or
-    {"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}.
-    Raises InvalidRequestError (param "response_format")."""
+    {"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}:
+    `name` is required (OpenAI's rule for names), `schema` optional (any object), and
+    `strict: true` closes every object that does not set additionalProperties
+    (`closed_objects`). Raises InvalidRequestError (param "response_format", or
+    "response_format.json_schema.<key>" for a bad key)."""
     if response_format is None:
         return None
     kind = response_format.get("type") if isinstance(response_format, dict) else None
@@ -244,13 +290,21 @@ def response_format_constraint(response_format) -> StructuredOutputsParams | Non
         return StructuredOutputsParams(json_object=True, param="response_format")
     if kind == "json_schema":
         spec = response_format.get("json_schema")
+        where = "response_format.json_schema"
         if not isinstance(spec, dict):
             raise _bad("response_format", "json_schema needs a \"json_schema\" object with "
                                           "\"name\" and \"schema\"")
+        name = spec.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise _bad(f"{where}.name", f"is required: 1-64 letters, digits, '_' or '-'; got {name!r}")
         schema = spec.get("schema", {"type": "object"})   # OpenAI: schema is optional
         if not isinstance(schema, dict):
-            raise _bad("response_format", "json_schema.schema must be a JSON schema object")
-        return StructuredOutputsParams(json=schema, param="response_format")
+            raise _bad(f"{where}.schema", "must be a JSON schema object")
+        strict = spec.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise _bad(f"{where}.strict", f"must be a boolean, got {strict!r}")
+        return StructuredOutputsParams(json=closed_objects(schema) if strict else schema,
+                                       param="response_format")
     raise _bad("response_format", f"type must be text, json_object or json_schema; got {kind!r}")
 
 
@@ -349,6 +403,7 @@ def prepare_chat(tokenizer, messages, *, tools=None, tool_choice=None,
     msgs = parse_messages(messages)
     tools = parse_tools(tools)
     choice = parse_tool_choice(tool_choice, tools)
+    check_tool_schemas(tools, choice)
     if not isinstance(parallel_tool_calls, bool):
         raise _bad("parallel_tool_calls", "must be a boolean")
     constraint = tool_choice_constraint(tools, choice, parallel_tool_calls) if tools else None

@@ -13,7 +13,9 @@ import logging
 import os
 import sys
 
-from ferrum.entrypoints.args import HelpFormatter, add_engine_args, config_from_args
+from ferrum.config import MAX_REQUEST_BODY, parse_size
+from ferrum.entrypoints.args import (HelpFormatter, _as_argparse_type, add_engine_args,
+                                     config_from_args)
 from ferrum.errors import FerrumError
 from ferrum.sampling_params import SamplingParams
 
@@ -120,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                    help="browser origins allowed by CORS, e.g. http://localhost:3000 or * "
                         "(default: none, no CORS headers)")
+    g.add_argument("--max-request-body", type=_as_argparse_type(parse_size),
+                   default=MAX_REQUEST_BODY, metavar="SIZE",
+                   help="largest request body read, with a unit; a larger one is answered 413 "
+                        "before it is parsed or tokenized")
     s.set_defaults(func=_cmd_serve)
 
     names = ", ".join(known_names())
@@ -131,9 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     ls = command("list", "list cached models")
     ls.set_defaults(func=_cmd_list)
 
-    b = command("bench", "benchmarks: latency | throughput | serve")
+    from ferrum.benchmarks import BENCHES, add_bench_parsers
+    b = command("bench", "benchmarks: " + " | ".join(BENCHES))
     bsub = b.add_subparsers(dest="bench", required=True)
-    from ferrum.benchmarks import add_bench_parsers
     add_bench_parsers(bsub, add_engine_args, parents=[verbose], formatter_class=HelpFormatter)
     return p
 

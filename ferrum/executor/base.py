@@ -12,7 +12,7 @@ from ferrum.interfaces import (DecodeInput, DecodeOutput, ExecutorCapabilities, 
                                KvCacheHandle, ModelInfo, PrefillInput, PrefillOutput,
                                PromptLogprobs)
 from ferrum.loader.base import ModelSource
-from ferrum.executor.memory import compute_memory_requirements
+from ferrum.executor.memory import compute_memory_requirements, fit_max_model_len
 from ferrum.executor.threads import apply_engine_settings
 
 log = logging.getLogger("ferrum")
@@ -33,7 +33,7 @@ def is_device_fault(error: BaseException) -> bool:
 class ExecutorBase:
     """The bookkeeping half of a `ModelExecutor`: model info, capabilities, memory
     requirements and live status from the config; subclasses implement `_prefill` /
-    `_decode` and set `num_blocks`."""
+    `_decode` and size the pool with `_allocate_kv_cache`."""
 
     def __init__(self, source: ModelSource, config: EngineConfig):
         self.source, self.config = source, config
@@ -53,13 +53,21 @@ class ExecutorBase:
         self._broken: str | None = None   # why no step can run any more (see health)
 
     # Subclasses implement these two (returning logits [num_seqs, vocab] float32; _prefill
-    # with the step's PromptLogprobs or None) and set self.num_blocks; the public
+    # with the step's PromptLogprobs or None) and call _allocate_kv_cache; the public
     # prefill/decode below add the bookkeeping.
     def _prefill(self, inp: PrefillInput) -> tuple[torch.Tensor, PromptLogprobs | None]:
         raise TypeError(f"{type(self).__name__} must implement _prefill")
 
     def _decode(self, inp: DecodeInput) -> torch.Tensor:
         raise TypeError(f"{type(self).__name__} must implement _decode")
+
+    def _allocate_kv_cache(self, num_blocks: int) -> None:
+        """Give rank 0's runner a pool of `num_blocks` blocks (the count every rank agreed on)
+        and fit max_model_len to it when the user left it unset (`fit_max_model_len`)."""
+        self.num_blocks = num_blocks
+        self.max_model_len = fit_max_model_len(self.max_model_len, num_blocks, self.config.cache,
+                                               self.device, self.config.scheduler.max_model_len)
+        self.runner.allocate_kv_cache(num_blocks, self.config.cache.block_size)
 
     def _guarded(self, run, inp):
         """Run one forward; a device fault marks the executor broken (every later step

@@ -71,3 +71,27 @@ def num_kv_blocks(mem: MemoryRequirements, cache: CacheConfig, device: str, max_
     else:
         budget = min(1 << 30, per_block * max_num_seqs * -(-max_model_len // cache.block_size))
     return max(0, budget // per_block)
+
+
+def pool_flag(cache: CacheConfig, device: str) -> str:
+    """The flag that sizes this KV pool: --num-kv-blocks when it is set, else
+    --gpu-memory-utilization on CUDA, --kv-cache-memory on CPU."""
+    if cache.num_kv_blocks is not None:
+        return "--num-kv-blocks"
+    return "--gpu-memory-utilization" if device.startswith("cuda") else "--kv-cache-memory"
+
+
+def fit_max_model_len(max_model_len: int, num_blocks: int, cache: CacheConfig, device: str,
+                      requested: int | None) -> int:
+    """The context length (tokens) to serve with a pool of `num_blocks` blocks: max_model_len
+    when one sequence of it fits, or when the user set it (`requested` not None; the engine
+    then refuses to start with CacheConfigError) or the pool has no block; else the pool's
+    whole capacity, num_blocks * block_size tokens (a block multiple), with one warning that
+    gives both values and the flags that change them."""
+    fits = num_blocks * cache.block_size
+    if requested is not None or num_blocks == 0 or fits >= max_model_len:
+        return max_model_len
+    log.warning("max_model_len %d -> %d tokens: the KV pool (%d blocks of %d tokens) holds no "
+                "longer sequence; set --max-model-len, and %s for a larger pool, to change it",
+                max_model_len, fits, num_blocks, cache.block_size, pool_flag(cache, device))
+    return fits

@@ -29,9 +29,8 @@ class SingleDeviceExecutor(ExecutorBase):
                                   config.scheduler.max_model_len)
         self.memory = self.runner.memory_requirements(1)
         s = config.scheduler
-        self.num_blocks = num_kv_blocks(self.memory, config.cache, self.device, self.max_model_len,
-                                        s.max_num_seqs, s.max_num_batched_tokens)
-        self.runner.allocate_kv_cache(self.num_blocks, config.cache.block_size)
+        self._allocate_kv_cache(num_kv_blocks(self.memory, config.cache, self.device, self.max_model_len,
+                                              s.max_num_seqs, s.max_num_batched_tokens))
 
     def _prefill(self, inp: PrefillInput) -> tuple[torch.Tensor, PromptLogprobs | None]:
         return self.runner.prefill(inp.token_ids, inp.kv, inp.prompt_logprob_targets,

@@ -129,9 +129,8 @@ class TensorParallelExecutor(ExecutorBase):
                                            expert_parallel=config.parallel.enable_expert_parallel)
         self.runner = build_runner(config, self.rank_device, progress)
         self.memory = self.runner.memory_requirements(self.tp)
-        self.num_blocks = agree_num_blocks(local_num_blocks(self.runner, config, self.rank_device),
-                                           self.control)
-        self.runner.allocate_kv_cache(self.num_blocks, config.cache.block_size)
+        self._allocate_kv_cache(agree_num_blocks(local_num_blocks(self.runner, config, self.rank_device),
+                                                 self.control))
 
     def _start_workers(self, config: EngineConfig, progress: bool) -> None:
         """Start ranks 1..N-1 (tp_launch.py) and go through the start-up phases with them:
@@ -156,9 +155,9 @@ class TensorParallelExecutor(ExecutorBase):
         finally:
             pool.shutdown(wait=False)   # after a worker's failure rank 0 stops waiting for itself
         local = local_num_blocks(self.runner, config, self.rank_device)
-        self.num_blocks = min([local] + [int(c) for c in counts])
-        self.store.set("num_blocks", str(self.num_blocks).encode())
-        self.runner.allocate_kv_cache(self.num_blocks, config.cache.block_size)
+        num_blocks = min([local] + [int(c) for c in counts])
+        self.store.set("num_blocks", str(num_blocks).encode())
+        self._allocate_kv_cache(num_blocks)
         self.workers.wait_phase("ready", "allocating the KV cache")
 
     def _build_runner(self, config: EngineConfig, progress: bool):

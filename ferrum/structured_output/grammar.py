@@ -57,6 +57,26 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         raise InvalidRequestError(f"{p}: invalid {kind}: {e}", param=p) from e
 
 
+def check_json_schema(schema, param: str, enforced: bool = True) -> None:
+    """Raise InvalidRequestError (param `param`) unless `schema` is a valid JSON schema
+    (type names, `properties` an object, `required` a list, `$ref`s that resolve, ...) and,
+    with `enforced`, one llguidance can enforce (no `uniqueItems`, `not`, `if`/`then`, unknown
+    `format`): the check `GrammarCompiler.compile` makes, without a tokenizer (well under a
+    millisecond). enforced=False (llguidance's lenient mode) passes keywords it cannot enforce,
+    for a schema nothing is decoded against (a tool under tool_choice auto)."""
+    if not isinstance(schema, (dict, bool)):
+        raise InvalidRequestError(f"{param}: must be a JSON schema object", param=param)
+    options = {**_COMPACT_JSON, "lenient": not enforced}
+    try:
+        text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=options)
+    except (ValueError, TypeError) as e:
+        raise InvalidRequestError(f"{param}: invalid JSON schema: {e}", param=param) from e
+    error = llguidance.LLMatcher.validate_grammar(text, None)
+    if error and not error.startswith("WARNING"):
+        raise InvalidRequestError(f"{param}: not a JSON schema ferrum can "
+                                  f"{'enforce' if enforced else 'read'}: {error.strip()}", param=param)
+
+
 class CompiledGrammar:
     """A compiled grammar: a matcher in its start state, copied for each sequence (a copy
     costs microseconds; compiling costs milliseconds to seconds)."""

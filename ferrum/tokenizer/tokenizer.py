@@ -164,7 +164,9 @@ class TemplateTextEncoder:
         text = self._rendered.sub(
             lambda m: (self.strings[int(m.group(1))] if m.group(1) is not None
                        else f"{_MARKUP}{self._index[m.group(2)]}{_MARKUP_END}"), rendering)
-        ids = copy.encode(text, add_special_tokens=False).ids
+        # encode_batch, not encode: it lets go of the GIL while it runs (seconds for a long
+        # text), so the server's event loop runs beside a prompt tokenized in a thread
+        ids = copy.encode_batch([text], add_special_tokens=False)[0].ids
         return [to_special.get(i, i) for i in ids]
 
     def _encode_pieces(self, rendering: str) -> list[int]:

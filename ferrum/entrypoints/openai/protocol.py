@@ -1,8 +1,11 @@
 """Request bodies of the OpenAI-compatible API (pydantic 2) and their mapping to SamplingParams.
 
 Every model forbids unknown fields (`extra="forbid"`): a field ferrum does not implement
-(`best_of`, `suffix`, ...) is answered with HTTP 400 naming it, never silently ignored. Value
-ranges (temperature >= 0, top_p in (0, 1], ...) are checked by `SamplingParams`, which raises
+(`best_of`, `suffix`, ...) is answered with HTTP 400 naming it, never silently ignored; and
+every model is strict, so a value of the wrong JSON type (`"max_tokens": "5"`, `"stream": 1`,
+`"temperature": true`) is a 400 naming its field, not coerced. Value
+ranges (temperature >= 0, top_p in (0, 1], ...) are checked by `SamplingParams`, except
+temperature's upper bound, OpenAI's 2, which only the server sets (`Temperature`); it raises
 InvalidRequestError with the offending parameter; messages, tools, tool_choice and
 response_format by `ferrum.entrypoints.chat_utils` (one checker for every API that takes
 them), which names the field's path.
@@ -16,9 +19,9 @@ structured-output fields: `structured_outputs` (vLLM's current name: {"json" | "
 """
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from ferrum.entrypoints.chat_utils import response_format_constraint
 from ferrum.errors import InvalidRequestError
@@ -27,12 +30,19 @@ from ferrum.structured_output import StructuredOutputsParams
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A request body: unknown fields and values of the wrong JSON type are refused (strict:
+    "5" is no integer, true no number, 1 no boolean; an integer is a valid float)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False     # one last chunk with `usage` and no choices
 
+
+# OpenAI's temperature range is [0, 2]: the server refuses more (SamplingParams, offline, takes
+# any temperature >= 0; its own check names a negative one).
+Temperature = Annotated[float, Field(le=2.0)]
 
 # Sampling fields a client may leave out (null): SamplingParams' defaults apply.
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -44,7 +54,7 @@ class _SamplingFields(_Strict):
 
     model: str | None = None
     n: int = SamplingParams.n
-    temperature: float | None = None    # None: SamplingParams' default (1.0, OpenAI's too)
+    temperature: Temperature | None = None    # None: SamplingParams' default (1.0, OpenAI's too)
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
@@ -123,6 +133,12 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = SamplingParams.max_tokens   # 16, OpenAI's documented default too
     logprobs: int | None = None
     echo: bool = False
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _null_max_tokens_is_the_default(cls, v: int | None) -> int:
+        """A null max_tokens means the default (OpenAI), as an absent one does."""
+        return SamplingParams.max_tokens if v is None else v
 
     @property
     def echo_only(self) -> bool:

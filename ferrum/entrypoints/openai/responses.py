@@ -35,6 +35,7 @@ Output_text logprobs cover the message text only.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import re
@@ -42,12 +43,13 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Iterator, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import Field, StrictInt
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from ferrum.entrypoints.chat_utils import ChatPrompt, prepare_chat
 from ferrum.entrypoints.openai.logprobs import chat_logprobs, ready_tokens, token_texts
+from ferrum.entrypoints.openai.protocol import Temperature, _Strict
 from ferrum.entrypoints.openai.serving import OpenAIServing, _Prompt, ferrum_error_body
 from ferrum.errors import FerrumError, InvalidRequestError
 from ferrum.outputs import RequestOutput
@@ -64,10 +66,6 @@ class ResponseNotFoundError(FerrumError):
 
     http_status = 404
     error_type = "not_found_error"
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class TextFormat(_Strict):
@@ -98,7 +96,7 @@ class ResponsesRequest(_Strict):
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: StrictInt | None = None
-    temperature: float | None = None
+    temperature: Temperature | None = None
     top_p: float | None = None
     top_logprobs: StrictInt | None = None
     include: list[str] | None = None
@@ -209,8 +207,8 @@ def _chat_param(param: str | None) -> str | None:
         return None
     if param.startswith("messages"):
         return "input"
-    if param.startswith("response_format"):
-        return "text.format"
+    if param.startswith("response_format"):   # response_format.json_schema.name -> text.format.name
+        return re.sub(r"^response_format(\.json_schema)?", "text.format", param)
     param = re.sub(r"^tools\[(\d+)\]\.function", r"tools[\1]", param)
     return re.sub(r"^tool_choice\.function", "tool_choice", param)
 
@@ -278,6 +276,9 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
     if req.instructions:
         msgs.append({"role": "system", "content": req.instructions})
     if isinstance(req.input, str):
+        if not req.input:   # as /v1/completions refuses prompt ""
+            raise InvalidRequestError("input is an empty string; give the user's text or input "
+                                      "items", param="input")
         return msgs + [{"role": "user", "content": req.input}]
     if not req.input:
         raise InvalidRequestError("input is an empty list; give at least one item", param="input")
@@ -339,10 +340,10 @@ class OpenAIServingResponses:
         if s.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer, so it cannot take chat input; "
                                       "use /v1/completions with token ids", param="input")
-        chat = prepare_response(s, req)
+        chat = await asyncio.to_thread(prepare_response, s, req)   # tokenizing: off the loop
         ids = chat.prompt_token_ids
         params = chat.sampling_params(req.sampling_params(
-            s._max_tokens(len(ids), req.max_output_tokens, "max_output_tokens")))
+            s._max_tokens(len(ids), req.max_output_tokens, "max_output_tokens", "input")))
         rid = f"resp_{uuid.uuid4().hex}"
         streams = await s._start(rid, [_Prompt(None, ids)], [params])
         state = _ResponseState(rid, model, req, len(ids), s.fmt, chat.tool_parser)

@@ -14,7 +14,10 @@ Endpoints:
 
 With `--api-key KEY` the /v1/*, /tokenize and /detokenize endpoints want
 `Authorization: Bearer KEY` (else 401); /health, /metrics and /status stay open for probes
-and scrapers. POST bodies must be JSON with `Content-Type: application/json` (else 400).
+and scrapers. POST bodies must be JSON with `Content-Type: application/json` (else 400), of
+at most `--max-request-body` bytes (default 8 MiB, else 413, read no further). Prompts are
+rendered and tokenized in a worker thread, so a long one never stalls the event loop (/health
+answers meanwhile).
 `--allowed-origins` turns on CORS (Starlette's CORSMiddleware) for those browser origins.
 
 Every error is an OpenAI-style body `{"error": {"message", "type", "param", "code"}}`: bad
@@ -27,6 +30,7 @@ request to stderr unless `--disable-log-requests`.
 """
 from __future__ import annotations
 
+import asyncio
 import copy
 import hmac
 import logging
@@ -41,6 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from uvicorn.config import LOGGING_CONFIG
 
+from ferrum.config import MAX_REQUEST_BODY, format_size, parse_size
 from ferrum.engine.async_engine import AsyncLLMEngine
 from ferrum.entrypoints.chat_utils import prepare_chat
 from ferrum.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
@@ -107,6 +112,54 @@ class _RequireApiKey:
         return await self.app(scope, receive, send)
 
 
+class RequestBodyTooLargeError(FerrumError):
+    """A request body over the server's --max-request-body."""
+
+    http_status = 413
+    error_type = "invalid_request_error"
+
+
+class _LimitBody:
+    """ASGI middleware: a POST body over `max_bytes` is answered 413 before any of it is parsed
+    or tokenized (a Content-Length over the limit at once, a chunked body once its chunks pass
+    it; uvicorn drops the rest, and the client reads the answer). A body within the limit is
+    read here and handed on whole; later receive() calls reach the server's own (the
+    disconnect watch)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        declared = int(length) if length.isdigit() else 0
+        chunks, received, more = [], 0, declared <= self.max_bytes
+        while more and received <= self.max_bytes:
+            message = await receive()
+            if message["type"] != "http.request":   # the client left: nobody to answer
+                return
+            more = message.get("more_body", False)
+            chunks.append(message.get("body", b""))
+            received += len(chunks[-1])
+        size = max(declared, received)
+        if size > self.max_bytes:
+            e = RequestBodyTooLargeError(
+                f"the request body has {size} bytes{' or more' if not length else ''}, over this "
+                f"server's limit of {self.max_bytes} bytes ({format_size(self.max_bytes)}); send "
+                "a shorter request, or start the server with a larger --max-request-body")
+            return await JSONResponse(ferrum_error_body(e), status_code=e.http_status)(scope, receive, send)
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await self.app(scope, replay, send)
+
+
 class _RequireJson:
     """ASGI middleware: a POST to an API path must say `Content-Type: application/json`, else
     400 naming what it sent (FastAPI would otherwise report a confusing validation error
@@ -143,15 +196,18 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | None = None,
-              allowed_origins: list[str] | None = None) -> FastAPI:
+              allowed_origins: list[str] | None = None,
+              max_request_body: int | str = MAX_REQUEST_BODY) -> FastAPI:
     """The FastAPI app over a running AsyncLLMEngine. model_names: accepted `model` values
     (the first is the one listed by /v1/models and reported in responses); api_key: None for
     no authentication; allowed_origins: browser origins CORS allows (`*` for any), None for no
-    CORS headers."""
+    CORS headers; max_request_body: the largest POST body read (bytes, or a size such as
+    "8MiB"; larger: 413)."""
     metrics = Metrics(model_names[0])
     serving = OpenAIServing(engine, model_names, metrics)
     app = FastAPI(title="ferrum", docs_url=None, redoc_url=None)
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
+    app.add_middleware(_LimitBody, max_bytes=parse_size(max_request_body))  # inside auth: 401 first
     if api_key is not None:
         app.add_middleware(_RequireApiKey, api_key=api_key)
     app.add_middleware(_RequireJson)
@@ -218,12 +274,14 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | Non
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
         if body.prompt is not None:
-            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await asyncio.to_thread(tok.encode, body.prompt,
+                                          add_special_tokens=body.add_special_tokens)
         else:
-            ids = prepare_chat(tok, body.messages, tools=body.tools,
-                               add_generation_prompt=body.add_generation_prompt,
-                               continue_final_message=body.continue_final_message,
-                               split_special_tokens=body.split_special_tokens).prompt_token_ids
+            ids = (await asyncio.to_thread(
+                prepare_chat, tok, body.messages, tools=body.tools,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                split_special_tokens=body.split_special_tokens)).prompt_token_ids
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
     @app.post("/detokenize")
@@ -303,7 +361,7 @@ def serve(args) -> int:
     # given (e.g. "smollm2" or a path) and the store's name for it are both accepted.
     names = ([args.served_model_name] if args.served_model_name else
              list(dict.fromkeys(n for n in (args.model, engine.engine.model_name) if n)))
-    app = build_app(engine, names, args.api_key, args.allowed_origins)
+    app = build_app(engine, names, args.api_key, args.allowed_origins, args.max_request_body)
     log_requests = not args.disable_log_requests
     config = uvicorn.Config(app, timeout_graceful_shutdown=2, access_log=log_requests,
                             log_config=_log_config(getattr(args, "verbose", False), log_requests))

@@ -159,11 +159,13 @@ class OpenAIServing:
                 if need_text and self.tokenizer else None)
         return _Prompt(text, list(p))
 
-    def _max_tokens(self, num_prompt: int, requested: int | None, param: str) -> int | None:
+    def _max_tokens(self, num_prompt: int, requested: int | None, param: str,
+                    prompt_param: str = "prompt") -> int | None:
         """max_tokens for a prompt of `num_prompt` tokens: `requested`, or what is left of the
-        context when None. Raises PromptTooLongError when they do not fit in max_model_len."""
+        context when None. Raises PromptTooLongError when they do not fit in max_model_len,
+        naming `prompt_param` (the prompt's field) or `param` (the max_tokens field)."""
         limit = self.engine.max_model_len
-        check_prompt_len(num_prompt, limit)
+        check_prompt_len(num_prompt, limit, prompt_param)
         if requested is None:
             return limit - num_prompt
         if isinstance(requested, int) and requested > 0 and num_prompt + requested > limit:
@@ -254,7 +256,8 @@ class OpenAIServing:
     async def completions(self, req: CompletionRequest, raw: Request):
         t0 = time.perf_counter()
         model = self.check_model(req.model)
-        prompts = [self._prompt(p, req.echo) for p in req.prompts()]
+        # tokenizing a long prompt takes seconds: in a thread, so the event loop serves on
+        prompts = await asyncio.to_thread(lambda: [self._prompt(p, req.echo) for p in req.prompts()])
         max_tokens = 1 if req.echo_only else req.max_tokens
         params = [req.sampling_params(self._max_tokens(len(p.token_ids), max_tokens, "max_tokens"))
                   for p in prompts]
@@ -361,17 +364,19 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         t0 = time.perf_counter()
         model = self.check_model(req.model)
-        chat = prepare_chat(self.tokenizer, req.messages, tools=req.tools,
-                            tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
-                            response_format=req.response_format, tool_parser=self.tool_parser,
-                            add_generation_prompt=req.add_generation_prompt,
-                            continue_final_message=req.continue_final_message,
-                            split_special_tokens=req.split_special_tokens)
+        chat = await asyncio.to_thread(   # rendering + tokenizing, off the event loop
+            prepare_chat, self.tokenizer, req.messages, tools=req.tools,
+            tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
+            response_format=req.response_format, tool_parser=self.tool_parser,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            split_special_tokens=req.split_special_tokens)
         ids = chat.prompt_token_ids
         prompts = [_Prompt(None, ids)]
         requested = req.requested_max_tokens()
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        params = chat.sampling_params(req.sampling_params(self._max_tokens(len(ids), requested, param)))
+        params = chat.sampling_params(req.sampling_params(self._max_tokens(len(ids), requested, param,
+                                                                           "messages")))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._start(rid, prompts, [params])
         top_n = req.top_logprobs or 0
