@@ -235,14 +235,14 @@ for sec in "${sections[@]}"; do
         run_section tput "${FERRUM[@]}" bench throughput "$LLAMA" --load-format dummy --dtype bfloat16 \
             --device "$DEVICE" --num-prompts $TPUT_N --input-len $TPUT_LEN $TPUT_LEN --output-len $TPUT_LEN $TPUT_LEN \
             --max-num-seqs $TPUT_SEQS --max-num-batched-tokens 8192 --max-model-len $((2 * TPUT_LEN + 16)) \
-            $(peers_of vllm) "${peer_flags[@]}" --peer-timeout 300 --out "$OUT/tput.json"
+            --no-sequential $(peers_of vllm) "${peer_flags[@]}" --peer-timeout 300 --out "$OUT/tput.json"
         ;;
     fp8)
         # shellcheck disable=SC2046
         run_section fp8 "${FERRUM[@]}" bench throughput "$LLAMA" --load-format dummy --dtype bfloat16 \
             --device "$DEVICE" --quantization fp8 --kv-cache-dtype fp8 --num-prompts $TPUT_N \
             --input-len $TPUT_LEN $TPUT_LEN --output-len $TPUT_LEN $TPUT_LEN --max-num-seqs $TPUT_SEQS \
-            --max-num-batched-tokens 8192 --max-model-len $((2 * TPUT_LEN + 16)) $(peers_of vllm) \
+            --max-num-batched-tokens 8192 --max-model-len $((2 * TPUT_LEN + 16)) --no-sequential $(peers_of vllm) \
             "${peer_flags[@]}" --peer-env VB_QUANT=fp8 --peer-env VB_KV=fp8 --peer-timeout 300 --out "$OUT/fp8.json"
         ;;
     attntune)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -92,3 +93,13 @@ def test_gpu_run_section_over_its_limit_keeps_ferrum_figures_and_goes_on(tmp_pat
     assert "tests: exit 0" in summary    # pytest -m gpu: collected, all skipped on CPU
     found = subprocess.run(["pgrep", "-f", str(tmp_path / "peers")], capture_output=True, text=True).stdout
     assert not found.strip(), f"peer processes left: {found}"
+
+
+def test_large_throughput_sections_skip_the_one_at_a_time_phase():
+    """The tput / fp8 sections time 1000 prompts: `ferrum bench throughput` must not then run them
+    one at a time (its default sequential phase), which outlasted the section's limit on the
+    H200 (2026-12-01, the vLLM peer never ran)."""
+    script = (pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_run.sh").read_text()
+    for sec in ("tput", "fp8"):
+        body = script.split(f"    {sec})\n", 1)[1].split(";;", 1)[0]
+        assert "bench throughput" in body and "--no-sequential" in body, sec
