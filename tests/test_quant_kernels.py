@@ -468,7 +468,8 @@ def check_sm90_compile(device: str) -> None:
                              dict(x_ptr="*bf16", w_ptr="*fp8e4nv" if kind == "fp8" else "*bf16", s_ptr="*fp32",
                                   b_ptr="*bf16", y_ptr=y), w, 1, f"gluon {kind} gemv {n}x{k} {cfg}",
                              loop_without_barrier=True)
-    build(int4._splitk_reduce_kernel, dict(SPLIT_K=4, HAS_BIAS=True, BLOCK=1024, USE_PDL=True),
+    from ferrum.ops import triton_utils
+    build(triton_utils._splitk_reduce_kernel, dict(SPLIT_K=4, HAS_BIAS=True, BLOCK=1024, USE_PDL=True),
           dict(p_ptr="*fp32", b_ptr="*bf16", y_ptr="*bf16"), 4, 1, "split-K reduce")
     for M in (16, 512):
         bm, bn, bk, w, st = int4.int4_gemm_config(M, 4096, 4096)

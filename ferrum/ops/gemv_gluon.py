@@ -37,7 +37,7 @@ d sc sum(q x) - dmin m sum(x) as llama.cpp's vec_dot_q4_K.
 Constraints (else the Triton GEMVs run): N % BLOCK_N == 0, K a multiple of one tile (E * 32 *
 num_warps elements; 256 * num_warps features for 4-bit, 2048 * num_warps for Q4_K), 4-bit
 groups a multiple of 32 and no act-order g_idx. Split-K (`SPLIT_K` > 1): float32 partials per split, summed by
-`int4._splitk_reduce_kernel`. PDL as the Triton GEMVs (`triton_utils`): the first weight tile
+`triton_utils.reduce_splits`. PDL as the Triton GEMVs (`triton_utils`): the first weight tile
 is loaded before waiting for x.
 
 The arithmetic and indexing run on CPU in the tests through `tests/gluon_shim.py` (each gl op
@@ -49,7 +49,7 @@ from __future__ import annotations
 import torch
 
 from ferrum.config import KERNELS
-from ferrum.ops.triton_utils import HAS_TRITON, is_sm90, pdl_ok
+from ferrum.ops.triton_utils import HAS_TRITON, is_sm90, pdl_ok, reduce_splits
 
 try:
     from triton.experimental import gluon
@@ -417,15 +417,6 @@ def _prepare(kind: str, x: torch.Tensor, N: int, K: int, config: tuple[int, int,
     return bn, warps, split, y, out, pdl_ok(x)
 
 
-def _reduce_splits(part: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, pdl: bool) -> torch.Tensor:
-    from ferrum.ops.int4 import _splitk_reduce_kernel
-    split, N = part.shape
-    _splitk_reduce_kernel[(triton.cdiv(N, 1024),)](
-        part, bias if bias is not None else part, y, N, N, SPLIT_K=split, HAS_BIAS=bias is not None,
-        BLOCK=1024, USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
-    return y
-
-
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
                bias: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """y = x (scale * W)^T + bias. x: [1, K] bf16/fp16 contiguous (see `can_use`); weight
@@ -440,7 +431,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
         x, weight, scale if fp8 else weight, bias if bias is not None else weight, out, N, K, K // split,
         weight.stride(0), E=ELEMENTS[kind], BLOCK_N=bn, BLOCK_C=32 * warps, HAS_SCALE=fp8,
         HAS_BIAS=bias is not None and split == 1, SPLIT_K=split, USE_PDL=pdl, num_warps=warps, launch_pdl=pdl)
-    return y if split == 1 else _reduce_splits(out, y, bias, pdl)
+    return y if split == 1 else reduce_splits(out, y, bias, pdl)
 
 
 def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
@@ -458,7 +449,7 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
         N, K, W // split, F32_2P7_BITS, qweight.stride(0), scales.stride(0), GROUP=group_size, BLOCK_N=bn,
         BLOCK_C=32 * warps, X_PAIRS=pairs, HAS_BIAS=bias is not None and split == 1, SPLIT_K=split, USE_PDL=pdl,
         num_warps=warps, launch_pdl=pdl)
-    return y if split == 1 else _reduce_splits(out, y, bias, pdl)
+    return y if split == 1 else reduce_splits(out, y, bias, pdl)
 
 
 def q4k_gemv(x: torch.Tensor, raw: torch.Tensor, bias: torch.Tensor | None = None,
@@ -474,4 +465,4 @@ def q4k_gemv(x: torch.Tensor, raw: torch.Tensor, bias: torch.Tensor | None = Non
         x.view(torch.int32) if pairs else x, raw.view(torch.int32), bias if bias is not None else x, out, N, K,
         K // 64 // split, F32_2P7_BITS, raw.stride(0) // 4, BLOCK_N=bn, BLOCK_C=32 * warps, X_PAIRS=pairs,
         HAS_BIAS=bias is not None and split == 1, SPLIT_K=split, USE_PDL=pdl, num_warps=warps, launch_pdl=pdl)
-    return y if split == 1 else _reduce_splits(out, y, bias, pdl)
+    return y if split == 1 else reduce_splits(out, y, bias, pdl)

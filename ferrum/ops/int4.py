@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from ferrum.ops import gemv_gluon
 from ferrum.ops.fp8 import MAX_GEMV_ROWS, gemv_rows_config
-from ferrum.ops.triton_utils import HAS_TRITON, fit_block, pdl_ok, pdl_start, use_triton
+from ferrum.ops.triton_utils import HAS_TRITON, fit_block, pdl_ok, pdl_start, reduce_splits, use_triton
 
 if HAS_TRITON:
     import triton
@@ -234,7 +234,7 @@ if HAS_TRITON:
         (K_SPLIT a multiple of BLOCK_K). A tile of BLOCK_K features spans GT quantization
         groups (1 when BLOCK_K <= GROUP or with g_idx). SPLIT_K == 1 writes y [M, N] (+ bias) in y's dtype;
         else float32 partial sums into y [SPLIT_K, M, N] (stride_ys), reduced by
-        `_splitk_reduce_kernel`. magic: 0x4B000000 (`_w4_nibble`)."""
+        `triton_utils.reduce_splits`. magic: 0x4B000000 (`_w4_nibble`)."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -273,21 +273,6 @@ if HAS_TRITON:
                      mask=out_mask)
         else:
             tl.store(y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=out_mask)
-
-    @triton.jit
-    def _splitk_reduce_kernel(p_ptr, b_ptr, y_ptr, MN, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                              BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-        """y [M, N] (contiguous) = sum over the SPLIT_K float32 partials p [SPLIT_K, M, N] + bias."""
-        if USE_PDL:
-            pdl_start()
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < MN
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for i in tl.static_range(SPLIT_K):
-            acc += tl.load(p_ptr + i * MN + offs, mask=mask, other=0.0)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _w4_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, y_ptr, M, N, K, magic,
@@ -397,12 +382,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         scales.stride(0), N, M * N, GROUP=group_size, HAS_GIDX=g_idx is not None, HAS_BIAS=bias is not None,
         EVEN=N % bn == 0 and K % bk == 0, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_K=bk,
         GT=gt, SPLIT_K=split, USE_PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
-    if split > 1:
-        block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](
-            out, bias if bias is not None else out, y, M * N, N, SPLIT_K=split, HAS_BIAS=bias is not None,
-            BLOCK=block, USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
-    return y
+    return y if split == 1 else reduce_splits(out, y, bias, pdl)
 
 
 def int4_gemm_config(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
