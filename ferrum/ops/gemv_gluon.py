@@ -359,12 +359,16 @@ ELEMENTS = {"bf16": 8, "fp8": 16, "w4": 32, "q4_k": 64}  # K elements per thread
 
 
 def default_config(kind: str, N: int, K: int) -> tuple[int, int, int] | None:
-    """(BLOCK_N, num_warps, SPLIT_K): the widest tile of <= 4 warps that divides K, BLOCK_N 8
-    (4 for bf16 and FP8: their float32 accumulators take 16 registers per row), split-K
-    until the grid has >= 2 programs per SM (264, H200's 132 SMs); None when no tile fits."""
+    """(BLOCK_N, num_warps, SPLIT_K) for shapes the table lacks (Llama-3-70B, TP shards):
+    BLOCK_N 8 (4 for bf16 and FP8: their float32 accumulators take 16 registers per row); the
+    first of 4, 2, 1 warps (FP8 and 4-bit: 2, 4, 1) whose tile divides K: in the H200 sweep of
+    benchmarks/results/h200-2026-12-01d, FP8 (4, 2, 1) came within 10% of the best on every
+    Llama-3-8B matrix and (4, 4, 1) up to 10% below it, 4-bit (8, 2, 1) within 12%; split-K until
+    the grid has >= 2 programs per SM (264, H200's 132 SMs). None when no tile fits."""
     e = ELEMENTS[kind]
     bn = 8 if kind in ("w4", "q4_k") else 4
-    warps = next((w for w in (4, 2, 1) if K % (32 * w * e) == 0), None)
+    order = (2, 4, 1) if kind in ("fp8", "w4") else (4, 2, 1)
+    warps = next((w for w in order if K % (32 * w * e) == 0), None)
     if warps is None or N % bn:
         return None
     split, tiles = 1, K // (32 * warps * e)
