@@ -341,7 +341,7 @@ def sec_kernels(args):
                       f"{dense:.1f} us (int4 GEMM g128 {w4_us:.1f} us), max rel err {err:.1e}", flush=True)
             res["matrices"][f"{name}_gemm_m{M}"] = row
             save(args, "quant_kernels", res)
-        del weights, refs
+        weights = refs = None  # free this matrix's copies before the next one's are drawn
     res["FP8_GEMV_CONFIGS"] = {str(k): v for k, v in best_fp8.items()}
     res["W4_GEMV_CONFIGS"] = {str(k): v for k, v in best_w4.items()}
     res["GGUF_GEMV_CONFIGS"] = {str(k): v for k, v in best_gguf.items()}

@@ -61,8 +61,6 @@ except ImportError:  # pragma: no cover - triton < 3.5
 F32_2P7_BITS = 0x43000000  # float32 128.0 = 2^7: nibble at bits 16..19 reads as 128 + q
 
 if HAS_GLUON:
-    import triton
-
     @gluon.jit
     def _pdl_start():
         """`triton_utils.pdl_start` for Gluon kernels: wait for the previous kernel's outputs,
