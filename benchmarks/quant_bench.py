@@ -13,7 +13,7 @@ peer driver (../shared/peers/vllm_bench.py), so the figures compare one to one:
   `--throughput-kv` KV cache dtype, and bf16 for the ratio.
 - big: Llama-3-70B with FP8 weights on one GPU, batch 1, 128 in / 128 out.
 - kernels: each 1-8 row GEMV (bf16, fp8, 4-bit g128, GGUF Q4_K / Q6_K / Q8_0; at one row also
-  the Gluon GEMVs gbf16 / gfp8 / gw4 of ferrum/ops/gemv_gluon.py) on the four Llama-3-8B
+  the Gluon GEMVs gbf16 / gfp8 / gw4 / gq4_k of ferrum/ops/gemv_gluon.py) on the four Llama-3-8B
   matrices (and the LM head, bf16 kernels only) at 1 and 4 rows, every candidate config (GB/s
   of weight bytes read, CUDA graphs over weight copies larger than L2); prints the best configs
   as the dict literals `W4_GEMV_CONFIGS` / `GGUF_GEMV_CONFIGS` / `GLUON_GEMV_CONFIGS` (Gluon
@@ -182,13 +182,16 @@ def _kernel_candidates(grid: str, M: int, N: int, K: int) -> dict[str, list[tupl
     cands = {"bf16": [gemv.gemv_config(N, K)] + dense if M == 1 else [],
              "fp8": [fp8.fp8_gemv_config(N, K, M)] + dense + fp8_wide,
              "w4": [int4.int4_gemv_config(N, K, M, 128, False)] + w4}
-    if M == 1:  # the Gluon GEMVs (BLOCK_N, num_warps, SPLIT_K), each against its kind's Triton best
-        from ferrum.ops import gemv_gluon
-        for kind, bns, warps in (("bf16", (2, 4, 8), (2, 4, 8)), ("fp8", (2, 4, 8), (2, 4, 8)),
-                                 ("w4", (4, 8, 16), (1, 2, 4)), ("q4_k", (4, 8), (1, 2))):
-            cfgs = [gemv_gluon.default_config(kind, N, K)]
-            cfgs += [(bn, w, sp) for bn in bns for w in warps for sp in (1, 2)]
-            cands["g" + kind] = [c for c in cfgs if c is not None and gemv_gluon.fits(kind, N, K, c)]
+    # the Gluon GEMVs (BLOCK_N, num_warps, SPLIT_K), each against its kind's Triton best; bf16 at one
+    # row only (cuBLAS takes more), 2+ rows with BLOCK_N at most its no-spill default
+    from ferrum.ops import gemv_gluon
+    grids = ((("bf16", (2, 4, 8), (2, 4, 8)), ("fp8", (2, 4, 8), (2, 4, 8)), ("w4", (4, 8, 16), (1, 2, 4)),
+              ("q4_k", (4, 8), (1, 2))) if M == 1 else
+             (("fp8", (1, 2), (1, 2, 4)), ("w4", (1, 2, 4), (1, 2, 4)), ("q4_k", (1, 2, 4), (1, 2))))
+    for kind, bns, warps in grids:
+        cfgs = [gemv_gluon.default_config(kind, N, K, M)]
+        cfgs += [(bn, w, sp) for bn in bns for w in warps for sp in (1, 2)]
+        cands["g" + kind] = [c for c in cfgs if c is not None and gemv_gluon.fits(kind, N, K, c)]
     for q in qtypes:
         cands[f"gguf_{q}"] = [gguf.gguf_gemv_config(q, N, K, M)] + gg
     if grid == "gluon":  # the Gluon grids against each Triton GEMV's current config only
@@ -318,9 +321,9 @@ def sec_kernels(args):
                 print(f"{name} M={M} {kern}: default {configs[0]} {gbs[configs[0]]:.1f} GB/s, best {best} "
                       f"{gbs[best]:.1f} GB/s, max rel err {errs[best]:.1e}", flush=True)
             for kern, base in GLUON_BASE.items():  # each Gluon GEMV against its Triton twin's best
-                if M == 1 and "best_us" in row.get(kern, {}) and "best_us" in row.get(base, {}):
+                if "best_us" in row.get(kern, {}) and "best_us" in row.get(base, {}):
                     faster = row[kern]["best_us"] < row[base]["best_us"]
-                    best_gluon[(kern[1:], N, K)] = row[kern]["best_config"] if faster else None
+                    best_gluon[(kern[1:], N, K, 1 if M == 1 else 4)] = row[kern]["best_config"] if faster else None
                     row[kern]["vs_triton"] = row[base]["best_us"] / row[kern]["best_us"]
             res["matrices"][f"{name}_m{M}"] = row
             save(args, "quant_kernels", res)  # after every matrix: a timeout keeps what was measured

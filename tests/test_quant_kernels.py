@@ -186,85 +186,87 @@ def _gluon_kernels(device: str):
     return gemv_gluon
 
 
+def _gluon_case(kind: str, N: int, K: int, gen: torch.Generator, device: str, dtype: torch.dtype):
+    """A random weight of kind for the Gluon GEMVs: (call(x, bias, config) -> y, float64 [N, K]
+    dequantized reference)."""
+    from ferrum.ops import fp8, gguf, int4
+    gg = _gluon_kernels(device)
+    if kind in ("bf16", "fp8"):
+        raw = torch.randn(N, K, generator=gen) * 0.05
+        if kind == "fp8":
+            w, scale = fp8.quantize_fp8_per_channel(raw)
+            ref_w, scale = fp8.dequantize_fp8(w, scale).double(), scale.to(device)
+        else:
+            w, scale = raw.to(dtype), None
+            ref_w = w.double()
+        w = w.to(device)
+        return (lambda x, b, c: gg.dense_gemv(x, w, scale, b, c)), ref_w
+    if kind == "w4":
+        group = {0: 32, 1: 64}.get(N % 3, 128)  # a group size per shape: 32 / 64 / 128 all covered
+        qw, s, z, _ = _int4_case(N, K, group, False, gen, device)
+        return (lambda x, b, c: gg.w4_gemv(x, qw, s, z, group, b, c)), int4.dequantize_int4(
+            qw.cpu(), s.cpu(), z.cpu(), group).double()
+    raw = _gguf_raw(gguf.Q4_K, N, K, gen)
+    ref_w = gguf.gguf_dequantize(raw, gguf.Q4_K, K).double()
+    raw = raw.to(device)
+    return (lambda x, b, c: gg.q4k_gemv(x, raw, b, c)), ref_w
+
+
 def check_gluon_gemv(device: str, shapes=None) -> None:
-    """The Gluon batch-1 GEMVs (bf16 / fp16, FP8, 4-bit; ferrum/ops/gemv_gluon.py) against the
-    float64 reference: on CPU at small shapes over configs that cover 1-4 warps, split-K with
-    and without bias, fp16 and bf16 x, 4-bit groups 32 / 64 / 128; with `shapes` (GPU) at each
-    shape's own config. A config that does not tile the weight is a ValueError."""
-    from ferrum.ops import fp8, int4
+    """The Gluon GEMVs (bf16 / fp16, FP8, 4-bit, GGUF Q4_K; ferrum/ops/gemv_gluon.py) for 1-8
+    rows of x against the float64 reference: on CPU at small shapes over configs that cover
+    1-4 warps, split-K with and without bias, fp16 and bf16 x, 4-bit groups 32 / 64 / 128 and
+    row counts that are and are not powers of two; with `shapes` (GPU) at each shape's own
+    config for 1, 2, 4 and 8 rows where one exists. A config that does not tile the weight is a
+    ValueError."""
+    from ferrum.ops import fp8, gguf, int4
     gg = _gluon_kernels(device)
     gen = torch.Generator().manual_seed(21)
     if shapes is None:
-        dense = [(16, 1024, cfg) for cfg in ((4, 1, 1), (4, 2, 2), (8, 4, 1), (4, 1, 4))]
-        w4 = [(16, 2048, cfg) for cfg in ((8, 1, 1), (8, 2, 1), (16, 1, 2), (8, 2, 1))]
+        cases = [("bf16", 16, 1024, cfg, m) for cfg, m in (((4, 1, 1), 1), ((4, 2, 2), 3), ((8, 4, 1), 1), ((4, 1, 4), 8))]
+        cases += [("fp8", 16, 2048, cfg, m) for cfg, m in (((4, 1, 1), 1), ((2, 2, 2), 2), ((4, 4, 1), 4))]
+        cases += [("w4", n, 2048, cfg, m) for n, cfg, m in ((20, (4, 1, 1), 1), (16, (8, 2, 1), 1), (16, (16, 1, 2), 5),
+                                                               (18, (2, 2, 1), 8), (24, (8, 1, 1), 2))]
+        cases += [("q4_k", 16, 4096, cfg, m) for cfg, m in (((8, 1, 1), 1), ((8, 2, 1), 3), ((4, 1, 2), 1), ((2, 1, 1), 8))]
     else:
-        dense = [(n, k, None) for n, k in shapes]
-        w4 = [(n, k, None) for n, k in shapes]
-    for N, K, cfg in dense:
-        for wfmt in ("16bit", "fp8"):
-            if wfmt == "fp8" and cfg is not None and K % (512 * cfg[1] * cfg[2]):
-                continue
-            for dtype in (torch.bfloat16, torch.float16):
-                raw = torch.randn(N, K, generator=gen) * 0.05
-                if wfmt == "fp8":
-                    w, scale = fp8.quantize_fp8_per_channel(raw)
-                    ref_w = fp8.dequantize_fp8(w, scale).double()
-                else:
-                    w, scale = raw.to(dtype), None
-                    ref_w = w.double()
-                x = torch.randn(1, K, generator=gen).to(dtype)
-                b = torch.randn(N, generator=gen).to(dtype)
-                for bias in (None, b):
-                    ref = torch.nn.functional.linear(x.double(), ref_w, None if bias is None else bias.double())
-                    got = gg.dense_gemv(x.to(device), w.to(device), None if scale is None else scale.to(device),
-                                        None if bias is None else bias.to(device),
-                                        cfg or gg.default_config("fp8" if scale is not None else "bf16", N, K))
-                    assert got.shape == (1, N) and got.dtype == dtype
-                    _check(got, ref, dtype, f"gluon {wfmt} gemv {dtype} N={N} K={K} config={cfg} "
-                           f"bias={bias is not None}")
-    for i, (N, K, cfg) in enumerate(w4):
-        for group in ((32, 64, 128) if shapes is None else (128,)):
-            qw, s, z, _ = _int4_case(N, K, group, False, gen, device)
-            ref_w = int4.dequantize_int4(qw.cpu(), s.cpu(), z.cpu(), group).double()
-            dtype = torch.float16 if i % 2 else torch.bfloat16
-            x = torch.randn(1, K, generator=gen).to(dtype)
-            b = torch.randn(N, generator=gen).to(dtype) if i % 2 == 0 else None
-            ref = torch.nn.functional.linear(x.double(), ref_w, None if b is None else b.double())
-            got = gg.w4_gemv(x.to(device), qw, s, z, group, None if b is None else b.to(device), cfg)
-            _check(got, ref, dtype, f"gluon w4 gemv {dtype} N={N} K={K} g={group} config={cfg} bias={b is not None}")
-    from ferrum.ops import gguf
-    q4k = ([(16, 4096, cfg) for cfg in ((8, 1, 1), (8, 2, 1), (4, 1, 2))] if shapes is None else
-           [(n, k, c) for n, k, c in w4 if gg.default_config("q4_k", n, k)])  # K = 7168: Triton's (no tile fits)
-    for i, (N, K, cfg) in enumerate(q4k):
-        raw = _gguf_raw(gguf.Q4_K, N, K, gen)
-        ref_w = gguf.gguf_dequantize(raw, gguf.Q4_K, K).double()
-        dtype = torch.float16 if i % 2 else torch.bfloat16
-        x = torch.randn(1, K, generator=gen).to(dtype)
-        b = torch.randn(N, generator=gen).to(dtype) if i % 2 == 0 else None
-        ref = torch.nn.functional.linear(x.double(), ref_w, None if b is None else b.double())
-        got = gg.q4k_gemv(x.to(device), raw.to(device), None if b is None else b.to(device), cfg)
-        _check(got, ref, dtype, f"gluon q4_k gemv {dtype} N={N} K={K} config={cfg} bias={b is not None}")
-    if shapes is not None:  # the linears' dispatch takes the Gluon GEMV for one row on the GPU
+        cases = [(kind, n, k, None, m) for n, k in shapes for kind in ("bf16", "fp8", "w4", "q4_k") for m in (1, 2, 4, 8)
+                 if gg.gemv_config(kind, n, k, m) is not None and gg.fits(kind, n, k, gg.gemv_config(kind, n, k, m))
+                 or (kind == "bf16" and m == 1 and gg.default_config(kind, n, k) is not None)]
+    for i, (kind, N, K, cfg, M) in enumerate(cases):
+        dtype = torch.float16 if i % 3 == 1 else torch.bfloat16
+        call, ref_w = _gluon_case(kind, N, K, gen, device, dtype)
+        if kind == "bf16" and cfg is None:
+            cfg = gg.default_config(kind, N, K)  # the bf16 table names few shapes: the kernel at every one
+        x = torch.randn(M, K, generator=gen).to(dtype)
+        b = torch.randn(N, generator=gen).to(dtype)
+        for bias in ((None, b) if i % 2 == 0 else (b,)):
+            ref = torch.nn.functional.linear(x.double(), ref_w, None if bias is None else bias.double())
+            got = call(x.to(device), None if bias is None else bias.to(device), cfg)
+            assert got.shape == (M, N) and got.dtype == dtype
+            _check(got, ref, dtype, f"gluon {kind} gemv {dtype} M={M} N={N} K={K} config={cfg} bias={bias is not None}")
+    if shapes is not None:  # the linears' dispatch takes the Gluon GEMV for 1 and 4 rows on the GPU
         N, K = shapes[0]
-        x = torch.randn(1, K, generator=gen).to(torch.bfloat16)
-        w, scale = fp8.quantize_fp8_per_channel(torch.randn(N, K, generator=gen) * 0.05)
-        assert gg.config_for("fp8", x.to(device), N, K) is not None
-        ref = torch.nn.functional.linear(x.double(), fp8.dequantize_fp8(w, scale).double())
-        _check(fp8.fp8_linear(x.to(device), w.to(device), scale.to(device)), ref, torch.bfloat16,
-               f"fp8_linear one row {N}x{K} (Gluon)")
-        qw, s, z, _ = _int4_case(N, K, 128, False, gen, device)
-        assert gg.config_for("w4", x.to(device), N, K) is not None
-        ref = torch.nn.functional.linear(x.double(), int4.dequantize_int4(qw.cpu(), s.cpu(), z.cpu(), 128).double())
-        _check(int4.int4_linear(x.to(device), qw, s, z, 128), ref, torch.bfloat16, f"int4_linear one row {N}x{K} (Gluon)")
-        raw = _gguf_raw(gguf.Q4_K, N, K, gen)
-        assert gg.config_for("q4_k", x.to(device), N, K) is not None
-        ref = torch.nn.functional.linear(x.double(), gguf.gguf_dequantize(raw, gguf.Q4_K, K).double())
-        _check(gguf.gguf_linear(x.to(device), raw.to(device), gguf.Q4_K), ref, torch.bfloat16,
-               f"gguf_linear Q4_K one row {N}x{K} (Gluon)")
+        for M in (1, 4):
+            x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
+            w, scale = fp8.quantize_fp8_per_channel(torch.randn(N, K, generator=gen) * 0.05)
+            assert gg.config_for("fp8", x.to(device), N, K) is not None
+            ref = torch.nn.functional.linear(x.double(), fp8.dequantize_fp8(w, scale).double())
+            _check(fp8.fp8_linear(x.to(device), w.to(device), scale.to(device)), ref, torch.bfloat16,
+                   f"fp8_linear {M} rows {N}x{K} (Gluon)")
+            qw, s, z, _ = _int4_case(N, K, 128, False, gen, device)
+            assert gg.config_for("w4", x.to(device), N, K) is not None
+            ref = torch.nn.functional.linear(x.double(), int4.dequantize_int4(qw.cpu(), s.cpu(), z.cpu(), 128).double())
+            _check(int4.int4_linear(x.to(device), qw, s, z, 128), ref, torch.bfloat16,
+                   f"int4_linear {M} rows {N}x{K} (Gluon)")
+            raw = _gguf_raw(gguf.Q4_K, N, K, gen)
+            assert gg.config_for("q4_k", x.to(device), N, K) is not None
+            ref = torch.nn.functional.linear(x.double(), gguf.gguf_dequantize(raw, gguf.Q4_K, K).double())
+            _check(gguf.gguf_linear(x.to(device), raw.to(device), gguf.Q4_K), ref, torch.bfloat16,
+                   f"gguf_linear Q4_K {M} rows {N}x{K} (Gluon)")
     qw, s, z, _ = _int4_case(16, 2048, 128, False, gen, device)
-    for bad in ((8, 4, 1), (5, 1, 1), (8, 1, 4)):  # K not a multiple of the tile; N of BLOCK_N; split
+    for bad, rows in (((8, 4, 1), 1), ((3, 1, 1), 1), ((8, 1, 4), 1), ((8, 1, 1), 9)):  # K, N, split; 9 rows
         with pytest.raises(ValueError):
-            gg.w4_gemv(torch.randn(1, 2048).to(torch.bfloat16).to(device), qw, s, z, 128, config=bad)
+            gg.w4_gemv(torch.randn(rows, 2048).to(torch.bfloat16).to(device), qw, s, z, 128, config=bad)
 
 
 CHECKS = ["check_fp8_gemv", "check_int4_gemv", "check_int4_gemv_configs", "check_int4_gemm", "check_gluon_gemv"]
@@ -447,27 +449,29 @@ def check_sm90_compile(device: str) -> None:
                       dict(x_ptr="*bf16", w_ptr="*u8", b_ptr="*bf16", y_ptr="*bf16"), w, st,
                       f"gguf {qtype} gemv M={M} {n}x{k}")
     from ferrum.ops import gemv_gluon as gg
-    for n, k in LLAMA3_8B + ((128256, 4096), (3072, 4096), (4096, 7168)):  # + LM head, TP=2 shapes
+    for (n, k), rows in [(s, 1) for s in LLAMA3_8B + ((128256, 4096), (3072, 4096), (4096, 7168))] + [
+            (s, m) for s in LLAMA3_8B for m in (2, 4)]:  # + LM head, TP=2 shapes; 2-4 rows
         for kind in ("bf16", "fp8", "w4", "q4_k"):
-            cfg = gg.default_config(kind, n, k)
+            cfg = gg.default_config(kind, n, k, rows)
             if cfg is None:
                 continue
             bn, w, split = cfg
-            common = dict(BLOCK_N=bn, BLOCK_C=32 * w, HAS_BIAS=False, SPLIT_K=split, USE_PDL=True)
+            common = dict(BLOCK_M=rows, BLOCK_N=bn, BLOCK_C=32 * w, HAS_BIAS=False, SPLIT_K=split, USE_PDL=True)
             y = "*bf16" if split == 1 else "*fp32"
             if kind == "q4_k":
                 sm90_compile(gg._q4k_gemv_kernel, dict(common, X_PAIRS=True),
                              dict(x_ptr="*i32", w_ptr="*i32", b_ptr="*bf16", y_ptr=y), w, 1,
-                             f"gluon q4_k gemv {n}x{k} {cfg}", loop_without_barrier=True)
+                             f"gluon q4_k gemv {n}x{k} {cfg} rows {rows}", no_hint=("M",), loop_without_barrier=True)
             elif kind == "w4":
                 sm90_compile(gg._w4_gemv_kernel, dict(common, GROUP=128, X_PAIRS=True),
                              dict(x_ptr="*i32", qw_ptr="*i32", s_ptr="*fp16", z_ptr="*fp16", b_ptr="*fp16", y_ptr=y),
-                             w, 1, f"gluon w4 gemv {n}x{k} {cfg}", loop_without_barrier=True)
+                             w, 1, f"gluon w4 gemv {n}x{k} {cfg} rows {rows}", no_hint=("M",),
+                             loop_without_barrier=True)
             else:
                 sm90_compile(gg._dense_gemv_kernel, dict(common, E=gg.ELEMENTS[kind], HAS_SCALE=kind == "fp8"),
                              dict(x_ptr="*bf16", w_ptr="*fp8e4nv" if kind == "fp8" else "*bf16", s_ptr="*fp32",
-                                  b_ptr="*bf16", y_ptr=y), w, 1, f"gluon {kind} gemv {n}x{k} {cfg}",
-                             loop_without_barrier=True)
+                                  b_ptr="*bf16", y_ptr=y), w, 1, f"gluon {kind} gemv {n}x{k} {cfg} rows {rows}",
+                             no_hint=("M",), loop_without_barrier=True)
     from ferrum.ops import triton_utils
     build(triton_utils._splitk_reduce_kernel, dict(SPLIT_K=4, HAS_BIAS=True, BLOCK=1024, USE_PDL=True),
           dict(p_ptr="*fp32", b_ptr="*bf16", y_ptr="*bf16"), 4, 1, "split-K reduce")

@@ -1,5 +1,5 @@
-"""Batch-1 GEMVs in Gluon, Triton's explicit-layout dialect: y = x W^T (+ b) for one row x
-with bf16 / fp16, FP8 e4m3 (per-channel scale), 4-bit (GPTQ / AWQ, per-group scale and zero
+"""GEMVs in Gluon, Triton's explicit-layout dialect: y = x W^T (+ b) for 1-4 rows of x (bf16:
+one) with bf16 / fp16, FP8 e4m3 (per-channel scale), 4-bit (GPTQ / AWQ, per-group scale and zero
 point; ferrum's packed layout, ferrum/ops/int4.py) or GGUF Q4_K (llama.cpp's blocks,
 ferrum/ops/gguf.py) weights, on CUDA sm_90.
 
@@ -11,14 +11,15 @@ tile's x is moved through shared memory to broadcast it over the weight rows (2 
 loop iteration in the bf16 GEMV's sm_90 SASS, 8 in the FP8 one, 14 in the 4-bit one, whose
 loop spends 6.5 instructions per nibble). Here the layout is set once:
 
-    L3 = BlockedLayout([1, 1, E], [1, 32, 1], [1, num_warps, 1], [2, 1, 0])
+    L4 = BlockedLayout([BLOCK_M, 1, 1, E], [1, 1, 32, 1], [1, 1, num_warps, 1], [3, 2, 1, 0])
 
-over a [BLOCK_N, BLOCK_C, E] tile: BLOCK_C chunks of E consecutive K elements (16 bytes of
-weights: E = 8 bf16, 16 fp8 or 4 int32 words of 8 nibbles; Q4_K: 8 words, the 32 quant bytes
-of a 64-element group), one chunk per thread, every thread
-holding its chunk for all BLOCK_N rows. A thread loads the x values of its own chunk in the
-slice layout of the tile (`SliceLayout(0, L3)`), so x never moves between threads and the loop
-has no barrier, no shared memory and one 16-byte load per row and chunk.
+over a [BLOCK_M, BLOCK_N, BLOCK_C, E] tile: BLOCK_C chunks of E consecutive K elements (16
+bytes of weights: E = 8 bf16, 16 fp8 or 4 int32 words of 8 nibbles; Q4_K: 8 words, the 32
+quant bytes of a 64-element group), one chunk per thread, every thread holding its chunk for
+all BLOCK_N weight rows and all BLOCK_M rows of x. The weights live in SliceLayout(0, L4), x in
+SliceLayout(1, L4): a thread loads the x values of its own chunk, so x never moves between
+threads, the loop has no barrier and no shared memory, and each weight is dequantized once for
+all rows of x.
 
 4-bit dequantization (`_nib`): nibble j of a word is moved by a shift (four distinct shifts per
 word) to bits p..p+3, p = 12 or 16, and ORed into the bits of the float32 2^(23-p), whose
@@ -49,7 +50,7 @@ from __future__ import annotations
 import torch
 
 from ferrum.config import KERNELS
-from ferrum.ops.triton_utils import HAS_TRITON, is_sm90, pdl_ok, reduce_splits
+from ferrum.ops.triton_utils import HAS_TRITON, is_sm90, next_pow2, pdl_ok, reduce_splits
 
 try:
     from triton.experimental import gluon
@@ -71,9 +72,11 @@ if HAS_GLUON:
                                   is_pure=False, pack=1)
 
     @gluon.constexpr_function
-    def _tile_layout(E, num_warps):
-        """L3 of the module docstring for chunks of E elements."""
-        return gl.BlockedLayout([1, 1, E], [1, 32, 1], [1, num_warps, 1], [2, 1, 0])
+    def _tile_layout(BLOCK_M, E, num_warps):
+        """L4 of the module docstring: [BLOCK_M, BLOCK_N, BLOCK_C, E] with the rows of x and of
+        W and the E elements of a chunk in each thread's registers, chunks over the lanes and
+        warps."""
+        return gl.BlockedLayout([BLOCK_M, 1, 1, E], [1, 1, 32, 1], [1, 1, num_warps, 1], [3, 2, 1, 0])
 
     @gluon.jit
     def _chunk_offsets(BLOCK_C: gl.constexpr, E: gl.constexpr, L3: gl.constexpr):
@@ -84,15 +87,33 @@ if HAS_GLUON:
         return gl.expand_dims(c, 1) * E + gl.expand_dims(e, 0)
 
     @gluon.jit
-    def _store_rows(y_ptr, b_ptr, offs_n, y, pid_k, N, HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr):
-        """y [BLOCK_N] float32 -> y_ptr[offs_n] (+ bias) in y's dtype, or the float32 partial
-        of split pid_k (y_ptr [SPLIT_K, N] float32)."""
+    def _lead(n0, BLOCK: gl.constexpr, L3: gl.constexpr):
+        """[BLOCK, 1, 1] int32 n0 + 0..BLOCK-1 along the leading dim of a 3-D layout L3."""
+        return gl.expand_dims(gl.expand_dims(n0 + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3))),
+                                             1), 2)
+
+    @gluon.jit
+    def _x_tile(x_ptrs, offs_m, M, BLOCK_M: gl.constexpr):
+        """x at x_ptrs [BLOCK_M, BLOCK_C, E] (rows >= M: 0) as float32; unmasked for one row."""
+        if BLOCK_M == 1:
+            x = gl.load(x_ptrs)
+        else:
+            x = gl.load(x_ptrs, mask=offs_m < M, other=0)
+        return x
+
+    @gluon.jit
+    def _store_tile(y_ptr, b_ptr, y, n0, pid_k, M, N, stride_ym, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    LY: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr):
+        """y [BLOCK_M, BLOCK_N] float32 (layout LY) -> rows < M of y_ptr [M, N] at columns n0.. (+
+        bias) in y's dtype, or the float32 partial of split pid_k (y_ptr [SPLIT_K, M, N])."""
+        offs_m = gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LY)), 1)
+        offs_n = gl.expand_dims(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, LY)), 0)
         if SPLIT_K == 1:
             if HAS_BIAS:
                 y += gl.load(b_ptr + offs_n).to(gl.float32)
-            gl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty))
+            gl.store(y_ptr + offs_m * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_m < M)
         else:
-            gl.store(y_ptr + pid_k * N + offs_n, y)
+            gl.store(y_ptr + pid_k * M * N + offs_m * N + offs_n, y, mask=offs_m < M)
 
     @gluon.jit
     def _widen16(w):
@@ -104,38 +125,42 @@ if HAS_GLUON:
         return out
 
     @gluon.jit
-    def _dense_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K, K_SPLIT, stride_wn,
-                           E: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_C: gl.constexpr, HAS_SCALE: gl.constexpr,
-                           HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, USE_PDL: gl.constexpr):
+    def _dense_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym,
+                           E: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_C: gl.constexpr,
+                           HAS_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr,
+                           USE_PDL: gl.constexpr):
         """Program (pid_n, pid_k): rows pid_n * BLOCK_N .. of a bf16 / fp16 (E = 8) or FP8
-        (E = 16, HAS_SCALE: one float32 scale per row, applied once at the end) weight,
-        K elements pid_k * K_SPLIT .. (a multiple of the tile, BLOCK_C * E)."""
-        L3: gl.constexpr = _tile_layout(E, gl.num_warps())
-        LN: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))
+        (E = 16, HAS_SCALE: one float32 scale per row, applied once at the end) weight against
+        the M (<= BLOCK_M) rows of x, K elements pid_k * K_SPLIT .. (a multiple of the tile,
+        BLOCK_C * E)."""
+        L4: gl.constexpr = _tile_layout(BLOCK_M, E, gl.num_warps())
+        LW: gl.constexpr = gl.SliceLayout(0, L4)                      # [BLOCK_N, BLOCK_C, E] weights
+        LX: gl.constexpr = gl.SliceLayout(1, L4)                      # [BLOCK_M, BLOCK_C, E] x
+        LY: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, L4))   # [BLOCK_M, BLOCK_N] y
         BLOCK_K: gl.constexpr = BLOCK_C * E
         pid_k = gl.program_id(1)
-        offs_n = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=LN)
-        offs_ce = _chunk_offsets(BLOCK_C, E, L3)
-        w_ptrs = (w_ptr + gl.expand_dims(gl.expand_dims(offs_n.to(gl.int64) * stride_wn, 1), 2)
-                  + gl.expand_dims(offs_ce, 0))
-        x_ptrs = x_ptr + offs_ce
+        n0 = gl.program_id(0) * BLOCK_N
+        w_ptrs = (w_ptr + _lead(n0, BLOCK_N, LW).to(gl.int64) * stride_wn
+                  + gl.expand_dims(_chunk_offsets(BLOCK_C, E, LW), 0))
+        offs_m = _lead(0, BLOCK_M, LX)
+        x_ptrs = x_ptr + offs_m * stride_xm + gl.expand_dims(_chunk_offsets(BLOCK_C, E, LX), 0)
         k_start = pid_k * K_SPLIT
         k_end = gl.minimum(k_start + K_SPLIT, K)
-        acc = gl.zeros([BLOCK_N, BLOCK_C, E], gl.float32, layout=L3)
+        acc = gl.zeros([BLOCK_M, BLOCK_N, BLOCK_C, E], gl.float32, layout=L4)
         # the next tile is loaded during this one's products; FP8 widens to fp16 at the load (the
         # cvt takes byte pairs: a loop-carried fp8 tile would be carried byte by byte)
         w = _widen16(gl.load(w_ptrs + k_start, eviction_policy="evict_first"))  # weights only: before the wait
         if USE_PDL:
             _pdl_start()
         for k0 in range(k_start, k_end, BLOCK_K):
-            x = gl.load(x_ptrs + k0).to(gl.float32)
-            acc += w.to(gl.float32) * gl.expand_dims(x, 0)
+            x = _x_tile(x_ptrs + k0, offs_m, M, BLOCK_M).to(gl.float32)
+            acc += gl.expand_dims(w.to(gl.float32), 0) * gl.expand_dims(x, 1)
             if k0 + BLOCK_K < k_end:
                 w = _widen16(gl.load(w_ptrs + (k0 + BLOCK_K), eviction_policy="evict_first"))
-        y = gl.sum(gl.sum(acc, axis=2), axis=1)
+        y = gl.sum(gl.sum(acc, axis=3), axis=2)
         if HAS_SCALE:
-            y = y * gl.load(s_ptr + offs_n)
-        _store_rows(y_ptr, b_ptr, offs_n, y, pid_k, N, HAS_BIAS, SPLIT_K)
+            y = y * gl.expand_dims(gl.load(s_ptr + n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, LY))), 0)
+        _store_tile(y_ptr, b_ptr, y, n0, pid_k, M, N, stride_ym, BLOCK_M, BLOCK_N, LY, HAS_BIAS, SPLIT_K)
 
     @gluon.constexpr_function
     def _nib_shift(j):
@@ -165,57 +190,66 @@ if HAS_GLUON:
         return ((src & (0xF << P)) | (magic + ((16 - P) << 23))).to(gl.float32, bitcast=True)
 
     @gluon.jit
-    def _w4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, N, K, W_SPLIT, magic, stride_qn, stride_sn,
-                        GROUP: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_C: gl.constexpr, X_PAIRS: gl.constexpr,
-                        HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, USE_PDL: gl.constexpr):
-        """Program (pid_n, pid_k): rows pid_n * BLOCK_N .. of the 4-bit weight, words pid_k *
-        W_SPLIT .. (a multiple of the tile, BLOCK_C * 4 words). X_PAIRS: x_ptr is the bf16 row
-        viewed as int32 (pairs of bf16, split by shifts); else x_ptr is the 16-bit row."""
-        L3: gl.constexpr = _tile_layout(4, gl.num_warps())
-        LNC: gl.constexpr = gl.SliceLayout(2, L3)
-        LC: gl.constexpr = gl.SliceLayout(0, LNC)
-        LN: gl.constexpr = gl.SliceLayout(1, LNC)
+    def _bf16_pair(pair):
+        """int32 holding two bf16 (low half first) -> (low, high) as float32."""
+        return (pair << 16).to(gl.float32, bitcast=True), (pair & -65536).to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _w4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, W_SPLIT, magic, stride_xm, stride_qn,
+                        stride_sn, stride_ym, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        BLOCK_C: gl.constexpr, X_PAIRS: gl.constexpr, HAS_BIAS: gl.constexpr,
+                        SPLIT_K: gl.constexpr, USE_PDL: gl.constexpr):
+        """Program (pid_n, pid_k): rows pid_n * BLOCK_N .. of the 4-bit weight against the M
+        (<= BLOCK_M) rows of x, words pid_k * W_SPLIT .. (a multiple of the tile, BLOCK_C * 4
+        words); each nibble is dequantized once for all rows. X_PAIRS: x_ptr is bf16 x viewed
+        as int32 (pairs of bf16, split by shifts; stride_xm in int32); else x_ptr is 16-bit x."""
+        L4: gl.constexpr = _tile_layout(BLOCK_M, 4, gl.num_warps())
+        LW: gl.constexpr = gl.SliceLayout(0, L4)                      # [BLOCK_N, BLOCK_C, 4] words
+        LX: gl.constexpr = gl.SliceLayout(1, L4)                      # [BLOCK_M, BLOCK_C, 4] x
+        LMNC: gl.constexpr = gl.SliceLayout(3, L4)                    # [BLOCK_M, BLOCK_N, BLOCK_C]
+        LNC: gl.constexpr = gl.SliceLayout(0, LMNC)
+        LMC: gl.constexpr = gl.SliceLayout(1, LMNC)
         BLOCK_W: gl.constexpr = BLOCK_C * 4
         pid_k = gl.program_id(1)
-        offs_n = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=LN)
-        offs_c = gl.arange(0, BLOCK_C, layout=LC)
-        offs_cw = _chunk_offsets(BLOCK_C, 4, L3)                            # word c * 4 + v of the tile
-        q_ptrs = (qw_ptr + gl.expand_dims(gl.expand_dims(offs_n.to(gl.int64) * stride_qn, 1), 2)
-                  + gl.expand_dims(offs_cw, 0))
-        sz_off = gl.expand_dims(offs_n.to(gl.int64) * stride_sn, 1) + gl.expand_dims(offs_c * 32 // GROUP, 0)
+        n0 = gl.program_id(0) * BLOCK_N
+        q_ptrs = (qw_ptr + _lead(n0, BLOCK_N, LW).to(gl.int64) * stride_qn
+                  + gl.expand_dims(_chunk_offsets(BLOCK_C, 4, LW), 0))
+        offs_m = _lead(0, BLOCK_M, LX)
+        x_words = offs_m * stride_xm + gl.expand_dims(_chunk_offsets(BLOCK_C, 4, LX), 0) * (4 if X_PAIRS else 8)
+        offs_nc_n = gl.expand_dims(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LNC)), 1)
+        offs_nc_c = gl.expand_dims(gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, LNC)), 0)
+        sz_off = offs_nc_n.to(gl.int64) * stride_sn + offs_nc_c * 32 // GROUP       # [BLOCK_N, BLOCK_C]
         w_start = pid_k * W_SPLIT
         w_end = gl.minimum(w_start + W_SPLIT, K // 8)
-        acc = gl.zeros([BLOCK_N, BLOCK_C], gl.float32, layout=LNC)
+        acc = gl.zeros([BLOCK_M, BLOCK_N, BLOCK_C], gl.float32, layout=LMNC)
         words = gl.load(q_ptrs + w_start, eviction_policy="evict_first")  # weights only: before the wait
         if USE_PDL:
             _pdl_start()
         for w0 in range(w_start, w_end, BLOCK_W):
-            part = gl.zeros([BLOCK_N, BLOCK_C, 4], gl.float32, layout=L3)
-            xsum = gl.zeros([BLOCK_C, 4], gl.float32, layout=gl.SliceLayout(0, L3))
-            xoff = gl.zeros([BLOCK_C, 4], gl.float32, layout=gl.SliceLayout(0, L3))
+            part = gl.zeros([BLOCK_M, BLOCK_N, BLOCK_C, 4], gl.float32, layout=L4)
+            xsum = gl.zeros([BLOCK_M, BLOCK_C, 4], gl.float32, layout=LX)
+            xoff = gl.zeros([BLOCK_M, BLOCK_C, 4], gl.float32, layout=LX)
             for i in gl.static_range(4):  # nibbles 2i, 2i + 1 of every word
                 if X_PAIRS:
-                    pair = gl.load(x_ptr + (w0 + offs_cw) * 4 + i)
-                    x_lo = (pair << 16).to(gl.float32, bitcast=True)
-                    x_hi = (pair & -65536).to(gl.float32, bitcast=True)
+                    x_lo, x_hi = _bf16_pair(_x_tile(x_ptr + x_words + (w0 * 4 + i), offs_m, M, BLOCK_M))
                 else:
-                    x_lo = gl.load(x_ptr + (w0 + offs_cw) * 8 + 2 * i).to(gl.float32)
-                    x_hi = gl.load(x_ptr + (w0 + offs_cw) * 8 + 2 * i + 1).to(gl.float32)
+                    x_lo = _x_tile(x_ptr + x_words + (w0 * 8 + 2 * i), offs_m, M, BLOCK_M).to(gl.float32)
+                    x_hi = _x_tile(x_ptr + x_words + (w0 * 8 + 2 * i + 1), offs_m, M, BLOCK_M).to(gl.float32)
                 xsum += x_lo + x_hi
                 xoff += (2.0 ** (23 - _nib_position(2 * i))) * x_lo + (2.0 ** (23 - _nib_position(2 * i + 1))) * x_hi
-                part += _nib(words, 2 * i, magic) * gl.expand_dims(x_lo, 0)
-                part += _nib(words, 2 * i + 1, magic) * gl.expand_dims(x_hi, 0)
+                part += gl.expand_dims(_nib(words, 2 * i, magic), 0) * gl.expand_dims(x_lo, 1)
+                part += gl.expand_dims(_nib(words, 2 * i + 1, magic), 0) * gl.expand_dims(x_hi, 1)
             g0 = w0 * 8 // GROUP
-            s = gl.load(s_ptr + sz_off + g0).to(gl.float32)
-            z = gl.load(z_ptr + sz_off + g0).to(gl.float32)
-            x_off = gl.convert_layout(gl.sum(xoff, axis=1), LC, assert_trivial=True)
-            x_sum = gl.convert_layout(gl.sum(xsum, axis=1), LC, assert_trivial=True)
+            s = gl.expand_dims(gl.load(s_ptr + sz_off + g0).to(gl.float32), 0)
+            z = gl.expand_dims(gl.load(z_ptr + sz_off + g0).to(gl.float32), 0)
+            x_off = gl.expand_dims(gl.convert_layout(gl.sum(xoff, axis=2), LMC, assert_trivial=True), 1)
+            x_sum = gl.expand_dims(gl.convert_layout(gl.sum(xsum, axis=2), LMC, assert_trivial=True), 1)
             # sum_j (q_j - z) x_j = sum_j (2^(23-p_j) + q_j) x_j - sum_j 2^(23-p_j) x_j - z sum_j x_j
-            acc += s * (gl.sum(part, axis=2) - gl.expand_dims(x_off, 0) - z * gl.expand_dims(x_sum, 0))
+            acc += s * (gl.sum(part, axis=3) - x_off - z * x_sum)
             if w0 + BLOCK_W < w_end:
                 words = gl.load(q_ptrs + (w0 + BLOCK_W), eviction_policy="evict_first")
-        _store_rows(y_ptr, b_ptr, offs_n, gl.sum(acc, axis=1), pid_k, N, HAS_BIAS, SPLIT_K)
-
+        _store_tile(y_ptr, b_ptr, gl.sum(acc, axis=2), n0, pid_k, M, N, stride_ym, BLOCK_M, BLOCK_N,
+                    gl.SliceLayout(2, LMNC), HAS_BIAS, SPLIT_K)
 
     @gluon.constexpr_function
     def _q4k_shift(i):
@@ -255,37 +289,40 @@ if HAS_GLUON:
         return sc.to(gl.float32), m.to(gl.float32)
 
     @gluon.jit
-    def _q4k_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, C_SPLIT, magic, stride_wn,
-                         BLOCK_N: gl.constexpr, BLOCK_C: gl.constexpr, X_PAIRS: gl.constexpr,
+    def _q4k_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, C_SPLIT, magic, stride_xm, stride_wn, stride_ym,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_C: gl.constexpr, X_PAIRS: gl.constexpr,
                          HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, USE_PDL: gl.constexpr):
-        """GGUF Q4_K (ferrum/ops/gguf.py has the block layout) batch-1 GEMV. w_ptr: the raw
-        rows viewed as int32 (a 144-byte super-block is 36 words: d | dmin, 3 words of 6-bit
-        scales, 32 words of quants). A thread's chunk t is the 32 quant bytes of group c = t % 4
-        of super-block t // 4: byte l holds element 64 c + l (low nibble, sub-block 2c) and 64 c +
-        32 + l (high nibble, sub-block 2c + 1). Per sub-block: d sc sum(q x) - dmin m sum(x).
-        Program (pid_n, pid_k): rows pid_n * BLOCK_N .., chunks pid_k * C_SPLIT .. (a multiple
-        of BLOCK_C)."""
-        L3: gl.constexpr = _tile_layout(8, gl.num_warps())
-        LNC: gl.constexpr = gl.SliceLayout(2, L3)
-        LC: gl.constexpr = gl.SliceLayout(0, LNC)
-        LN: gl.constexpr = gl.SliceLayout(1, LNC)
+        """GGUF Q4_K (ferrum/ops/gguf.py has the block layout) GEMV for M (<= BLOCK_M) rows of x.
+        w_ptr: the raw rows viewed as int32 (a 144-byte super-block is 36 words: d | dmin, 3
+        words of 6-bit scales, 32 words of quants). A thread's chunk t is the 32 quant bytes of
+        group c = t % 4 of super-block t // 4: byte l holds element 64 c + l (low nibble,
+        sub-block 2c) and 64 c + 32 + l (high nibble, sub-block 2c + 1). Per sub-block:
+        d sc sum(q x) - dmin m sum(x). Program (pid_n, pid_k): rows pid_n * BLOCK_N .., chunks
+        pid_k * C_SPLIT .. (a multiple of BLOCK_C). X_PAIRS as `_w4_gemv_kernel`'s."""
+        L4: gl.constexpr = _tile_layout(BLOCK_M, 8, gl.num_warps())
+        LW: gl.constexpr = gl.SliceLayout(0, L4)                      # [BLOCK_N, BLOCK_C, 8] words
+        LX: gl.constexpr = gl.SliceLayout(1, L4)                      # [BLOCK_M, BLOCK_C, 8] x
+        LMNC: gl.constexpr = gl.SliceLayout(3, L4)                    # [BLOCK_M, BLOCK_N, BLOCK_C]
+        LNC: gl.constexpr = gl.SliceLayout(0, LMNC)
+        LMC: gl.constexpr = gl.SliceLayout(1, LMNC)
         pid_k = gl.program_id(1)
-        offs_n = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=LN)
-        cw = _chunk_offsets(BLOCK_C, 8, L3)                  # c * 8 + w over the tile, [BLOCK_C, 8]
-        tile_c = cw // 8
-        word = cw % 8
-        row = gl.expand_dims(offs_n.to(gl.int64) * stride_wn, 1)                       # [BN, 1]
+        n0 = gl.program_id(0) * BLOCK_N
+        cw = _chunk_offsets(BLOCK_C, 8, LW)                   # c * 8 + w over the tile, [BLOCK_C, 8]
         # int32 offset of quant word w of chunk t: 36 (t // 4) + 4 + 8 (t % 4) + w; BLOCK_C % 4 == 0,
         # so a tile's first chunk starts a super-block and the offsets are the tile's plus 9 t0
-        q_ptrs = w_ptr + gl.expand_dims(row, 2) + gl.expand_dims(36 * (tile_c // 4) + 4 + 8 * (tile_c % 4) + word, 0)
-        offs_c = gl.arange(0, BLOCK_C, layout=LC)
-        h_ptrs = w_ptr + row + gl.expand_dims(36 * (offs_c // 4), 0)                     # headers, [BN, BC]
-        sub = gl.expand_dims(2 * (offs_c % 4), 0)                                       # sub-block of the low nibbles
+        q_ptrs = (w_ptr + _lead(n0, BLOCK_N, LW).to(gl.int64) * stride_wn
+                  + gl.expand_dims(36 * (cw // 32) + 4 + 8 * (cw // 8 % 4) + cw % 8, 0))
+        offs_nc_n = gl.expand_dims(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LNC)), 1)
+        offs_c = gl.expand_dims(gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, LNC)), 0)   # [1, BLOCK_C]
+        h_ptrs = w_ptr + offs_nc_n.to(gl.int64) * stride_wn + 36 * (offs_c // 4)          # headers, [BN, BC]
+        sub = 2 * (offs_c % 4)                                                           # sub-block of the low nibbles
         # x of byte 0 of each word: element 64 t + 4 w (bf16 pairs: int32 index 32 t + 2 w)
-        x_lo = x_ptr + gl.where(X_PAIRS, 32 * tile_c + 2 * word, 64 * tile_c + 4 * word)
+        offs_m = _lead(0, BLOCK_M, LX)
+        cwx = gl.expand_dims(_chunk_offsets(BLOCK_C, 8, LX), 0)
+        x_lo = x_ptr + offs_m * stride_xm + gl.where(X_PAIRS, 32 * (cwx // 8) + 2 * (cwx % 8), 64 * (cwx // 8) + 4 * (cwx % 8))
         t_start = pid_k * C_SPLIT
         t_end = gl.minimum(t_start + C_SPLIT, K // 64)
-        acc = gl.zeros([BLOCK_N, BLOCK_C], gl.float32, layout=LNC)
+        acc = gl.zeros([BLOCK_M, BLOCK_N, BLOCK_C], gl.float32, layout=LMNC)
         words = gl.load(q_ptrs + 9 * t_start, eviction_policy="evict_first")  # weights only: before the wait
         if USE_PDL:
             _pdl_start()
@@ -295,77 +332,89 @@ if HAS_GLUON:
             h1 = gl.load(hp + 1)
             h2 = gl.load(hp + 2)
             h3 = gl.load(hp + 3)
-            p_lo = gl.zeros([BLOCK_N, BLOCK_C], gl.float32, layout=LNC)
-            p_hi = gl.zeros([BLOCK_N, BLOCK_C], gl.float32, layout=LNC)
-            xs_lo = gl.zeros([BLOCK_C, 8], gl.float32, layout=gl.SliceLayout(0, L3))
-            xs_hi = gl.zeros([BLOCK_C, 8], gl.float32, layout=gl.SliceLayout(0, L3))
+            p_lo = gl.zeros([BLOCK_M, BLOCK_N, BLOCK_C], gl.float32, layout=LMNC)
+            p_hi = gl.zeros([BLOCK_M, BLOCK_N, BLOCK_C], gl.float32, layout=LMNC)
+            xs_lo = gl.zeros([BLOCK_M, BLOCK_C, 8], gl.float32, layout=LX)
+            xs_hi = gl.zeros([BLOCK_M, BLOCK_C, 8], gl.float32, layout=LX)
             for pr in gl.static_range(2):  # bytes 2 pr, 2 pr + 1 of every word: elements 4w + i, 32 + 4w + i
                 if X_PAIRS:  # x[e], x[e + 1] (e even) as one int32 of two bf16
-                    lo_pair = gl.load(x_lo + (32 * t0 + pr))
-                    hi_pair = gl.load(x_lo + (32 * t0 + pr + 16))
-                    xl = ((lo_pair << 16).to(gl.float32, bitcast=True), (lo_pair & -65536).to(gl.float32, bitcast=True))
-                    xh = ((hi_pair << 16).to(gl.float32, bitcast=True), (hi_pair & -65536).to(gl.float32, bitcast=True))
+                    xl = _bf16_pair(_x_tile(x_lo + (32 * t0 + pr), offs_m, M, BLOCK_M))
+                    xh = _bf16_pair(_x_tile(x_lo + (32 * t0 + pr + 16), offs_m, M, BLOCK_M))
                 else:
-                    xl = (gl.load(x_lo + (64 * t0 + 2 * pr)).to(gl.float32),
-                          gl.load(x_lo + (64 * t0 + 2 * pr + 1)).to(gl.float32))
-                    xh = (gl.load(x_lo + (64 * t0 + 2 * pr + 32)).to(gl.float32),
-                          gl.load(x_lo + (64 * t0 + 2 * pr + 33)).to(gl.float32))
+                    xl = (_x_tile(x_lo + (64 * t0 + 2 * pr), offs_m, M, BLOCK_M).to(gl.float32),
+                          _x_tile(x_lo + (64 * t0 + 2 * pr + 1), offs_m, M, BLOCK_M).to(gl.float32))
+                    xh = (_x_tile(x_lo + (64 * t0 + 2 * pr + 32), offs_m, M, BLOCK_M).to(gl.float32),
+                          _x_tile(x_lo + (64 * t0 + 2 * pr + 33), offs_m, M, BLOCK_M).to(gl.float32))
                 for h in gl.static_range(2):
                     xs_lo += xl[h]
                     xs_hi += xh[h]
                     f_lo, f_hi = _q4k_nibbles(words, 2 * pr + h, magic)
-                    p_lo += gl.sum(f_lo * gl.expand_dims(xl[h], 0), axis=2)
-                    p_hi += gl.sum(f_hi * gl.expand_dims(xh[h], 0), axis=2)
-            s_lo = gl.expand_dims(gl.convert_layout(gl.sum(xs_lo, axis=1), LC, assert_trivial=True), 0)
-            s_hi = gl.expand_dims(gl.convert_layout(gl.sum(xs_hi, axis=1), LC, assert_trivial=True), 0)
-            d = (h0 & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
-            dmin = (h0 >> 16).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+                    p_lo += gl.sum(gl.expand_dims(f_lo, 0) * gl.expand_dims(xl[h], 1), axis=3)
+                    p_hi += gl.sum(gl.expand_dims(f_hi, 0) * gl.expand_dims(xh[h], 1), axis=3)
+            s_lo = gl.expand_dims(gl.convert_layout(gl.sum(xs_lo, axis=2), LMC, assert_trivial=True), 1)
+            s_hi = gl.expand_dims(gl.convert_layout(gl.sum(xs_hi, axis=2), LMC, assert_trivial=True), 1)
+            d = gl.expand_dims((h0 & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32), 0)
+            dmin = gl.expand_dims((h0 >> 16).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32), 0)
             sc_lo, m_lo = _q4k_scale_min(h1, h2, h3, sub)
             sc_hi, m_hi = _q4k_scale_min(h1, h2, h3, sub + 1)
             # p = sum (2^(23-p) + q) x: the offsets are 2^11 (low nibbles at bits 12..15), 2^7 (high)
-            acc += (d * (sc_lo * (p_lo - 2048.0 * s_lo) + sc_hi * (p_hi - 128.0 * s_hi))
-                    - dmin * (m_lo * s_lo + m_hi * s_hi))
+            acc += (d * (gl.expand_dims(sc_lo, 0) * (p_lo - 2048.0 * s_lo) + gl.expand_dims(sc_hi, 0) * (p_hi - 128.0 * s_hi))
+                    - dmin * (gl.expand_dims(m_lo, 0) * s_lo + gl.expand_dims(m_hi, 0) * s_hi))
             if t0 + BLOCK_C < t_end:
                 words = gl.load(q_ptrs + 9 * (t0 + BLOCK_C), eviction_policy="evict_first")
-        _store_rows(y_ptr, b_ptr, offs_n, gl.sum(acc, axis=1), pid_k, N, HAS_BIAS, SPLIT_K)
+        _store_tile(y_ptr, b_ptr, gl.sum(acc, axis=2), n0, pid_k, M, N, stride_ym, BLOCK_M, BLOCK_N,
+                    gl.SliceLayout(2, LMNC), HAS_BIAS, SPLIT_K)
 
-# Tuned (BLOCK_N, num_warps, SPLIT_K) per (kind, N, K), kind "bf16" / "fp8" / "w4" (group 128),
-# or None where the Triton GEMV was faster; timed on an H200 by `benchmarks/quant_bench.py
-# kernels` and written here by `benchmarks/paste_gemv_configs.py`. Shapes not listed take
-# `default_config` (fp8, w4) or the Triton GEMV (bf16: it already streams near the roofline).
-GLUON_GEMV_CONFIGS: dict[tuple[str, int, int], tuple[int, int, int] | None] = {
-    ('bf16', 4096, 4096): None,
-    ('bf16', 4096, 14336): (8, 4, 1),
-    ('bf16', 6144, 4096): (4, 4, 1),
-    ('bf16', 28672, 4096): (4, 4, 1),
-    ('bf16', 128256, 4096): (4, 2, 2),
-    ('fp8', 4096, 4096): (4, 2, 1),
-    ('fp8', 4096, 14336): (4, 2, 1),
-    ('fp8', 6144, 4096): (2, 2, 1),
-    ('fp8', 28672, 4096): None,
-    ('q4_k', 4096, 4096): (8, 2, 1),
-    ('q4_k', 4096, 14336): (8, 1, 1),
-    ('q4_k', 6144, 4096): (8, 1, 1),
-    ('q4_k', 28672, 4096): (8, 2, 1),
-    ('w4', 4096, 4096): (16, 4, 1),
-    ('w4', 4096, 14336): (8, 2, 1),
-    ('w4', 6144, 4096): (16, 2, 1),
-    ('w4', 28672, 4096): (8, 2, 1),
+
+# Tuned (BLOCK_N, num_warps, SPLIT_K) per (kind, N, K, rows), kind "bf16" / "fp8" / "w4" (group
+# 128) / "q4_k", rows 1 or 4 (2-8 rows of x), or None where the Triton GEMV was faster; timed on
+# an H200 by `benchmarks/quant_bench.py kernels` and written here by
+# `benchmarks/paste_gemv_configs.py`. Shapes not listed take `default_config` (fp8, w4, q4_k)
+# or the Triton GEMV (bf16: it already streams near the roofline).
+GLUON_GEMV_CONFIGS: dict[tuple[str, int, int, int], tuple[int, int, int] | None] = {
+    ('bf16', 4096, 4096, 1): None,
+    ('bf16', 4096, 14336, 1): (8, 4, 1),
+    ('bf16', 6144, 4096, 1): (4, 4, 1),
+    ('bf16', 28672, 4096, 1): (4, 4, 1),
+    ('bf16', 128256, 4096, 1): (4, 2, 2),
+    ('fp8', 4096, 4096, 1): (4, 2, 1),
+    ('fp8', 4096, 14336, 1): (4, 2, 1),
+    ('fp8', 6144, 4096, 1): (2, 2, 1),
+    ('fp8', 28672, 4096, 1): None,
+    ('q4_k', 4096, 4096, 1): (8, 2, 1),
+    ('q4_k', 4096, 14336, 1): (8, 1, 1),
+    ('q4_k', 6144, 4096, 1): (8, 1, 1),
+    ('q4_k', 28672, 4096, 1): (8, 2, 1),
+    ('w4', 4096, 4096, 1): (16, 4, 1),
+    ('w4', 4096, 14336, 1): (8, 2, 1),
+    ('w4', 6144, 4096, 1): (16, 2, 1),
+    ('w4', 28672, 4096, 1): (8, 2, 1),
 }
 
 ELEMENTS = {"bf16": 8, "fp8": 16, "w4": 32, "q4_k": 64}  # K elements per thread chunk (16 bytes; Q4_K 32)
+MAX_ROWS = 8  # rows of x a launch takes (ferrum.ops.fp8.MAX_GEMV_ROWS)
+# BLOCK_N per BLOCK_M (2 or 4 rows of x) of `default_config`: the largest that compiles for sm_90
+# without spills at 2 warps (x's registers grow with the rows: 8 rows spill for FP8, 4-bit and
+# Q4_K, which then keep their Triton GEMV); bf16 has no entry (cuBLAS takes 2+ rows)
+ROWS_BLOCK_N = {"fp8": {2: 2, 4: 1}, "w4": {2: 4, 4: 2}, "q4_k": {2: 4, 4: 1}}
 
 
-def default_config(kind: str, N: int, K: int) -> tuple[int, int, int] | None:
-    """(BLOCK_N, num_warps, SPLIT_K) for shapes the table lacks (Llama-3-70B, TP shards):
-    BLOCK_N 8 (4 for bf16 and FP8: their float32 accumulators take 16 registers per row); the
-    first of 4, 2, 1 warps (FP8 and 4-bit: 2, 4, 1) whose tile divides K: in the H200 sweep of
-    benchmarks/results/h200-2026-12-01d, FP8 (4, 2, 1) came within 10% of the best on every
-    Llama-3-8B matrix and (4, 4, 1) up to 10% below it, 4-bit (8, 2, 1) within 12%; split-K until
-    the grid has >= 2 programs per SM (264, H200's 132 SMs). None when no tile fits."""
+def default_config(kind: str, N: int, K: int, M: int = 1) -> tuple[int, int, int] | None:
+    """(BLOCK_N, num_warps, SPLIT_K) for an [N, K] weight and M rows of x, for what the table
+    lacks (Llama-3-70B, TP shards, 2-4 rows). One row: BLOCK_N 8 (4 for bf16 and FP8: their
+    float32 accumulators take 16 registers per row); the first of 4, 2, 1 warps (FP8 and 4-bit:
+    2, 4, 1) whose tile divides K: in the H200 sweep of benchmarks/results/h200-2026-12-01d, FP8
+    (4, 2, 1) came within 10% of the best on every Llama-3-8B matrix and (4, 4, 1) up to 10%
+    below it, 4-bit (8, 2, 1) within 12%. 2-4 rows: `ROWS_BLOCK_N`, 2 warps first. Split-K until
+    the grid has >= 2 programs per SM (264, H200's 132 SMs). None when no tile fits, or for
+    more rows than `ROWS_BLOCK_N` lists."""
     e = ELEMENTS[kind]
     bn = 8 if kind in ("w4", "q4_k") else 4
-    order = (2, 4, 1) if kind in ("fp8", "w4") else (4, 2, 1)
+    if M > 1:
+        bn = ROWS_BLOCK_N.get(kind, {}).get(next_pow2(M))
+        if bn is None:
+            return None
+    order = (2, 4, 1) if kind in ("fp8", "w4") or M > 1 else (4, 2, 1)
     warps = next((w for w in order if K % (32 * w * e) == 0), None)
     if warps is None or N % bn:
         return None
@@ -375,96 +424,115 @@ def default_config(kind: str, N: int, K: int) -> tuple[int, int, int] | None:
     return bn, warps, split
 
 
-def gemv_config(kind: str, N: int, K: int) -> tuple[int, int, int] | None:
-    """`GLUON_GEMV_CONFIGS[(kind, N, K)]` if listed, else `default_config` (None for bf16)."""
-    if (kind, N, K) in GLUON_GEMV_CONFIGS:
-        return GLUON_GEMV_CONFIGS[(kind, N, K)]
-    return None if kind == "bf16" else default_config(kind, N, K)
+def gemv_config(kind: str, N: int, K: int, M: int = 1) -> tuple[int, int, int] | None:
+    """`GLUON_GEMV_CONFIGS[(kind, N, K, 1 or 4)]` if listed, else `default_config` (None for
+    bf16, whose Triton GEMV serves one row and cuBLAS more)."""
+    key = (kind, N, K, 1 if M == 1 else 4)
+    if key in GLUON_GEMV_CONFIGS:
+        return GLUON_GEMV_CONFIGS[key]
+    return None if kind == "bf16" else default_config(kind, N, K, M)
 
 
 def fits(kind: str, N: int, K: int, config: tuple[int, int, int]) -> bool:
-    """True when config (BLOCK_N, num_warps, SPLIT_K) tiles an [N, K] weight exactly."""
+    """True when config (BLOCK_N, num_warps, SPLIT_K) tiles an [N, K] weight exactly (BLOCK_N
+    a power of two dividing N, K a multiple of SPLIT_K tiles)."""
     bn, warps, split = config
     tile = 32 * warps * ELEMENTS[kind]
-    return N % bn == 0 and K % (tile * split) == 0
+    return bn & (bn - 1) == 0 and N % bn == 0 and K % (tile * split) == 0
 
 
 def config_for(kind: str, x: torch.Tensor, N: int, K: int) -> tuple[int, int, int] | None:
-    """The config a batch-1 linear of kind over an [N, K] weight runs the Gluon GEMV with, or
-    None when the Triton GEMV runs instead (`can_use`, `gemv_config`, `fits`)."""
+    """The config a linear of kind over an [N, K] weight runs the Gluon GEMV with for x's rows,
+    or None when the Triton GEMV runs instead (`can_use`, `gemv_config`, `fits`)."""
     if not can_use(x):
         return None
-    cfg = gemv_config(kind, N, K)
+    cfg = gemv_config(kind, N, K, x.shape[0])
     return cfg if cfg is not None and fits(kind, N, K, cfg) else None
 
 
 def can_use(x: torch.Tensor) -> bool:
-    """True when the Gluon GEMVs may run on x: `KERNELS.gluon_gemv`, Gluon importable, x one
-    contiguous 16-bit row on an sm_90+ CUDA device."""
-    return (KERNELS.gluon_gemv and HAS_GLUON and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+    """True when the Gluon GEMVs may run on x: `KERNELS.gluon_gemv`, Gluon importable, x 1 to
+    `MAX_ROWS` contiguous 16-bit rows on an sm_90+ CUDA device."""
+    return (KERNELS.gluon_gemv and HAS_GLUON and x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS
             and x.dtype in (torch.bfloat16, torch.float16) and x.is_contiguous() and is_sm90(x))
 
 
 def _prepare(kind: str, x: torch.Tensor, N: int, K: int, config: tuple[int, int, int] | None, ok: bool):
-    """(BLOCK_N, num_warps, SPLIT_K, y [1, N] in x's dtype, the kernel's output: y, or
-    [SPLIT_K, N] float32 partials, PDL on or off) for a launch; raises ValueError when the
-    config (`gemv_config` when None) does not tile an [N, K] weight of kind or not `ok` (the
-    launcher's own layout checks)."""
-    cfg = config or gemv_config(kind, N, K)
-    if cfg is None or not ok or not fits(kind, N, K, cfg):
-        raise ValueError(f"Gluon GEMV: config {cfg} does not tile a [{N}, {K}] {kind} weight (or its layout)")
+    """(BLOCK_M, BLOCK_N, num_warps, SPLIT_K, y [M, N] in x's dtype, the kernel's output: y,
+    or [SPLIT_K, M, N] float32 partials, PDL on or off) for a launch over x [M, K]; raises
+    ValueError when the config (`gemv_config` when None) does not tile an [N, K] weight of
+    kind, x has more than `MAX_ROWS` rows, or not `ok` (the launcher's own layout checks)."""
+    M = x.shape[0]
+    cfg = config or gemv_config(kind, N, K, M)
+    if cfg is None or not ok or not 1 <= M <= MAX_ROWS or not fits(kind, N, K, cfg):
+        raise ValueError(f"Gluon GEMV: config {cfg} does not tile a [{N}, {K}] {kind} weight for {M} rows "
+                         "(or its layout)")
     bn, warps, split = cfg
-    y = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    out = y if split == 1 else torch.empty(split, N, dtype=torch.float32, device=x.device)
-    return bn, warps, split, y, out, pdl_ok(x)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    out = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    return next_pow2(M), bn, warps, split, y, out, pdl_ok(x)
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
                bias: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """y = x (scale * W)^T + bias. x: [1, K] bf16/fp16 contiguous (see `can_use`); weight
-    [N, K] in x's dtype or float8_e4m3fn (then scale [N] float32), unit stride along K; bias [N]
-    or None. Returns [1, N] in x's dtype (float32 accumulation). config (BLOCK_N, num_warps,
-    SPLIT_K) overrides `gemv_config`; raises ValueError when it does not tile the weight."""
+    """y = x (scale * W)^T + bias. x: [M, K] bf16/fp16 contiguous, M <= `MAX_ROWS` (see
+    `can_use`); weight [N, K] in x's dtype or float8_e4m3fn (then scale [N] float32), unit
+    stride along K; bias [N] or None. Returns [M, N] in x's dtype (float32 accumulation).
+    config (BLOCK_N, num_warps, SPLIT_K) overrides `gemv_config`; raises ValueError when it
+    does not tile the weight."""
     N, K = weight.shape
     fp8 = weight.dtype == torch.float8_e4m3fn
     kind = "fp8" if fp8 else "bf16"
-    bn, warps, split, y, out, pdl = _prepare(kind, x, N, K, config, weight.stride(1) == 1)
+    bm, bn, warps, split, y, out, pdl = _prepare(kind, x, N, K, config, weight.stride(1) == 1)
     _dense_gemv_kernel[(N // bn, split)](
-        x, weight, scale if fp8 else weight, bias if bias is not None else weight, out, N, K, K // split,
-        weight.stride(0), E=ELEMENTS[kind], BLOCK_N=bn, BLOCK_C=32 * warps, HAS_SCALE=fp8,
-        HAS_BIAS=bias is not None and split == 1, SPLIT_K=split, USE_PDL=pdl, num_warps=warps, launch_pdl=pdl)
+        x, weight, scale if fp8 else weight, bias if bias is not None else weight, out, x.shape[0], N, K, K // split,
+        x.stride(0), weight.stride(0), y.stride(0), E=ELEMENTS[kind], BLOCK_M=bm, BLOCK_N=bn, BLOCK_C=32 * warps,
+        HAS_SCALE=fp8, HAS_BIAS=bias is not None and split == 1, SPLIT_K=split, USE_PDL=pdl, num_warps=warps,
+        launch_pdl=pdl)
     return y if split == 1 else reduce_splits(out, y, bias, pdl)
+
+
+def _x_arg(x: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
+    """(x as the 4-bit kernels read it, its row stride in those elements, X_PAIRS): bf16 rows
+    viewed as int32 pairs (split by shifts in the kernel), fp16 as they are."""
+    if x.dtype == torch.bfloat16 and x.shape[1] % 2 == 0:
+        return x.view(torch.int32), x.stride(0) // 2, True
+    return x, x.stride(0), False
 
 
 def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
             bias: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """y = x W^T + bias with W in ferrum's packed 4-bit layout (ferrum/ops/int4.py; no
-    g_idx). x: [1, K] bf16/fp16 contiguous; group_size a multiple of 32; scales / zeros [N, G]
-    with unit stride along G. Returns [1, N] in x's dtype. config as `dense_gemv`'s; raises
-    ValueError when it does not tile the weight or the group size is not a multiple of 32."""
+    g_idx). x: [M, K] bf16/fp16 contiguous, M <= `MAX_ROWS`; group_size a multiple of 32;
+    scales / zeros [N, G] with unit stride along G. Returns [M, N] in x's dtype. config as
+    `dense_gemv`'s; raises ValueError when it does not tile the weight or the group size is
+    not a multiple of 32."""
     N, W = qweight.shape
     K = W * 8
-    bn, warps, split, y, out, pdl = _prepare("w4", x, N, K, config, group_size % 32 == 0 and scales.stride(1) == 1)
-    pairs = x.dtype == torch.bfloat16
+    bm, bn, warps, split, y, out, pdl = _prepare("w4", x, N, K, config,
+                                                 group_size % 32 == 0 and scales.stride(1) == 1)
+    xa, stride_xm, pairs = _x_arg(x)
     _w4_gemv_kernel[(N // bn, split)](
-        x.view(torch.int32) if pairs else x, qweight, scales, zeros, bias if bias is not None else scales, out,
-        N, K, W // split, F32_2P7_BITS, qweight.stride(0), scales.stride(0), GROUP=group_size, BLOCK_N=bn,
-        BLOCK_C=32 * warps, X_PAIRS=pairs, HAS_BIAS=bias is not None and split == 1, SPLIT_K=split, USE_PDL=pdl,
-        num_warps=warps, launch_pdl=pdl)
+        xa, qweight, scales, zeros, bias if bias is not None else scales, out, x.shape[0], N, K, W // split,
+        F32_2P7_BITS, stride_xm, qweight.stride(0), scales.stride(0), y.stride(0), GROUP=group_size, BLOCK_M=bm,
+        BLOCK_N=bn, BLOCK_C=32 * warps, X_PAIRS=pairs, HAS_BIAS=bias is not None and split == 1, SPLIT_K=split,
+        USE_PDL=pdl, num_warps=warps, launch_pdl=pdl)
     return y if split == 1 else reduce_splits(out, y, bias, pdl)
 
 
 def q4k_gemv(x: torch.Tensor, raw: torch.Tensor, bias: torch.Tensor | None = None,
              config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """y = x W^T + bias with W in GGUF Q4_K blocks: raw [N, K // 256 * 144] uint8, rows
-    contiguous. x: [1, K] bf16/fp16 contiguous. Returns [1, N] in x's dtype. config as
-    `dense_gemv`'s; raises ValueError when it does not tile the weight."""
+    contiguous. x: [M, K] bf16/fp16 contiguous, M <= `MAX_ROWS`. Returns [M, N] in x's dtype.
+    config as `dense_gemv`'s; raises ValueError when it does not tile the weight."""
     N = raw.shape[0]
     K = raw.shape[1] // 144 * 256
-    bn, warps, split, y, out, pdl = _prepare("q4_k", x, N, K, config, raw.stride(1) == 1 and raw.stride(0) % 4 == 0)
-    pairs = x.dtype == torch.bfloat16
+    bm, bn, warps, split, y, out, pdl = _prepare("q4_k", x, N, K, config,
+                                                 raw.stride(1) == 1 and raw.stride(0) % 4 == 0)
+    xa, stride_xm, pairs = _x_arg(x)
     _q4k_gemv_kernel[(N // bn, split)](
-        x.view(torch.int32) if pairs else x, raw.view(torch.int32), bias if bias is not None else x, out, N, K,
-        K // 64 // split, F32_2P7_BITS, raw.stride(0) // 4, BLOCK_N=bn, BLOCK_C=32 * warps, X_PAIRS=pairs,
-        HAS_BIAS=bias is not None and split == 1, SPLIT_K=split, USE_PDL=pdl, num_warps=warps, launch_pdl=pdl)
+        xa, raw.view(torch.int32), bias if bias is not None else x, out, x.shape[0], N, K, K // 64 // split,
+        F32_2P7_BITS, stride_xm, raw.stride(0) // 4, y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_C=32 * warps,
+        X_PAIRS=pairs, HAS_BIAS=bias is not None and split == 1, SPLIT_K=split, USE_PDL=pdl, num_warps=warps,
+        launch_pdl=pdl)
     return y if split == 1 else reduce_splits(out, y, bias, pdl)
