@@ -523,9 +523,10 @@ class KernelConfig:
         None, "block shape BN,BK,warps,stages of the quantized (FP8, 4-bit) GEMVs (default: "
         "chosen per matrix shape and row count)", env="FERRUM_QGEMV_CONFIG",
         parse=parse_gemv_config, metavar="BN,BK,WARPS,STAGES")
-    gluon_gemv: bool = option(True, "batch-1 FP8, 4-bit and GGUF Q4_K linears (and the bf16 shapes "
-                              "its tuning table lists) through the Gluon GEMVs (ferrum/ops/gemv_gluon.py; "
-                              "CUDA sm_90+) instead of the Triton ones", env="FERRUM_GLUON_GEMV")
+    gluon_gemv: bool = option(True, "FP8, 4-bit and GGUF Q4_K linears of 1-4 rows (and one-row bf16 on "
+                              "the shapes its tuning table lists) through the Gluon GEMVs "
+                              "(ferrum/ops/gemv_gluon.py; CUDA sm_90+) instead of the Triton ones",
+                              env="FERRUM_GLUON_GEMV")
     pdl: bool = option(True, "programmatic dependent launch of the decode kernels (CUDA sm_90+)",
                        env="FERRUM_PDL")
     cpu_blas_gemv: bool = option(True, "CPU float32 linears through numpy's OpenBLAS (one "
