@@ -26,6 +26,11 @@
 #             per step, then vLLM, in one `ferrum bench throughput` (output_tok_s_vs_vllm) 480 s
 #   fp8       issue 15: the same with FP8 weights + FP8 KV cache, vLLM with VB_QUANT=fp8
 #             VB_KV=fp8 (its driver: quantization="fp8", kv_cache_dtype="fp8")           480 s
+#   gluon     issue 15: the Gluon GEMVs' GPU tests, their sweep at 1 and 4 rows against the Triton
+#             GEMVs (quant_bench.py kernels --grid gluon), GLUON_GEMV_CONFIGS pasted from it into
+#             this tree, then batch-1 latency in bf16 / FP8 / AWQ / GGUF Q4_K with the Gluon GEMVs
+#             off and on (FERRUM_GLUON_GEMV=0/1, quant_latency_gluon{0,1}.json) and Llama-3-70B
+#             FP8 (quant_bench.py big); $OUT/gemv_gluon.py is the pasted table to commit  540 s
 #   attntune  decode attention over an FP8 cache (256 x 1536) and the prefill kernel at 1 x
 #             7500 / 16 x 1024 tokens, over their tile configs and launch orders
 #             (tune_attention.py --small-grid)                                           300 s
@@ -97,8 +102,8 @@ for s in "${@:-all}"; do
     case $s in
         all) sections+=(tests latency ttft nanovllm tp2) ;;
         bench) sections+=(latency ttft nanovllm tp2) ;;
-        tests|latency|ttft|nanovllm|tp2|tput|quantkern|quant|moe|fp8|attntune) sections+=("$s") ;;
-        *) echo "unknown section $s (tests latency ttft nanovllm tp2 tput quantkern quant moe fp8 attntune | bench | all)" >&2; exit 2 ;;
+        tests|latency|ttft|nanovllm|tp2|tput|quantkern|quant|moe|fp8|attntune|gluon) sections+=("$s") ;;
+        *) echo "unknown section $s (tests latency ttft nanovllm tp2 tput quantkern quant moe fp8 attntune gluon | bench | all)" >&2; exit 2 ;;
     esac
 done
 
@@ -149,7 +154,7 @@ free_gpu() {
     fi
 }
 
-declare -A LIMIT=([quant_vllm_awq]=200 [moe_vllm]=300 [tests]=480 [latency]=330 [ttft]=300 [nanovllm]=240 [tp2]=240 [quantkern]=240 [quant]=420 [moe]=480 [tput]=480 [fp8]=480 [attntune]=300)
+declare -A LIMIT=([gluon]=540 [quant_vllm_awq]=200 [moe_vllm]=300 [tests]=480 [latency]=330 [ttft]=300 [nanovllm]=240 [tp2]=240 [quantkern]=240 [quant]=420 [moe]=480 [tput]=480 [fp8]=480 [attntune]=300)
 summary=$OUT/summary.txt
 echo "gpu_run.sh ${sections[*]} at commit $FERRUM_GIT_COMMIT, $(date -u +%FT%TZ), device $DEVICE, $ngpus GPU(s), peers: ${peers[*]:-none}" >>"$summary"
 
@@ -244,6 +249,15 @@ for sec in "${sections[@]}"; do
             --input-len $TPUT_LEN $TPUT_LEN --output-len $TPUT_LEN $TPUT_LEN --max-num-seqs $TPUT_SEQS \
             --max-num-batched-tokens 8192 --max-model-len $((2 * TPUT_LEN + 16)) --no-sequential $(peers_of vllm) \
             "${peer_flags[@]}" --peer-env VB_QUANT=fp8 --peer-env VB_KV=fp8 --peer-timeout 300 --out "$OUT/fp8.json"
+        ;;
+    gluon)
+        run_section gluon bash -c "'$PY' -m pytest -m gpu -rA -q -p no:cacheprovider tests/test_quant_kernels.py -k gluon; \
+            '$PY' benchmarks/quant_bench.py kernels --grid gluon --rows 1 4 --gemm-rows --kernels bf16 gbf16 fp8 gfp8 \
+            w4 gw4 gguf_12 gq4_k --out '$OUT' && '$PY' benchmarks/paste_gemv_configs.py '$OUT/quant_kernels.json' \
+            --tables GLUON_GEMV_CONFIGS && cp ferrum/ops/gemv_gluon.py '$OUT/' && for g in 0 1; do mkdir -p '$OUT'/g\$g; \
+            FERRUM_GLUON_GEMV=\$g '$PY' benchmarks/quant_bench.py latency --formats bf16 fp8 awq gguf_q4_k \
+            --out '$OUT'/g\$g && mv '$OUT'/g\$g/quant_latency.json '$OUT'/quant_latency_gluon\$g.json; done; \
+            '$PY' benchmarks/quant_bench.py big --out '$OUT'"
         ;;
     attntune)
         run_section attntune bash -c "'$PY' benchmarks/tune_attention.py --kv-dtype fp8 --small-grid \

@@ -51,12 +51,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("json", nargs="+")
     p.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p.add_argument("--tables", nargs="+", default=list(TABLES), choices=list(TABLES),
+                   help="write only these tables (default: every one the JSON holds)")
     args = p.parse_args()
     res = {}
     for path in args.json:
         with open(path) as f:
-            res.update({k: v for k, v in json.load(f).items() if k in TABLES})
+            res.update({k: v for k, v in json.load(f).items() if k in args.tables})
     for name, rel in TABLES.items():
+        if name not in args.tables:
+            continue
         if not res.get(name):
             print(f"{name}: not in {' '.join(args.json)}, left as it is")
             continue
