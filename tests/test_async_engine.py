@@ -187,6 +187,30 @@ def test_http_queue_full_gives_503_with_retry_after(engine):
     assert full.json()["error"]["type"] == "server_overloaded"
 
 
+def test_status_counts_a_request_during_its_first_step(engine):
+    """A request that wakes an idle engine is in status() while its first step runs (a long
+    prefill): the snapshot is not the idle one taken before it arrived."""
+    gate, in_step = threading.Event(), threading.Event()
+    real_step = engine.engine.step
+
+    def step():
+        in_step.set()
+        gate.wait()
+        return real_step()
+    engine.engine.step = step
+    assert engine.status()["num_running"] + engine.status()["num_waiting"] == 0
+
+    async def go():
+        stream = await engine.add_request("slow", None, greedy(2), prompt_token_ids=PROMPT)
+        await asyncio.to_thread(in_step.wait, 10)
+        seen = engine.status()
+        gate.set()
+        await _collect(stream)
+        return seen
+    seen = asyncio.run(go())
+    assert seen["num_running"] + seen["num_waiting"] == 1, seen
+
+
 def test_http_chat_without_template_gives_400(engine):
     app = build_app(engine, ["tiny"])
     tok = engine.tokenizer

@@ -183,8 +183,9 @@ class AsyncLLMEngine:
 
     def status(self) -> dict:
         """A snapshot of LLMEngine.status() (executor status as a dict) taken by the engine
-        thread after every step and whenever it goes idle (LLMEngine.status() itself must not
-        run concurrently with a step), plus `healthy` (bool) and `error` (str, once dead).
+        thread after every step, when it goes idle and when work arrives at an idle engine
+        (LLMEngine.status() itself must not run concurrently with a step), plus `healthy`
+        (bool) and `error` (str, once dead).
         Thread-safe."""
         status = dict(self._status)
         broken = self._executor_broken()   # the root cause, when the loop died of it
@@ -224,6 +225,8 @@ class AsyncLLMEngine:
                 if not self.engine.has_unfinished_requests():
                     self._status = self._snapshot()
                     self._handle(self._cmds.get())      # idle: block until there is work
+                    self._drain()
+                    self._status = self._snapshot()     # the new work shows while its first step runs
                 self._drain()
                 if self._stopping or not self.engine.has_unfinished_requests():
                     continue
