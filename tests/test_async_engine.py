@@ -45,6 +45,20 @@ async def _collect(stream):
     return [o async for o in stream]
 
 
+def _hold_steps(engine) -> tuple[threading.Event, threading.Event]:
+    """Make each engine step wait for `gate` (set it to let steps run); `in_step` is set once a
+    step is waiting."""
+    gate, in_step = threading.Event(), threading.Event()
+    real_step = engine.engine.step
+
+    def step():
+        in_step.set()
+        gate.wait()
+        return real_step()
+    engine.engine.step = step
+    return gate, in_step
+
+
 def test_stream_outputs_match_offline_engine(engine, model_dir):
     async def go():
         return await _collect(await engine.add_request("a", None, greedy(8), prompt_token_ids=PROMPT))
@@ -158,14 +172,7 @@ def test_http_queue_full_gives_503_with_retry_after(engine):
     """max_waiting=2: hold the engine inside a step, queue 3 more requests, release it. One is
     running, two wait, the third is refused."""
     app = build_app(engine, ["tiny"])
-    gate, in_step = threading.Event(), threading.Event()
-    real_step = engine.engine.step
-
-    def step():
-        in_step.set()
-        gate.wait()
-        return real_step()
-    engine.engine.step = step
+    gate, in_step = _hold_steps(engine)
 
     async def go():
         async with _client(app) as c:
@@ -190,14 +197,7 @@ def test_http_queue_full_gives_503_with_retry_after(engine):
 def test_status_counts_a_request_during_its_first_step(engine):
     """A request that wakes an idle engine is in status() while its first step runs (a long
     prefill): the snapshot is not the idle one taken before it arrived."""
-    gate, in_step = threading.Event(), threading.Event()
-    real_step = engine.engine.step
-
-    def step():
-        in_step.set()
-        gate.wait()
-        return real_step()
-    engine.engine.step = step
+    gate, in_step = _hold_steps(engine)
     assert engine.status()["num_running"] + engine.status()["num_waiting"] == 0
 
     async def go():
