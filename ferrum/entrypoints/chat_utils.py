@@ -23,8 +23,11 @@ tool_choice (OpenAI): "none" (tools are left out of the prompt and nothing is pa
 (default with tools: the model's own format is parsed), "required" (constrained decoding to a
 JSON array of {"name", "parameters"} calls built from the tools' parameter schemas), or
 {"type": "function", "function": {"name": ...}} (constrained to that function's parameter
-schema). `parallel_tool_calls: false` allows one call. Every tool's parameters are checked as a
-JSON schema on every request, and the enforced ones as enforceable (`check_tool_schemas`).
+schema). `parallel_tool_calls: false` allows one call (the array ends after it); true, the
+default as in OpenAI and vLLM, allows several, and a model may repeat a call until max_tokens:
+the calls completed by then are returned (`ferrum.tool_parsers.constrained`). Every tool's
+parameters are checked as a JSON schema on every request, and the enforced ones as enforceable
+(`check_tool_schemas`).
 """
 from __future__ import annotations
 
@@ -442,13 +445,13 @@ def _is_special_token(tokenizer, text: str) -> bool:
 
 def apply_tool_calls(parser: ToolParser | None, output) -> None:
     """Offline API: parse a CompletionOutput's text in place: `text` becomes the message
-    content, `tool_calls` the calls in OpenAI form, finish_reason "tool_calls" when there are
-    calls and the model stopped by itself."""
+    content ("" for none), `tool_calls` the calls in OpenAI form (`ToolParser.extract`),
+    finish_reason "tool_calls" when there are calls and the model stopped by itself."""
     if parser is None:
         return
     content, calls = parser.extract(output.text)
+    output.text = content or ""
     if calls:
-        output.text = content or ""
         output.tool_calls = [c.to_openai() for c in calls]
         if output.finish_reason == "stop":
             output.finish_reason = "tool_calls"

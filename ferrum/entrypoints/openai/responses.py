@@ -30,7 +30,9 @@ response.created, response.in_progress, then per item response.output_item.added
 (message) response.content_part.added, response.output_text.delta..., response.output_text.done,
 response.content_part.done / (function call) response.function_call_arguments.delta...,
 response.function_call_arguments.done, and response.output_item.done; last
-response.completed (or response.incomplete). Streamed items equal the whole answer's.
+response.completed (or response.incomplete). Streamed items equal the whole answer's, but for
+a forced call that max_output_tokens cut off: streamed as far as it got, left out of the whole
+answer (whose other calls stay; `ferrum.tool_parsers.constrained`).
 Output_text logprobs cover the message text only.
 """
 from __future__ import annotations
@@ -440,7 +442,7 @@ class _ResponseState:
         if whole:
             content, found = self.tool_parser.extract(text)
             calls = [{"index": k, **call.to_openai()} for k, call in enumerate(found)]
-            content = (content or "") if found else text
+            content = content or ""
         else:
             content, calls = self.streamer.feed(text)
             if c.finished:

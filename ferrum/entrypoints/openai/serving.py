@@ -462,13 +462,13 @@ class OpenAIServing:
 
 def chat_message(tool_parser: ToolParser | None, text: str, finish_reason: str | None) -> dict:
     """{"message": {...}, "finish_reason": ...} of a finished chat choice: with a tool parser,
-    the calls found in `text` go to message.tool_calls (content: the rest, or null) and
-    finish_reason "stop" becomes "tool_calls"."""
+    the calls found in `text` go to message.tool_calls (content: the rest, or null; see
+    `ToolParser.extract`) and finish_reason "stop" becomes "tool_calls"."""
     message = {"role": "assistant", "content": text}
     if tool_parser is not None:
         content, calls = tool_parser.extract(text)
+        message["content"] = content
         if calls:
-            message = {"role": "assistant", "content": content,
-                       "tool_calls": [call.to_openai() for call in calls]}
+            message["tool_calls"] = [call.to_openai() for call in calls]
             finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
     return {"message": message, "finish_reason": finish_reason}
