@@ -705,6 +705,11 @@ BAD_FIELDS = [
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_grammar": "start: nothing_defined"}, "guided_grammar"),
     ({"guided_json": "{not json"}, "guided_json"),
+    # a regex llguidance's lexer cannot build (it fails on the first token, not when compiled)
+    ({"guided_regex": "b{999999}"}, "guided_regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "object", "properties": {"k": {"type": "string", "pattern": "^b{999999}$"}},
+        "required": ["k"]}}}}, "response_format"),
     # every tool's parameters are a JSON schema, under any tool_choice, named by the tool
     ({"tools": [_tool("f", {"type": "objekt"})]}, "tools[0].function.parameters"),
     ({"tools": [*TOOLS, _tool("f", {"type": "object", "properties": 5})], "tool_choice": "none"},
@@ -743,6 +748,24 @@ def test_valid_schema_keywords_not_enforced_are_fine_where_nothing_is_enforced(c
         r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, tools=tools,
                                            tool_choice=choice)
         assert r.choices[0].finish_reason in ("stop", "length", "tool_calls"), choice
+
+
+def test_a_constraint_too_large_for_the_lexer_is_a_400(server, client):
+    """`b{999999}` is valid regex syntax that llguidance accepts and compiles but cannot lex
+    (it used to answer 200 with a cut text and finish_reason "stop"): a 400 naming the field
+    before anything is queued, on completions as on chat; nothing fails in the engine."""
+    before = _status(server)
+    for path, body in [
+            ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "b{999999}"}}),
+            ("/v1/chat/completions", {"messages": ASK, "structured_outputs": {"regex": "b{999999}"}})]:
+        e = _err(_post(server, path, {"model": MODEL, "max_tokens": 5, **body}), 400)
+        assert e["param"] == "structured_outputs" and "too many expressions" in e["message"], e
+    after = _status(server)
+    assert after["requests_failed"] == before["requests_failed"]
+    assert after["grammar_matchers"] == 0 and after["num_waiting"] == 0
+    r = client.completions.create(model=MODEL, prompt="hi", max_tokens=20, temperature=0,
+                                  extra_body={"structured_outputs": {"regex": "b{3}"}})
+    assert r.choices[0].text == "bbb" and r.choices[0].finish_reason == "stop"
 
 
 def test_server_serves_after_bad_constraints(server, client):
