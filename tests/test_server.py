@@ -374,6 +374,66 @@ def test_wrong_json_types_are_a_400_naming_the_field(server, path, field, value)
     assert e["param"] == field and e["type"] == "invalid_request_error", e
 
 
+NULLS = [   # (path, field): OpenAI allows null, which means the field's default
+    ("/v1/completions", "n"), ("/v1/completions", "stream"), ("/v1/completions", "logprobs"),
+    ("/v1/completions", "echo"), ("/v1/completions", "stream_options"),
+    ("/v1/chat/completions", "n"), ("/v1/chat/completions", "logprobs"),
+    ("/v1/chat/completions", "stream"), ("/v1/chat/completions", "parallel_tool_calls"),
+    ("/v1/chat/completions", "store"), ("/v1/chat/completions", "metadata"),
+    ("/v1/chat/completions", "service_tier"), ("/v1/chat/completions", "tool_choice"),
+    ("/v1/responses", "stream"), ("/v1/responses", "parallel_tool_calls"), ("/v1/responses", "store"),
+    ("/v1/responses", "metadata"), ("/v1/responses", "service_tier"), ("/v1/responses", "tools"),
+    ("/v1/responses", "tool_choice"),
+]
+_BODIES = {"/v1/completions": {"prompt": PROMPT, "max_tokens": 4},
+           "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+           "/v1/responses": {"input": "hi", "max_output_tokens": 4}}
+
+
+def _answer(body: dict) -> tuple:
+    """What an answer says, without its random ids and prefix-cache hits: (choices or output
+    items, token counts)."""
+    counts = {k: v for k, v in body["usage"].items() if not k.endswith("_details")}
+    if "choices" in body:
+        for c in body["choices"]:
+            for call in (c.get("message") or {}).get("tool_calls") or []:
+                call.pop("id")
+        return body["choices"], counts
+    return [{k: v for k, v in o.items() if k not in ("id", "call_id")} for o in body["output"]], counts
+
+
+@pytest.mark.parametrize("path,field", NULLS)
+def test_null_means_the_default(server, path, field):
+    """A JSON null for a field OpenAI lets be null gives the answer an absent field gives
+    (it used to be a 400: "Input should be a valid integer", "unsupported field")."""
+    body = {"model": MODEL, "temperature": 0, **_BODIES[path]}
+    if field in ("parallel_tool_calls", "tool_choice"):
+        body["tools"] = TOOLS if path != "/v1/responses" else [
+            {"type": "function", **t["function"]} for t in TOOLS]
+    absent = _post(server, path, body)
+    null = _post(server, path, {**body, field: None})
+    assert absent.status_code == null.status_code == 200, null.text
+    assert _answer(null.json()) == _answer(absent.json())
+
+
+def test_wrong_values_of_the_nullable_fields_stay_400s(server):
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for field, value in [("store", True), ("store", "no"), ("metadata", {"k": 1}), ("metadata", []),
+                         ("service_tier", "flex"), ("service_tier", 1), ("n", "1")]:
+        e = _err(_post(server, "/v1/chat/completions", {**chat, field: value}), 400)
+        assert e["param"] == field, (field, value, e)
+    e = _err(_post(server, "/v1/responses", {"model": MODEL, "input": "hi", "service_tier": "priority"}), 400)
+    assert e["param"] == "service_tier"
+    e = _err(_post(server, "/v1/completions", {"model": MODEL, "prompt": None}), 400)   # required
+    assert e["param"] == "prompt"
+    e = _err(_post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": None}), 400)
+    assert e["param"] == "best_of"                                                   # not implemented
+    for tier in ("auto", "default"):
+        r = _post(server, "/v1/chat/completions", {**chat, "store": False, "service_tier": tier,
+                                                   "metadata": {"k": "v"}})
+        assert r.status_code == 200, r.text
+
+
 def test_json_ints_stay_valid_for_float_fields(server):
     for path, body in [("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
                        ("/v1/responses", {"input": "hi", "max_output_tokens": 2})]:

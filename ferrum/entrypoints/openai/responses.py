@@ -51,7 +51,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from ferrum.entrypoints.chat_utils import ChatPrompt, prepare_chat
 from ferrum.entrypoints.openai.logprobs import chat_logprobs, ready_tokens, token_texts
-from ferrum.entrypoints.openai.protocol import Temperature, _Strict
+from ferrum.entrypoints.openai.protocol import ServiceTier, Temperature, _Strict
 from ferrum.entrypoints.openai.serving import OpenAIServing, _Prompt, ferrum_error_body
 from ferrum.errors import FerrumError, InvalidRequestError
 from ferrum.outputs import RequestOutput
@@ -118,6 +118,7 @@ class ResponsesRequest(_Strict):
     user: str | None = None                  # accepted for API compatibility; unused
     safety_identifier: str | None = None     # accepted; unused
     prompt_cache_key: str | None = None      # accepted; the prefix cache needs no key
+    service_tier: ServiceTier | None = None
 
     def check_stateless(self) -> None:
         """Raises InvalidRequestError (400) for what needs stored state or a feature ferrum
