@@ -336,13 +336,30 @@ def test_bad_inputs(server):
     assert e["param"] == "messages[0].tool_call_id"
     e = _err(_post(server, "/v1/completions", {**ok, "model": "gpt-4"}), 404)
     assert "gpt-4" in e["message"] and e["type"] == "not_found_error"
-    # a lone surrogate (JSON's "\ud800" escape) is not text any tokenizer encodes: 400, not 500
-    for path, body in [("/v1/completions", {**ok, "prompt": "\ud800 hi"}),
-                       ("/v1/chat/completions", {"model": MODEL, "max_tokens": 2, "messages": [
-                           {"role": "user", "content": "hi \udfff"}]}),
-                       ("/tokenize", {"model": MODEL, "prompt": "\ud800"})]:
+    # a lone surrogate (JSON's "\ud800" escape) is not text any tokenizer encodes: 400, not 500,
+    # naming the string's field
+    chat = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    for path, body, param in [
+            ("/v1/completions", {**ok, "prompt": "\ud800 hi"}, "prompt"),
+            ("/v1/completions", {**ok, "prompt": ["fine", "\ud800 hi"]}, "prompt[1]"),
+            ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "hi \udfff"}]},
+             "messages[0].content"),
+            ("/v1/chat/completions", {**chat, "messages": [{"role": "system", "content": "ok"}, {
+                "role": "user", "content": [{"type": "text", "text": "a\ud800"}]}]}, "messages[1].content[0].text"),
+            ("/v1/chat/completions", {**chat, "tools": [{"type": "function", "function": {
+                "name": "f", "description": "d\ud800"}}]}, "tools[0].function.description"),
+            ("/v1/responses", {"model": MODEL, "input": "hi\ud800"}, "input"),
+            ("/v1/responses", {"model": MODEL, "input": [{"role": "user", "content": "\udc00"}]},
+             "input[0].content"),
+            ("/v1/responses", {"model": MODEL, "input": "hi", "instructions": "\ud800"}, "instructions"),
+            ("/v1/responses", {"model": MODEL, "input": "hi", "tools": [{
+                "type": "function", "name": "f", "description": "\ud800"}]}, "tools[0].description"),
+            ("/tokenize", {"model": MODEL, "prompt": "\ud800"}, "prompt"),
+            ("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]},
+             "messages[0].content")]:
         e = _err(_post(server, path, content=json.dumps(body).encode()), 400)   # ASCII escapes
         assert "surrogate" in e["message"] and e["type"] == "invalid_request_error", path
+        assert e["param"] == param and e["message"].startswith(f"{param}: "), (path, e)
     assert _post(server, "/v1/completions", ok).status_code == 200
 
 

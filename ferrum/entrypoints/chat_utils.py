@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from ferrum.errors import InvalidRequestError
 from ferrum.sampling_params import SamplingParams
 from ferrum.structured_output import StructuredOutputsParams
+from ferrum.tokenizer.tokenizer import check_unicode_in
 from ferrum.tool_parsers import NamedToolParser, RequiredToolParser, ToolParser, tool_parser_class
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -403,6 +404,8 @@ def prepare_chat(tokenizer, messages, *, tools=None, tool_choice=None,
     if tokenizer is None:
         raise _bad("messages", "this model has no tokenizer, so it cannot chat; use "
                                "/v1/completions with token ids")
+    check_unicode_in(messages, "messages")   # the rendering cannot name the string at fault
+    check_unicode_in(tools, "tools")
     msgs = parse_messages(messages)
     tools = parse_tools(tools)
     choice = parse_tool_choice(tool_choice, tools)

@@ -56,6 +56,7 @@ from ferrum.entrypoints.openai.serving import OpenAIServing, _Prompt, ferrum_err
 from ferrum.errors import FerrumError, InvalidRequestError
 from ferrum.outputs import RequestOutput
 from ferrum.sampling_params import MAX_LOGPROBS, SamplingParams
+from ferrum.tokenizer.tokenizer import check_unicode_in
 from ferrum.tool_parsers import ToolCallStreamer, ToolParser
 
 _NO_STATE = ("ferrum keeps no stored state (the Responses API is stateless here): send the "
@@ -221,6 +222,8 @@ def prepare_response(serving: OpenAIServing, req: ResponsesRequest) -> ChatPromp
     messages, tools / tool_choice / text.format -> the same prompt, constraint and tool parser
     chat completions gets. Errors are re-raised naming the Responses field."""
     tools, choice, response_format = req.chat_tools()
+    check_unicode_in(req.instructions, "instructions")   # named here: both become messages
+    check_unicode_in(req.input, "input")
     messages = input_messages(req)
     try:
         chat = prepare_chat(serving.tokenizer, messages, tools=tools, tool_choice=choice,

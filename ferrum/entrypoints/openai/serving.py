@@ -148,13 +148,14 @@ class OpenAIServing:
                                      f"{', '.join(repr(m) for m in self.model_names)}")
         return self.model_names[0]
 
-    def _prompt(self, p: str | list[int], need_text: bool = False) -> _Prompt:
-        """Tokenize a text prompt; decode token ids only when the text is needed (echo)."""
+    def _prompt(self, p: str | list[int], need_text: bool = False, param: str = "prompt") -> _Prompt:
+        """Tokenize a text prompt; decode token ids only when the text is needed (echo).
+        param: the prompt's field, named in errors ("prompt", "prompt[1]")."""
         if isinstance(p, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer; send the prompt as token ids",
                                           param="prompt")
-            return _Prompt(p, self.tokenizer.encode(p))
+            return _Prompt(p, self.tokenizer.encode(p, param=param))
         text = (self.tokenizer.decode(p, skip_special_tokens=False)
                 if need_text and self.tokenizer else None)
         return _Prompt(text, list(p))
@@ -257,7 +258,10 @@ class OpenAIServing:
         t0 = time.perf_counter()
         model = self.check_model(req.model)
         # tokenizing a long prompt takes seconds: in a thread, so the event loop serves on
-        prompts = await asyncio.to_thread(lambda: [self._prompt(p, req.echo) for p in req.prompts()])
+        many = isinstance(req.prompt, list) and bool(req.prompt) and not isinstance(req.prompt[0], int)
+        prompts = await asyncio.to_thread(lambda: [
+            self._prompt(p, req.echo, f"prompt[{i}]" if many else "prompt")
+            for i, p in enumerate(req.prompts())])
         max_tokens = 1 if req.echo_only else req.max_tokens
         params = [req.sampling_params(self._max_tokens(len(p.token_ids), max_tokens, "max_tokens"))
                   for p in prompts]
