@@ -41,7 +41,9 @@ class ClientDisconnectedError(FerrumError):
 
 
 def error_body(message: str, error_type: str, status: int, param: str | None = None) -> dict:
-    """OpenAI-style error: {"error": {"message", "type", "param", "code"}} (code = HTTP status)."""
+    """OpenAI-style error: {"error": {"message", "type", "param", "code"}}. code is the HTTP
+    status (an int), as vLLM sends it (its ErrorInfo.code); OpenAI sends a string or null there,
+    and its Python client turns any value into one (APIError.code: "400")."""
     return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
 
 
