@@ -243,3 +243,23 @@ def test_prepare_chat_modes(smollm2_tokenizer):
     with pytest.raises(InvalidRequestError) as info:
         required.sampling_params(SamplingParams(structured_outputs={"regex": "a"}))
     assert info.value.param == "tool_choice"
+
+
+@pytest.mark.parametrize("kw,param", [
+    (dict(messages=[{"role": "user", "content": "a\ud800"}]), "messages[0].content"),
+    (dict(messages=[{"role": "system", "content": "ok"},
+                    {"role": "user", "content": [{"type": "text", "text": "\udfffb"}]}]),
+     "messages[1].content[0].text"),
+    (dict(messages=[{"role": "user", "content": "hi", "name": "\ud800"}]), "messages[0].name"),
+    (dict(messages=[{"role": "user", "content": "hi"}], tools=[
+        {"type": "function", "function": {"name": "f", "description": "\ud800"}}]), "tools[0].function.description"),
+])
+def test_a_lone_surrogate_names_its_field(smollm2_tokenizer, kw, param):
+    """A lone UTF-16 surrogate cannot be encoded: the 400 names the string's field, not the
+    rendered prompt (offline LLM.chat and the server alike come through prepare_chat)."""
+    with pytest.raises(InvalidRequestError, match="lone surrogate") as info:
+        prepare_chat(smollm2_tokenizer, **kw)
+    assert info.value.param == param and str(info.value).startswith(f"{param}: ")
+    with pytest.raises(InvalidRequestError) as info:
+        smollm2_tokenizer.encode("x\ud800")
+    assert info.value.param == "prompt"

@@ -311,6 +311,20 @@ def test_errors_are_named_and_leave_nothing_behind(folder):
         llm.generate([[5, VOCAB]], greedy, use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="this model has no tokenizer"):
         llm.generate("hello", greedy, use_tqdm=False)
+    # arguments of the wrong type are named errors, not a TypeError from deep inside
+    for prompts, param in [(None, "prompts"), (5, "prompts"), ([[5, 6], None], "prompts[1]"),
+                           ([[5, 6], [7, 8.0]], "prompts[1]"), ([[True]], "prompts[0]")]:
+        with pytest.raises(InvalidRequestError) as e:
+            llm.generate(prompts, greedy, use_tqdm=False)
+        assert e.value.param == param, prompts
+    for params, param in [({"temperature": 0}, "sampling_params"),
+                          ([greedy, None], "sampling_params[1]")]:
+        with pytest.raises(InvalidRequestError) as e:
+            llm.generate([[5, 6], [7, 8]], params, use_tqdm=False)
+        assert e.value.param == param
+    with pytest.raises(InvalidRequestError) as e:
+        llm.chat(None, greedy)
+    assert e.value.param == "messages"
     for kw, param in [(dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"),
                       (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"),
                       (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"),

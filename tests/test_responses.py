@@ -334,6 +334,9 @@ def test_tools_and_text_format_bad_values_name_the_field(server):
             ({**ok, "text": {"format": {"type": "json_schema", "name": "n",
                                         "schema": {"type": "array", "uniqueItems": True}}}}, "text.format"),
             ({**ok, "tools": TOOLS, "tool_choice": "required", "text": {"format": {"type": "json_object"}}},
-             "text.format")]:
+             "text.format"),
+            ({**ok, "text": {"format": {"type": "json_schema", "name": "n", "schema": {   # cannot be lexed
+                "type": "object", "properties": {"k": {"type": "string", "pattern": "^b{999999}$"}},
+                "required": ["k"]}}}}, "text.format")]:
         e = _err(_post(server, "/v1/responses", body), 400)
         assert e["param"] == param and e["message"].startswith(param), (body, e)

@@ -336,13 +336,30 @@ def test_bad_inputs(server):
     assert e["param"] == "messages[0].tool_call_id"
     e = _err(_post(server, "/v1/completions", {**ok, "model": "gpt-4"}), 404)
     assert "gpt-4" in e["message"] and e["type"] == "not_found_error"
-    # a lone surrogate (JSON's "\ud800" escape) is not text any tokenizer encodes: 400, not 500
-    for path, body in [("/v1/completions", {**ok, "prompt": "\ud800 hi"}),
-                       ("/v1/chat/completions", {"model": MODEL, "max_tokens": 2, "messages": [
-                           {"role": "user", "content": "hi \udfff"}]}),
-                       ("/tokenize", {"model": MODEL, "prompt": "\ud800"})]:
+    # a lone surrogate (JSON's "\ud800" escape) is not text any tokenizer encodes: 400, not 500,
+    # naming the string's field
+    chat = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    for path, body, param in [
+            ("/v1/completions", {**ok, "prompt": "\ud800 hi"}, "prompt"),
+            ("/v1/completions", {**ok, "prompt": ["fine", "\ud800 hi"]}, "prompt[1]"),
+            ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "hi \udfff"}]},
+             "messages[0].content"),
+            ("/v1/chat/completions", {**chat, "messages": [{"role": "system", "content": "ok"}, {
+                "role": "user", "content": [{"type": "text", "text": "a\ud800"}]}]}, "messages[1].content[0].text"),
+            ("/v1/chat/completions", {**chat, "tools": [{"type": "function", "function": {
+                "name": "f", "description": "d\ud800"}}]}, "tools[0].function.description"),
+            ("/v1/responses", {"model": MODEL, "input": "hi\ud800"}, "input"),
+            ("/v1/responses", {"model": MODEL, "input": [{"role": "user", "content": "\udc00"}]},
+             "input[0].content"),
+            ("/v1/responses", {"model": MODEL, "input": "hi", "instructions": "\ud800"}, "instructions"),
+            ("/v1/responses", {"model": MODEL, "input": "hi", "tools": [{
+                "type": "function", "name": "f", "description": "\ud800"}]}, "tools[0].description"),
+            ("/tokenize", {"model": MODEL, "prompt": "\ud800"}, "prompt"),
+            ("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]},
+             "messages[0].content")]:
         e = _err(_post(server, path, content=json.dumps(body).encode()), 400)   # ASCII escapes
         assert "surrogate" in e["message"] and e["type"] == "invalid_request_error", path
+        assert e["param"] == param and e["message"].startswith(f"{param}: "), (path, e)
     assert _post(server, "/v1/completions", ok).status_code == 200
 
 
@@ -372,6 +389,66 @@ def test_wrong_json_types_are_a_400_naming_the_field(server, path, field, value)
             "/tokenize": {"prompt": "hi"}}[path]
     e = _err(_post(server, path, {"model": MODEL, **body, field: value}), 400)
     assert e["param"] == field and e["type"] == "invalid_request_error", e
+
+
+NULLS = [   # (path, field): OpenAI allows null, which means the field's default
+    ("/v1/completions", "n"), ("/v1/completions", "stream"), ("/v1/completions", "logprobs"),
+    ("/v1/completions", "echo"), ("/v1/completions", "stream_options"),
+    ("/v1/chat/completions", "n"), ("/v1/chat/completions", "logprobs"),
+    ("/v1/chat/completions", "stream"), ("/v1/chat/completions", "parallel_tool_calls"),
+    ("/v1/chat/completions", "store"), ("/v1/chat/completions", "metadata"),
+    ("/v1/chat/completions", "service_tier"), ("/v1/chat/completions", "tool_choice"),
+    ("/v1/responses", "stream"), ("/v1/responses", "parallel_tool_calls"), ("/v1/responses", "store"),
+    ("/v1/responses", "metadata"), ("/v1/responses", "service_tier"), ("/v1/responses", "tools"),
+    ("/v1/responses", "tool_choice"),
+]
+_BODIES = {"/v1/completions": {"prompt": PROMPT, "max_tokens": 4},
+           "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+           "/v1/responses": {"input": "hi", "max_output_tokens": 4}}
+
+
+def _answer(body: dict) -> tuple:
+    """What an answer says, without its random ids and prefix-cache hits: (choices or output
+    items, token counts)."""
+    counts = {k: v for k, v in body["usage"].items() if not k.endswith("_details")}
+    if "choices" in body:
+        for c in body["choices"]:
+            for call in (c.get("message") or {}).get("tool_calls") or []:
+                call.pop("id")
+        return body["choices"], counts
+    return [{k: v for k, v in o.items() if k not in ("id", "call_id")} for o in body["output"]], counts
+
+
+@pytest.mark.parametrize("path,field", NULLS)
+def test_null_means_the_default(server, path, field):
+    """A JSON null for a field OpenAI lets be null gives the answer an absent field gives
+    (it used to be a 400: "Input should be a valid integer", "unsupported field")."""
+    body = {"model": MODEL, "temperature": 0, **_BODIES[path]}
+    if field in ("parallel_tool_calls", "tool_choice"):
+        body["tools"] = TOOLS if path != "/v1/responses" else [
+            {"type": "function", **t["function"]} for t in TOOLS]
+    absent = _post(server, path, body)
+    null = _post(server, path, {**body, field: None})
+    assert absent.status_code == null.status_code == 200, null.text
+    assert _answer(null.json()) == _answer(absent.json())
+
+
+def test_wrong_values_of_the_nullable_fields_stay_400s(server):
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for field, value in [("store", True), ("store", "no"), ("metadata", {"k": 1}), ("metadata", []),
+                         ("service_tier", "flex"), ("service_tier", 1), ("n", "1")]:
+        e = _err(_post(server, "/v1/chat/completions", {**chat, field: value}), 400)
+        assert e["param"] == field, (field, value, e)
+    e = _err(_post(server, "/v1/responses", {"model": MODEL, "input": "hi", "service_tier": "priority"}), 400)
+    assert e["param"] == "service_tier"
+    e = _err(_post(server, "/v1/completions", {"model": MODEL, "prompt": None}), 400)   # required
+    assert e["param"] == "prompt"
+    e = _err(_post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": None}), 400)
+    assert e["param"] == "best_of"                                                   # not implemented
+    for tier in ("auto", "default"):
+        r = _post(server, "/v1/chat/completions", {**chat, "store": False, "service_tier": tier,
+                                                   "metadata": {"k": "v"}})
+        assert r.status_code == 200, r.text
 
 
 def test_json_ints_stay_valid_for_float_fields(server):
@@ -705,6 +782,11 @@ BAD_FIELDS = [
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_grammar": "start: nothing_defined"}, "guided_grammar"),
     ({"guided_json": "{not json"}, "guided_json"),
+    # a regex llguidance's lexer cannot build (it fails on the first token, not when compiled)
+    ({"guided_regex": "b{999999}"}, "guided_regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "object", "properties": {"k": {"type": "string", "pattern": "^b{999999}$"}},
+        "required": ["k"]}}}}, "response_format"),
     # every tool's parameters are a JSON schema, under any tool_choice, named by the tool
     ({"tools": [_tool("f", {"type": "objekt"})]}, "tools[0].function.parameters"),
     ({"tools": [*TOOLS, _tool("f", {"type": "object", "properties": 5})], "tool_choice": "none"},
@@ -743,6 +825,24 @@ def test_valid_schema_keywords_not_enforced_are_fine_where_nothing_is_enforced(c
         r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, tools=tools,
                                            tool_choice=choice)
         assert r.choices[0].finish_reason in ("stop", "length", "tool_calls"), choice
+
+
+def test_a_constraint_too_large_for_the_lexer_is_a_400(server, client):
+    """`b{999999}` is valid regex syntax that llguidance accepts and compiles but cannot lex
+    (it used to answer 200 with a cut text and finish_reason "stop"): a 400 naming the field
+    before anything is queued, on completions as on chat; nothing fails in the engine."""
+    before = _status(server)
+    for path, body in [
+            ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "b{999999}"}}),
+            ("/v1/chat/completions", {"messages": ASK, "structured_outputs": {"regex": "b{999999}"}})]:
+        e = _err(_post(server, path, {"model": MODEL, "max_tokens": 5, **body}), 400)
+        assert e["param"] == "structured_outputs" and "too many expressions" in e["message"], e
+    after = _status(server)
+    assert after["requests_failed"] == before["requests_failed"]
+    assert after["grammar_matchers"] == 0 and after["num_waiting"] == 0
+    r = client.completions.create(model=MODEL, prompt="hi", max_tokens=20, temperature=0,
+                                  extra_body={"structured_outputs": {"regex": "b{3}"}})
+    assert r.choices[0].text == "bbb" and r.choices[0].finish_reason == "stop"
 
 
 def test_server_serves_after_bad_constraints(server, client):

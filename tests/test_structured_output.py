@@ -189,6 +189,13 @@ def test_bad_constraints_are_named_and_leave_nothing(llm):
         ({"regex": "(unclosed"}, "regex"),
         ({"grammar": "start: undefined_rule"}, "unknown name"),
         ({"json": "{not json"}, "not valid JSON"),
+        # valid, but too large for llguidance's lexer: it fails on the first token (not at
+        # validation or construction), so compile walks a copy one token to find out
+        ({"regex": "b{999999}"}, "too many expressions"),
+        ({"regex": "x{1000}b{999999}"}, "too many expressions"),
+        ({"grammar": 'start: "x" /b{999999}/'}, "too many expressions"),
+        ({"json": {"type": "object", "properties": {"k": {"type": "string", "pattern": "^b{999999}$"}},
+                   "required": ["k"]}}, "too many expressions"),
     ]
     for so, msg in bad:
         with pytest.raises(InvalidRequestError, match=msg) as info:
@@ -201,6 +208,25 @@ def test_bad_constraints_are_named_and_leave_nothing(llm):
     after = eng.status()
     assert after["num_waiting"] == before["num_waiting"] == 0
     assert after["grammar_matchers"] == 0 and not eng.has_unfinished_requests()
+
+
+def test_a_token_the_grammar_rejects_fails_the_request(llm, monkeypatch):
+    """If a matcher rejects a sampled token (its grammar engine failed after the first steps
+    `compile` checks, or a mask went missing: simulated here by dropping the masks), the request
+    fails (finish_reason "error", RequestOutput.error, requests_failed) instead of ending as a
+    complete "stop"; its matcher is released and the engine serves on."""
+    eng = llm.engine
+    failed = eng.stats["requests_failed"]
+    monkeypatch.setattr(eng.structured, "bitmask_async", lambda seq_ids: None)
+    so = {"choice": ["left", "right"]}
+    (out,) = llm.generate(["Go"], SamplingParams(temperature=0, max_tokens=8, structured_outputs=so),
+                          use_tqdm=False)
+    assert out.outputs[0].finish_reason == "error" and "grammar rejected token" in out.error
+    assert eng.stats["requests_failed"] == failed + 1 and eng.status()["grammar_matchers"] == 0
+    monkeypatch.undo()
+    (out,) = llm.generate(["Go"], SamplingParams(temperature=0, max_tokens=8, structured_outputs=so),
+                          use_tqdm=False)
+    assert out.outputs[0].text in ("left", "right") and out.outputs[0].finish_reason == "stop"
 
 
 def test_compiled_grammars_are_cached(llm):

@@ -55,3 +55,75 @@ def test_tool_call_round_trip(smol):
     final = smol.chat.completions.create(messages=messages, **kw).choices[0]
     assert final.finish_reason == "stop" and not final.message.tool_calls
     assert "22" in final.message.content       # the tool result reached the model
+
+
+def _readme_required_body() -> dict:
+    """README's curl body for tool_choice "required" (the one the README shows the answer of)."""
+    import pathlib
+    import re
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    bodies = [json.loads(b) for b in re.findall(r"-d '(\{.*?\})'", readme, re.S)]
+    (body,) = [b for b in bodies if b.get("tool_choice") == "required"]
+    return body
+
+
+def test_readme_required_example_gives_its_documented_answer(smol):
+    """README's curl example as written: one get_weather call for Paris, content null,
+    finish_reason tool_calls (parallel_tool_calls false ends the array after the call)."""
+    import httpx
+    body = _readme_required_body()
+    r = httpx.post(str(smol.base_url) + "chat/completions", json=body, timeout=600)
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["id"].startswith("call_") and call["type"] == "function"
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
+def test_required_cut_off_by_max_tokens_returns_the_finished_calls(smol, smollm2_gguf_path):
+    """With parallel calls allowed (the default) SmolLM2 repeats its call until max_tokens: the
+    calls completed by then come back as tool_calls (content null, finish_reason length), in
+    chat (whole and streamed), Responses and the offline LLM.chat; the cut call is left out."""
+    from ferrum import LLM, SamplingParams
+    body = _readme_required_body()
+    body.pop("parallel_tool_calls", None)
+    tools = body["tools"]
+    params = tools[0]["function"]["parameters"]
+    kw = dict(model="smollm2", messages=body["messages"], tools=tools, tool_choice="required",
+              temperature=0, max_tokens=body["max_tokens"])
+    choice = smol.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert len(calls) >= 2 and {name for name, _ in calls} == {"get_weather"}
+    for _, args in calls:
+        jsonschema.validate(json.loads(args), params)
+    # streamed: the same calls first, then the one that was cut off, as far as it got
+    streamed, content, reason = {}, "", None
+    for chunk in smol.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for d in c.delta.tool_calls or []:
+                if d.id:
+                    streamed[d.index] = [d.function.name, ""]
+                streamed[d.index][1] += d.function.arguments or ""
+            reason = c.finish_reason or reason
+    streamed = [tuple(v) for _, v in sorted(streamed.items())]
+    assert (content, reason, streamed[:len(calls)]) == ("", "length", calls)
+    assert len(streamed) == len(calls) + 1
+    # Responses: one function_call item per finished call, the response incomplete
+    r = smol.responses.create(model="smollm2", input=body["messages"][0]["content"], temperature=0,
+                              tool_choice="required", max_output_tokens=body["max_tokens"],
+                              tools=[{"type": "function", **tools[0]["function"]}])
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert [(o.type, o.name, o.arguments) for o in r.output] == [("function_call", *c) for c in calls]
+    # offline, as README's snippet calls it
+    with LLM(smollm2_gguf_path, progress=False, device="cpu", max_model_len=2048) as llm:
+        (out,) = llm.chat(body["messages"], SamplingParams(temperature=0, max_tokens=body["max_tokens"]),
+                          tools=tools, tool_choice="required")[0].outputs
+        assert out.finish_reason == "length" and out.text == ""
+        assert [(t["function"]["name"], t["function"]["arguments"]) for t in out.tool_calls] == calls
+        (one,) = llm.chat(body["messages"], SamplingParams(temperature=0, max_tokens=body["max_tokens"]),
+                          tools=tools, tool_choice="required", parallel_tool_calls=False)[0].outputs
+        assert one.finish_reason == "tool_calls" and one.text == ""
+        assert [(t["function"]["name"], t["function"]["arguments"]) for t in one.tool_calls] == calls[:1]

@@ -52,8 +52,20 @@ MALFORMED = [
     (Llama3JsonToolParser(), '{"name": "a", "parameters": {}} and more'),
     (MistralToolParser(), '[TOOL_CALLS][{"name": "a", "arguments": {"x": }]'),
     (MistralToolParser(), '[TOOL_CALLS]get_weather'),
-    (RequiredToolParser(), '[{"name": "a", "parameters": {"x": 1'),
-    (NamedToolParser("f"), '{"x": '),
+]
+
+# output that constrained decoding wrote, cut off by max_tokens: (parser, output, the calls
+# completed before the cut); never content, the unfinished call left out
+TRUNCATED = [
+    (RequiredToolParser(), '[{"name": "a", "parameters": {"x": 1', []),
+    (RequiredToolParser(), '[', []),
+    (RequiredToolParser(), '[{"name": "a", "parameters": {"x": 1}}, {"name": "a", "parameters": {"x": 1}}, '
+                           '{"name": "a", "param', [("a", '{"x": 1}'), ("a", '{"x": 1}')]),
+    (RequiredToolParser(), f'[{{"name": "get_weather", "parameters": {ARGS}}}, ', [("get_weather", ARGS)]),
+    (RequiredToolParser(), '[{"name": "a", "parameters": {}}, {"na', [("a", "{}")]),
+    (RequiredToolParser(max_calls=1), '[{"name": "a", "parameters": {}}, {"name": "b", "parameters": {}}, {',
+     [("a", "{}")]),
+    (NamedToolParser("f"), '{"x": ', []),
 ]
 
 PLAIN = [(HermesToolParser(), "No tools needed <tool but not a call."),
@@ -104,6 +116,20 @@ def test_formats(case):
 def test_malformed_output_is_content(case):
     parser, text = MALFORMED[case]
     assert parser.extract(text) == (text, [])
+
+
+@pytest.mark.parametrize("case", range(len(TRUNCATED)))
+def test_enforced_output_cut_off_keeps_the_finished_calls(case):
+    """tool_choice required / named output that max_tokens cut off: the calls completed before
+    the cut are the calls, content is None (the raw JSON is never content), and the stream
+    sends the same calls first (the cut one follows, as far as it got) and no content."""
+    parser, text, calls = TRUNCATED[case]
+    content, got = parser.extract(text)
+    assert content is None and [(c.name, c.arguments) for c in got] == calls
+    for sizes in ([1], [3, 7], [len(text)]):
+        streamed, streamed_calls, _ = stream(parser, text, sizes)
+        assert streamed == "" and streamed_calls[:len(calls)] == calls
+        assert len(streamed_calls) <= len(calls) + 1
 
 
 @pytest.mark.parametrize("case", range(len(PLAIN)))

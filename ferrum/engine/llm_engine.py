@@ -503,10 +503,10 @@ class LLMEngine:
                 seq.token_ids[pos] = tok
                 state = seq.output_state
                 constrained = req.grammar is not None   # unconstrained rows skip the matcher calls
-                grammar_ok = not constrained or self.structured.accept(seq.seq_id, tok)
+                if constrained:   # a token the grammar rejects fails the request (except below)
+                    self.structured.accept(seq.seq_id, tok)
                 state.append(tok)
-                if constrained and not state.finished and (
-                        not grammar_ok or self.structured.is_terminated(seq.seq_id)):
+                if constrained and not state.finished and self.structured.is_terminated(seq.seq_id):
                     state.finish("stop")  # the grammar is complete: nothing but EOS could follow
                 seq.new_tokens += 1
                 if logprobs is not None and logprobs[i] is not None:
@@ -516,7 +516,7 @@ class LLMEngine:
                 if state.finish_reason is not None:
                     del seq.token_ids[pos + 1:]  # a placeholder of a step launched after this one
                     self._drop(seq)
-            except Exception as e:  # noqa: BLE001 - stop checks / detokenizer: this request only
+            except Exception as e:  # noqa: BLE001 - grammar, stop checks, detokenizer: this request only
                 self._fail([seq], e, touched)
             touched[req.request_id] = req
         self.stats["generation_tokens"] += generated

@@ -23,8 +23,11 @@ tool_choice (OpenAI): "none" (tools are left out of the prompt and nothing is pa
 (default with tools: the model's own format is parsed), "required" (constrained decoding to a
 JSON array of {"name", "parameters"} calls built from the tools' parameter schemas), or
 {"type": "function", "function": {"name": ...}} (constrained to that function's parameter
-schema). `parallel_tool_calls: false` allows one call. Every tool's parameters are checked as a
-JSON schema on every request, and the enforced ones as enforceable (`check_tool_schemas`).
+schema). `parallel_tool_calls: false` allows one call (the array ends after it); true, the
+default as in OpenAI and vLLM, allows several, and a model may repeat a call until max_tokens:
+the calls completed by then are returned (`ferrum.tool_parsers.constrained`). Every tool's
+parameters are checked as a JSON schema on every request, and the enforced ones as enforceable
+(`check_tool_schemas`).
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 from ferrum.errors import InvalidRequestError
 from ferrum.sampling_params import SamplingParams
 from ferrum.structured_output import StructuredOutputsParams
+from ferrum.tokenizer.tokenizer import check_unicode_in
 from ferrum.tool_parsers import NamedToolParser, RequiredToolParser, ToolParser, tool_parser_class
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -400,6 +404,8 @@ def prepare_chat(tokenizer, messages, *, tools=None, tool_choice=None,
     if tokenizer is None:
         raise _bad("messages", "this model has no tokenizer, so it cannot chat; use "
                                "/v1/completions with token ids")
+    check_unicode_in(messages, "messages")   # the rendering cannot name the string at fault
+    check_unicode_in(tools, "tools")
     msgs = parse_messages(messages)
     tools = parse_tools(tools)
     choice = parse_tool_choice(tool_choice, tools)
@@ -442,13 +448,13 @@ def _is_special_token(tokenizer, text: str) -> bool:
 
 def apply_tool_calls(parser: ToolParser | None, output) -> None:
     """Offline API: parse a CompletionOutput's text in place: `text` becomes the message
-    content, `tool_calls` the calls in OpenAI form, finish_reason "tool_calls" when there are
-    calls and the model stopped by itself."""
+    content ("" for none), `tool_calls` the calls in OpenAI form (`ToolParser.extract`),
+    finish_reason "tool_calls" when there are calls and the model stopped by itself."""
     if parser is None:
         return
     content, calls = parser.extract(output.text)
+    output.text = content or ""
     if calls:
-        output.text = content or ""
         output.tool_calls = [c.to_openai() for c in calls]
         if output.finish_reason == "stop":
             output.finish_reason = "tool_calls"

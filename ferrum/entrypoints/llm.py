@@ -2,6 +2,7 @@
 All prompts go through the continuous-batching engine at once; a tqdm bar shows progress."""
 from __future__ import annotations
 
+import numbers
 import time
 
 from tqdm.auto import tqdm
@@ -34,11 +35,11 @@ class LLM:
         """One RequestOutput per prompt, in order. Prompts are strings or token-id lists;
         sampling_params is one SamplingParams for all (default: `SamplingParams()`) or a list
         with one per prompt. All are queued first, so they run concurrently (continuous
-        batching). Raises InvalidRequestError when a list of SamplingParams has a different
-        length than the prompts, plus what `LLMEngine.add_request` raises (nothing is left
-        queued then)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        batching). Raises InvalidRequestError when prompts are of another type (param
+        "prompts" / "prompts[i]"), sampling_params is not a SamplingParams or a list of them
+        with one per prompt, plus what `LLMEngine.add_request` raises (nothing is left queued
+        then)."""
+        prompts = _prompt_list(prompts)
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(prompts):
                 raise InvalidRequestError(
@@ -48,6 +49,11 @@ class LLM:
             params = sampling_params
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
+        for i, sp in enumerate(params):
+            if not isinstance(sp, SamplingParams):
+                where = f"sampling_params[{i}]" if isinstance(sampling_params, list) else "sampling_params"
+                raise InvalidRequestError(f"{where} must be a SamplingParams, got {type(sp).__name__}",
+                                          param=where)
         if not prompts:
             return []
         ids = []
@@ -100,7 +106,9 @@ class LLM:
         the engine's setting). add_generation_prompt / continue_final_message as in
         `Tokenizer.render_chat` (to continue the last message, pass add_generation_prompt=False
         too, as in vLLM). Raises InvalidRequestError naming the bad field."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        # a list of conversations (lists), else one conversation (prepare_chat checks it)
+        convs = messages if isinstance(messages, list) and (
+            not messages or isinstance(messages[0], list)) else [messages]
         params = sampling_params or SamplingParams()
         parser = self.engine.config.tool_call_parser if tool_parser is None else tool_parser
         chats = [prepare_chat(self.tokenizer, c, tools=tools, tool_choice=tool_choice,
@@ -126,3 +134,22 @@ class LLM:
 
     def __exit__(self, *exc):
         self.shutdown()
+
+
+def _prompt_list(prompts) -> list:
+    """`LLM.generate`'s prompts as a list of single prompts (a string or a list of token ids
+    each). Raises InvalidRequestError naming "prompts" or "prompts[i]" for anything else
+    (None, a number, a list holding one)."""
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                    and isinstance(prompts[0], numbers.Integral)):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise InvalidRequestError("prompts must be a string, a list of token ids or a list of "
+                                  f"them (strings / token-id lists); got {type(prompts).__name__}",
+                                  param="prompts")
+    for i, p in enumerate(prompts):
+        if not (isinstance(p, str) or (isinstance(p, (list, tuple)) and all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in p))):
+            raise InvalidRequestError(f"prompts[{i}] must be a string or a list of token ids "
+                                      f"(ints); got {p!r:.80}", param=f"prompts[{i}]")
+    return list(prompts)

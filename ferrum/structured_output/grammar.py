@@ -15,6 +15,14 @@ json -> `grammar_from_json_schema` (whitespace per `StructuredOutputsParams`), j
 the schema {"type": "object"}, regex -> `grammar_from_regex`, choice -> the Lark rule
 `start: "a" | "b"` (JSON string literals), grammar -> Lark (GBNF converted by llguidance's
 `gbnf_to_lark`). llguidance writes object properties in the order the schema lists them.
+
+llguidance builds a grammar's lexer lazily, under a per-step budget ("fuel"): a regex too large
+for it (`b{999999}`, also inside a schema `pattern` or a Lark terminal) passes validation and
+compiles, and only fails on the first token it has to lex ("lexer error: too many expressions
+constructed"). `GrammarCompiler.compile` therefore walks a copy of each new grammar's matcher
+over its first token (`first_steps_error`), so such a constraint is a 400 when the request
+arrives; a grammar that exhausts the budget only later fails its request in the engine
+(`StructuredOutputManager.accept`), never passing off a cut output as complete.
 """
 from __future__ import annotations
 
@@ -77,6 +85,27 @@ def check_json_schema(schema, param: str, enforced: bool = True) -> None:
                                   f"{'enforce' if enforced else 'read'}: {error.strip()}", param=param)
 
 
+def first_steps_error(prototype: "llguidance.LLMatcher", eos_token_ids: list[int]) -> str | None:
+    """The error a copy of `prototype` (a matcher in its start state) runs into over its first
+    step: the first mask, consuming the lowest allowed token id that is not EOS, the next
+    mask (a few milliseconds for a usual grammar; about a second for a 100,000-fold regex
+    repetition that llguidance can lex). None when the grammar takes that step, or allows
+    only EOS (or nothing) at once."""
+    m = prototype.deep_copy()
+    bits = m.compute_bitmask()        # bit j of byte i allows token 8 * i + j
+    if m.is_error():
+        return m.get_error()
+    eos = set(eos_token_ids)
+    token = next((8 * i + j for i, byte in enumerate(bits) if byte for j in range(8)
+                  if byte >> j & 1 and 8 * i + j not in eos), None)
+    if token is None:
+        return None
+    if not m.consume_token(token):
+        return m.get_error() or f"its first allowed token {token} is rejected"
+    m.compute_bitmask()
+    return m.get_error() if m.is_error() else None
+
+
 class CompiledGrammar:
     """A compiled grammar: a matcher in its start state, copied for each sequence (a copy
     costs microseconds; compiling costs milliseconds to seconds)."""
@@ -103,13 +132,15 @@ class GrammarCompiler:
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
                                                       eos_token=list(eos_token_ids) or None)
         self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
         self.cache_size = cache_size
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """Raises InvalidRequestError naming `params.param` when the schema / regex / grammar
-        is invalid or uses something llguidance does not implement (its message says what)."""
+        is invalid, uses something llguidance does not implement, or fails on its first
+        token (`first_steps_error`: too large for llguidance's lexer); the message says what."""
         text = grammar_text(params)
         with self._lock:
             hit = self._cache.get(text)
@@ -121,9 +152,11 @@ class GrammarCompiler:
             raise InvalidRequestError(f"{params.param}: cannot use this {params.kind()}: "
                                       f"{error.strip()}", param=params.param)
         prototype = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
-        if prototype.is_error():
+        error = (prototype.get_error() if prototype.is_error()
+                 else first_steps_error(prototype, self.eos_token_ids))
+        if error:
             raise InvalidRequestError(f"{params.param}: cannot use this {params.kind()}: "
-                                      f"{prototype.get_error().strip()}", param=params.param)
+                                      f"{_without_state(error)}", param=params.param)
         compiled = CompiledGrammar(prototype)
         with self._lock:
             self._cache[text] = compiled
@@ -134,3 +167,8 @@ class GrammarCompiler:
     @property
     def num_cached(self) -> int:
         return len(self._cache)
+
+
+def _without_state(error: str) -> str:
+    """llguidance's error without the matcher state it appends (<state>... lines)."""
+    return error.strip().split("\n<state>")[0].strip()

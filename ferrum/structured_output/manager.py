@@ -5,9 +5,10 @@ Life of a constrained sequence (driven by LLMEngine):
   sequence created -> `add(seq_id, grammar)` (each of the n samples gets its own matcher);
   every step that samples it -> `bitmask(seq_ids)` gives the allowed tokens of its row
   (one llguidance call fills every constrained row), the sampler masks the rest;
-  its token is known on the host -> `accept(seq_id, token)` advances the matcher, and
-  `is_terminated(seq_id)` says the grammar is complete and admits nothing more (the engine then
-  finishes it with finish_reason "stop");
+  its token is known on the host -> `accept(seq_id, token)` advances the matcher (or raises
+  GrammarFailedError: the engine fails the request), and `is_terminated(seq_id)` says the
+  grammar is complete and admits nothing more (the engine then finishes it with finish_reason
+  "stop");
   finished or aborted -> `release(seq_id)`.
 A step with a constrained row is never overlapped with the next (async scheduling): the next
 mask needs this step's token in the matcher.
@@ -26,11 +27,15 @@ import llguidance
 import llguidance.torch as llt
 import torch
 
-from ferrum.errors import InvalidRequestError
+from ferrum.errors import FerrumError, InvalidRequestError
 from ferrum.structured_output.grammar import CompiledGrammar, GrammarCompiler
 from ferrum.structured_output.params import StructuredOutputsParams
 
 log = logging.getLogger("ferrum")
+
+
+class GrammarFailedError(FerrumError):
+    """A constrained sequence's grammar rejected a token it had allowed (see `accept`)."""
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -115,19 +120,19 @@ class StructuredOutputManager:
         llt.fill_next_token_bitmask_par(self._executor, [(m, k) for k, m in enumerate(matchers)], mask)
         return rows, mask
 
-    def accept(self, seq_id: str, token_id: int) -> bool:
-        """Advance `seq_id`'s matcher by a sampled token. True for an unconstrained sequence;
-        False when the matcher rejects the token (it cannot, since the mask only allowed
-        grammar tokens, unless something upstream is broken: logged)."""
+    def accept(self, seq_id: str, token_id: int) -> None:
+        """Advance `seq_id`'s matcher by a sampled token (no-op for an unconstrained sequence).
+        Raises GrammarFailedError when the matcher rejects it: the mask allowed only grammar
+        tokens, so the grammar engine failed (a lexer that ran out of its per-step budget on a
+        grammar whose first steps passed `compile`), or something upstream is broken; the
+        engine then fails the request, whose output would not match its constraint."""
         m = self.matchers.get(seq_id)
         if m is None:
-            return True
+            return
         self._settle()
-        if m.consume_token(token_id):
-            return True
-        log.error("structured output: %s: token %d rejected by its grammar: %s", seq_id,
-                  token_id, m.get_error().splitlines()[0] if m.get_error() else "")
-        return False
+        if not m.consume_token(token_id):
+            raise GrammarFailedError(f"structured output: the grammar rejected token {token_id}: "
+                                     f"{(m.get_error() or 'no reason given').splitlines()[0]}")
 
     def is_terminated(self, seq_id: str) -> bool:
         """The grammar is complete and admits no further token but EOS."""

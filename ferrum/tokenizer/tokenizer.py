@@ -79,17 +79,36 @@ _TYPED, _TYPED_END = "\ufdd0", "\ufdd1"     # wraps the index of a special-token
 _MARKUP, _MARKUP_END = "\ufdd2", "\ufdd3"   # spells a template's own special token (stand-in)
 
 
-def check_unicode(text: str) -> str:
-    """`text` if it is valid Unicode; raises InvalidRequestError (HTTP 400) for a lone UTF-16
-    surrogate (U+D800..U+DFFF, which JSON's `\\ud800` escape can carry), which no tokenizer
-    can encode."""
+def check_unicode(text: str, param: str = "prompt") -> str:
+    """`text` if it is valid Unicode; raises InvalidRequestError (HTTP 400, naming `param`, the
+    request field the text came from) for a lone UTF-16 surrogate (U+D800..U+DFFF, which JSON's
+    `\\ud800` escape can carry), which no tokenizer can encode."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise InvalidRequestError(
-            f"the text holds a lone surrogate U+{ord(text[e.start]):04X} at character {e.start}: "
-            "text must be valid Unicode (a surrogate pair's two halves together)") from None
+            f"{param}: the text holds a lone surrogate U+{ord(text[e.start]):04X} at character "
+            f"{e.start}: text must be valid Unicode (a surrogate pair's two halves together)",
+            param=param) from None
     return text
+
+
+def check_unicode_in(value: Any, param: str) -> None:
+    """`check_unicode` for every string (keys too) inside a JSON-like value (dicts, lists,
+    strings; other values are skipped) given as request field `param`: the error names the
+    string's path, e.g. "messages[2].content[0].text"."""
+    stack = [(value, param)]
+    while stack:
+        v, where = stack.pop()
+        if isinstance(v, str):
+            check_unicode(v, where)
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                if isinstance(k, str):
+                    check_unicode(k, where)
+                stack.append((item, f"{where}.{k}"))
+        elif isinstance(v, (list, tuple)):
+            stack.extend((item, f"{where}[{i}]") for i, item in reversed(list(enumerate(v))))
 
 
 class TemplateTextEncoder:
@@ -152,7 +171,7 @@ class TemplateTextEncoder:
 
     def encode(self, rendering: str) -> list[int]:
         """Token ids of a rendering of protected values (no BOS / EOS added)."""
-        check_unicode(rendering)
+        check_unicode(rendering, "messages")
         if _TYPED not in rendering:   # nothing typed looked like a special token
             return self.hf.encode(rendering, add_special_tokens=False)
         if not hasattr(self.hf, "backend_tokenizer"):  # a slow (Python) tokenizer
@@ -238,10 +257,11 @@ class Tokenizer:
             eos_token_ids = generation_eos_token_ids(folder) or []
         return cls(hf, eos_token_ids)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         """Token ids of `text`; add_special_tokens adds BOS etc. as the tokenizer config says.
-        Raises InvalidRequestError for text that is not valid Unicode (a lone surrogate)."""
-        return self.hf.encode(check_unicode(text), add_special_tokens=add_special_tokens)
+        Raises InvalidRequestError naming `param` (the request field of the text) for text
+        that is not valid Unicode (a lone surrogate)."""
+        return self.hf.encode(check_unicode(text, param), add_special_tokens=add_special_tokens)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids` (invalid UTF-8 becomes U+FFFD); special tokens dropped unless asked."""
@@ -318,7 +338,7 @@ class Tokenizer:
         if not split:
             text = self._render(msgs, add_generation_prompt, chat_template, continue_final_message,
                                 **template_kwargs)
-            return self.encode(text, add_special_tokens=False)
+            return self.encode(text, add_special_tokens=False, param="messages")
         guard = self.template_text
         text = self._render(guard.protect(msgs), add_generation_prompt, chat_template,
                             continue_final_message, **guard.protect(template_kwargs))

@@ -9,6 +9,10 @@ name (once complete) and the raw text of their arguments so far. Both the one-sh
 
 Output that claims to be a tool call but is not well formed (bad JSON, no name, arguments that
 are not a JSON object, an unfinished call) is returned as plain content, never half-parsed.
+Output that constrained decoding wrote (`ToolParser.enforced`: tool_choice "required" or a
+named function) is never content: the grammar makes every call in it well formed, so only the
+token limit can leave one unfinished, and that call is left out while the calls before it are
+returned.
 """
 from __future__ import annotations
 
@@ -124,7 +128,8 @@ def _arguments_text(raw: str) -> str:
     return value if isinstance(value, str) else raw
 
 
-def _is_json_object(text: str) -> bool:
+def is_json_object(text: str) -> bool:
+    """Whether `text` is the JSON text of an object (a call's arguments must be one)."""
     try:
         return isinstance(json.loads(text), dict)
     except ValueError:
@@ -140,6 +145,8 @@ class ToolParser(abc.ABC):
     """
 
     markers: tuple[str, ...] = ()
+    # True for output written under a grammar (see the module docstring): it is never content
+    enforced = False
     # ids OpenAI-style: "call_" + 24 random alphanumerics (Mistral overrides: 9 characters)
     id_length = 24
     id_prefix = "call_"
@@ -157,13 +164,16 @@ class ToolParser(abc.ABC):
         return self.id_prefix + "".join(secrets.choice(alphabet) for _ in range(self.id_length))
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """The whole output -> (content or None, calls). Malformed tool-call output falls back
-        to ([the whole text], [])."""
+        """The whole output -> (the message content or None, calls). Output without calls is
+        all content (`text`), and so is malformed tool-call output; enforced output without a
+        finished call (cut off by the token limit) has no content (None)."""
         s = self._scan(text, final=True)
         calls = s.calls
-        if (not s.in_calls or s.malformed or not calls
-                or not all(c.done and c.name and _is_json_object(c.arguments) for c in calls)):
+        if (not s.in_calls or s.malformed
+                or not all(c.done and c.name and is_json_object(c.arguments) for c in calls)):
             return text, []
+        if not calls:
+            return (None if self.enforced else text), []
         return s.content or None, [ToolCall(c.name, c.arguments, self.new_call_id()) for c in calls]
 
     def _scan(self, text: str, final: bool) -> Scan:
@@ -185,7 +195,8 @@ class ToolCallStreamer:
     {"arguments": fragment}} as its arguments grow. `called` tells whether any call was sent
     (finish_reason "tool_calls"). If the output turns out malformed after a call was sent, the
     rest is sent as content (the stream then differs from the non-streamed answer, which is all
-    content).
+    content); an enforced call that the token limit cut off was streamed as far as it got,
+    where the non-streamed answer leaves it out.
     """
 
     def __init__(self, parser: ToolParser):
@@ -204,8 +215,6 @@ class ToolCallStreamer:
 
     def finish(self) -> tuple[str, list[dict]]:
         content, calls = self.parser.extract(self.text)
-        if not calls:
-            return self._content(self.text), []
         parts = [PartialCall(c.name, c.arguments, True) for c in calls]
         return self._content(content or ""), self._calls(parts)
 

@@ -3,7 +3,9 @@
 Every model forbids unknown fields (`extra="forbid"`): a field ferrum does not implement
 (`best_of`, `suffix`, ...) is answered with HTTP 400 naming it, never silently ignored; and
 every model is strict, so a value of the wrong JSON type (`"max_tokens": "5"`, `"stream": 1`,
-`"temperature": true`) is a 400 naming its field, not coerced. Value
+`"temperature": true`) is a 400 naming its field, not coerced. A JSON null for a field that has
+a default means that default, as an absent field does (OpenAI marks its optional fields
+nullable: `"n": null`, `"stream": null`, `"parallel_tool_calls": null`, ...). Value
 ranges (temperature >= 0, top_p in (0, 1], ...) are checked by `SamplingParams`, except
 temperature's upper bound, OpenAI's 2, which only the server sets (`Temperature`); it raises
 InvalidRequestError with the offending parameter; messages, tools, tool_choice and
@@ -19,9 +21,9 @@ structured-output fields: `structured_outputs` (vLLM's current name: {"json" | "
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from ferrum.entrypoints.chat_utils import response_format_constraint
 from ferrum.errors import InvalidRequestError
@@ -31,9 +33,22 @@ from ferrum.structured_output import StructuredOutputsParams
 
 class _Strict(BaseModel):
     """A request body: unknown fields and values of the wrong JSON type are refused (strict:
-    "5" is no integer, true no number, 1 no boolean; an integer is a valid float)."""
+    "5" is no integer, true no number, 1 no boolean; an integer is a valid float); a null for
+    a field with a default is that default."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """Drop the null members of a body that name a field with a default (by name or
+        alias), so the field's one default applies; a null for a required field, or for an
+        unknown one, stays and is refused."""
+        if not isinstance(data, dict):
+            return data
+        optional = {key for name, f in cls.model_fields.items() if not f.is_required()
+                    for key in (name, f.alias) if key}
+        return {k: v for k, v in data.items() if v is not None or k not in optional}
 
 
 class StreamOptions(_Strict):
@@ -43,6 +58,10 @@ class StreamOptions(_Strict):
 # OpenAI's temperature range is [0, 2]: the server refuses more (SamplingParams, offline, takes
 # any temperature >= 0; its own check names a negative one).
 Temperature = Annotated[float, Field(le=2.0)]
+
+# OpenAI's `service_tier`: ferrum has one tier, which "auto" and "default" name ("flex",
+# "priority", "scale": a 400 naming the field).
+ServiceTier = Literal["auto", "default"]
 
 # Sampling fields a client may leave out (null): SamplingParams' defaults apply.
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -130,15 +149,10 @@ class CompletionRequest(_SamplingFields):
     (scoring a prompt, as vLLM allows): nothing is generated."""
 
     prompt: PromptType
-    max_tokens: int | None = SamplingParams.max_tokens   # 16, OpenAI's documented default too
+    # 16, OpenAI's documented default too, for a null max_tokens as for an absent one
+    max_tokens: int = SamplingParams.max_tokens
     logprobs: int | None = None
     echo: bool = False
-
-    @field_validator("max_tokens")
-    @classmethod
-    def _null_max_tokens_is_the_default(cls, v: int | None) -> int:
-        """A null max_tokens means the default (OpenAI), as an absent one does."""
-        return SamplingParams.max_tokens if v is None else v
 
     @property
     def echo_only(self) -> bool:
@@ -193,6 +207,9 @@ class ChatCompletionRequest(_SamplingFields):
     # tokens (false); null: the server's --[no-]split-special-tokens
     split_special_tokens: bool | None = None
     continue_final_message: bool = False    # vLLM: continue the last (assistant) message
+    store: bool | None = None               # OpenAI's stored completions: true is refused
+    metadata: dict[str, str] | None = None  # accepted; unused (OpenAI tags stored completions)
+    service_tier: ServiceTier | None = None
 
     def requested_max_tokens(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -201,6 +218,9 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        if self.store:
+            raise InvalidRequestError("store: true is not supported: ferrum stores no "
+                                      "completions (send store: false or leave it out)", param="store")
         top = self.top_logprobs
         if top is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")

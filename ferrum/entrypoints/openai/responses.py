@@ -30,7 +30,9 @@ response.created, response.in_progress, then per item response.output_item.added
 (message) response.content_part.added, response.output_text.delta..., response.output_text.done,
 response.content_part.done / (function call) response.function_call_arguments.delta...,
 response.function_call_arguments.done, and response.output_item.done; last
-response.completed (or response.incomplete). Streamed items equal the whole answer's.
+response.completed (or response.incomplete). Streamed items equal the whole answer's, but for
+a forced call that max_output_tokens cut off: streamed as far as it got, left out of the whole
+answer (whose other calls stay; `ferrum.tool_parsers.constrained`).
 Output_text logprobs cover the message text only.
 """
 from __future__ import annotations
@@ -49,11 +51,12 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from ferrum.entrypoints.chat_utils import ChatPrompt, prepare_chat
 from ferrum.entrypoints.openai.logprobs import chat_logprobs, ready_tokens, token_texts
-from ferrum.entrypoints.openai.protocol import Temperature, _Strict
+from ferrum.entrypoints.openai.protocol import ServiceTier, Temperature, _Strict
 from ferrum.entrypoints.openai.serving import OpenAIServing, _Prompt, ferrum_error_body
 from ferrum.errors import FerrumError, InvalidRequestError
 from ferrum.outputs import RequestOutput
 from ferrum.sampling_params import MAX_LOGPROBS, SamplingParams
+from ferrum.tokenizer.tokenizer import check_unicode_in
 from ferrum.tool_parsers import ToolCallStreamer, ToolParser
 
 _NO_STATE = ("ferrum keeps no stored state (the Responses API is stateless here): send the "
@@ -116,6 +119,7 @@ class ResponsesRequest(_Strict):
     user: str | None = None                  # accepted for API compatibility; unused
     safety_identifier: str | None = None     # accepted; unused
     prompt_cache_key: str | None = None      # accepted; the prefix cache needs no key
+    service_tier: ServiceTier | None = None
 
     def check_stateless(self) -> None:
         """Raises InvalidRequestError (400) for what needs stored state or a feature ferrum
@@ -218,6 +222,8 @@ def prepare_response(serving: OpenAIServing, req: ResponsesRequest) -> ChatPromp
     messages, tools / tool_choice / text.format -> the same prompt, constraint and tool parser
     chat completions gets. Errors are re-raised naming the Responses field."""
     tools, choice, response_format = req.chat_tools()
+    check_unicode_in(req.instructions, "instructions")   # named here: both become messages
+    check_unicode_in(req.input, "input")
     messages = input_messages(req)
     try:
         chat = prepare_chat(serving.tokenizer, messages, tools=tools, tool_choice=choice,
@@ -440,7 +446,7 @@ class _ResponseState:
         if whole:
             content, found = self.tool_parser.extract(text)
             calls = [{"index": k, **call.to_openai()} for k, call in enumerate(found)]
-            content = (content or "") if found else text
+            content = content or ""
         else:
             content, calls = self.streamer.feed(text)
             if c.finished:

@@ -41,7 +41,9 @@ class ClientDisconnectedError(FerrumError):
 
 
 def error_body(message: str, error_type: str, status: int, param: str | None = None) -> dict:
-    """OpenAI-style error: {"error": {"message", "type", "param", "code"}} (code = HTTP status)."""
+    """OpenAI-style error: {"error": {"message", "type", "param", "code"}}. code is the HTTP
+    status (an int), as vLLM sends it (its ErrorInfo.code); OpenAI sends a string or null there,
+    and its Python client turns any value into one (APIError.code: "400")."""
     return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
 
 
@@ -148,13 +150,14 @@ class OpenAIServing:
                                      f"{', '.join(repr(m) for m in self.model_names)}")
         return self.model_names[0]
 
-    def _prompt(self, p: str | list[int], need_text: bool = False) -> _Prompt:
-        """Tokenize a text prompt; decode token ids only when the text is needed (echo)."""
+    def _prompt(self, p: str | list[int], need_text: bool = False, param: str = "prompt") -> _Prompt:
+        """Tokenize a text prompt; decode token ids only when the text is needed (echo).
+        param: the prompt's field, named in errors ("prompt", "prompt[1]")."""
         if isinstance(p, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer; send the prompt as token ids",
                                           param="prompt")
-            return _Prompt(p, self.tokenizer.encode(p))
+            return _Prompt(p, self.tokenizer.encode(p, param=param))
         text = (self.tokenizer.decode(p, skip_special_tokens=False)
                 if need_text and self.tokenizer else None)
         return _Prompt(text, list(p))
@@ -257,7 +260,10 @@ class OpenAIServing:
         t0 = time.perf_counter()
         model = self.check_model(req.model)
         # tokenizing a long prompt takes seconds: in a thread, so the event loop serves on
-        prompts = await asyncio.to_thread(lambda: [self._prompt(p, req.echo) for p in req.prompts()])
+        many = isinstance(req.prompt, list) and bool(req.prompt) and not isinstance(req.prompt[0], int)
+        prompts = await asyncio.to_thread(lambda: [
+            self._prompt(p, req.echo, f"prompt[{i}]" if many else "prompt")
+            for i, p in enumerate(req.prompts())])
         max_tokens = 1 if req.echo_only else req.max_tokens
         params = [req.sampling_params(self._max_tokens(len(p.token_ids), max_tokens, "max_tokens"))
                   for p in prompts]
@@ -462,13 +468,13 @@ class OpenAIServing:
 
 def chat_message(tool_parser: ToolParser | None, text: str, finish_reason: str | None) -> dict:
     """{"message": {...}, "finish_reason": ...} of a finished chat choice: with a tool parser,
-    the calls found in `text` go to message.tool_calls (content: the rest, or null) and
-    finish_reason "stop" becomes "tool_calls"."""
+    the calls found in `text` go to message.tool_calls (content: the rest, or null; see
+    `ToolParser.extract`) and finish_reason "stop" becomes "tool_calls"."""
     message = {"role": "assistant", "content": text}
     if tool_parser is not None:
         content, calls = tool_parser.extract(text)
+        message["content"] = content
         if calls:
-            message = {"role": "assistant", "content": content,
-                       "tool_calls": [call.to_openai() for call in calls]}
+            message["tool_calls"] = [call.to_openai() for call in calls]
             finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
     return {"message": message, "finish_reason": finish_reason}
