@@ -42,6 +42,8 @@ from ferrum.structured_output import StructuredOutputsParams
 from ferrum.tokenizer.tokenizer import check_unicode_in
 from ferrum.tool_parsers import NamedToolParser, RequiredToolParser, ToolParser, tool_parser_class
 
+PARALLEL_TOOL_CALLS = True  # OpenAI's default: the model may call several tools in one turn
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # content part types that carry something other than text (OpenAI chat + Responses names)
 NON_TEXT_PARTS = ("image_url", "input_image", "image", "input_audio", "audio", "file",
@@ -226,7 +228,7 @@ def _lift_defs(schema: dict, defs: dict) -> dict:
     return schema
 
 
-def tool_choice_constraint(tools: list[dict], tool_choice, parallel_tool_calls: bool = True
+def tool_choice_constraint(tools: list[dict], tool_choice, parallel_tool_calls: bool = PARALLEL_TOOL_CALLS
                            ) -> StructuredOutputsParams | None:
     """The JSON schema that tool_choice "required" / a named function imposes (None for
     "none" / "auto"). Required: an array of 1 (or, with parallel_tool_calls, more) objects
@@ -389,7 +391,7 @@ class ChatPrompt:
 
 
 def prepare_chat(tokenizer, messages, *, tools=None, tool_choice=None,
-                 parallel_tool_calls: bool = True, response_format=None,
+                 parallel_tool_calls: bool = PARALLEL_TOOL_CALLS, response_format=None,
                  tool_parser: str = "auto", add_generation_prompt: bool = True,
                  continue_final_message: bool = False, chat_template: str | None = None,
                  split_special_tokens: bool | None = None) -> ChatPrompt:

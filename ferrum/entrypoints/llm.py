@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from ferrum.config import EngineConfig
 from ferrum.engine.llm_engine import LLMEngine
 from ferrum.errors import InvalidRequestError
-from ferrum.entrypoints.chat_utils import apply_tool_calls, prepare_chat
+from ferrum.entrypoints.chat_utils import PARALLEL_TOOL_CALLS, apply_tool_calls, prepare_chat
 from ferrum.outputs import RequestOutput
 from ferrum.sampling_params import SamplingParams
 
@@ -92,7 +92,7 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = False,
              add_generation_prompt: bool = True, *, tools: list[dict] | None = None,
-             tool_choice: str | dict | None = None, parallel_tool_calls: bool = True,
+             tool_choice: str | dict | None = None, parallel_tool_calls: bool = PARALLEL_TOOL_CALLS,
              response_format: dict | None = None, tool_parser: str | None = None,
              chat_template: str | None = None, split_special_tokens: bool | None = None,
              continue_final_message: bool = False) -> list[RequestOutput]:

@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from ferrum.entrypoints.chat_utils import response_format_constraint
+from ferrum.entrypoints.chat_utils import PARALLEL_TOOL_CALLS, response_format_constraint
 from ferrum.errors import InvalidRequestError
 from ferrum.sampling_params import MAX_LOGPROBS, SamplingParams
 from ferrum.structured_output import StructuredOutputsParams
@@ -197,7 +197,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[Any] = Field(min_length=1)
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool = PARALLEL_TOOL_CALLS
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False

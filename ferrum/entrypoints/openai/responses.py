@@ -49,7 +49,7 @@ from pydantic import Field, StrictInt
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from ferrum.entrypoints.chat_utils import ChatPrompt, prepare_chat
+from ferrum.entrypoints.chat_utils import PARALLEL_TOOL_CALLS, ChatPrompt, prepare_chat
 from ferrum.entrypoints.openai.logprobs import chat_logprobs, ready_tokens, token_texts
 from ferrum.entrypoints.openai.protocol import ServiceTier, Temperature, _Strict
 from ferrum.entrypoints.openai.serving import OpenAIServing, _Prompt, ferrum_error_body
@@ -111,7 +111,7 @@ class ResponsesRequest(_Strict):
     background: bool | None = None
     tools: list[dict[str, Any]] = Field(default_factory=list)
     tool_choice: str | dict[str, Any] = "auto"
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool = PARALLEL_TOOL_CALLS
     text: TextConfig | None = None
     truncation: Literal["disabled", "auto"] | None = None
     reasoning: dict[str, Any] | None = None
