@@ -214,7 +214,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
                input_scale: torch.Tensor | None = None) -> torch.Tensor:
     """y = x (scale * weight)^T + bias. x: [T, K] bf16/fp16/fp32; weight [N, K]
     float8_e4m3fn; scale [N] float32; input_scale: [1] float32 (static activation scale of
-    the checkpoint) or None. Dispatch: the Gluon GEMV for one row where its tile fits
+    the checkpoint) or None. Dispatch: the Gluon GEMV for T <= 4 where its tile fits
     (ferrum/ops/gemv_gluon.py), else the Triton GEMV for T <= 8, `torch._scaled_mm` above that
     on CUDA (bfloat16 x, N and K multiples of 16), else dequantize + F.linear."""
     T, K = x.shape

@@ -37,8 +37,8 @@ d sc sum(q x) - dmin m sum(x) as llama.cpp's vec_dot_q4_K.
 
 Constraints (else the Triton GEMVs run): N % BLOCK_N == 0, K a multiple of one tile (E * 32 *
 num_warps elements; 256 * num_warps features for 4-bit, 2048 * num_warps for Q4_K), 4-bit
-groups a multiple of 32 and no act-order g_idx. Split-K (`SPLIT_K` > 1): float32 partials per split, summed by
-`triton_utils.reduce_splits`. PDL as the Triton GEMVs (`triton_utils`): the first weight tile
+groups a multiple of 32 and no act-order g_idx, at most 4 rows of x (`ROWS_BLOCK_N`; bf16: one).
+Split-K (`SPLIT_K` > 1): float32 partials per split, summed by `triton_utils.reduce_splits`. PDL as the Triton GEMVs (`triton_utils`): the first weight tile
 is loaded before waiting for x.
 
 The arithmetic and indexing run on CPU in the tests through `tests/gluon_shim.py` (each gl op
@@ -94,7 +94,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _x_tile(x_ptrs, offs_m, M, BLOCK_M: gl.constexpr):
-        """x at x_ptrs [BLOCK_M, BLOCK_C, E] (rows >= M: 0) as float32; unmasked for one row."""
+        """x at x_ptrs [BLOCK_M, BLOCK_C, E] (rows >= M: 0), in its own dtype; unmasked for one row."""
         if BLOCK_M == 1:
             x = gl.load(x_ptrs)
         else:

@@ -385,8 +385,9 @@ GGUF_GEMM_MAX_ROWS = 128
 
 def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T + bias with W packed as GGUF `qtype` (module docstring). x: [T, K]. CUDA:
-    the GEMV up to 8 rows (one row of Q4_K: the Gluon GEMV, ferrum/ops/gemv_gluon.py), the dequant-in-tile GEMM up to `GGUF_GEMM_MAX_ROWS`, above that
-    the weight decoded once (`gguf_dequantize_triton`) and cuBLAS; CPU: dequantize + F.linear."""
+    the GEMV up to 8 rows (Q4_K up to 4 rows: the Gluon GEMV, ferrum/ops/gemv_gluon.py), the
+    dequant-in-tile GEMM up to `GGUF_GEMM_MAX_ROWS`, above that the weight decoded once
+    (`gguf_dequantize_triton`) and cuBLAS; CPU: dequantize + F.linear."""
     K = x.shape[1]
     if use_triton(x) and x.stride(1) == 1:
         cfg = gemv_gluon.config_for("q4_k", x, raw.shape[0], K) if qtype == Q4_K and raw.stride(1) == 1 else None

@@ -410,7 +410,7 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
                 group_size: int, g_idx: torch.Tensor | None = None,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T + bias with W in ferrum's packed 4-bit layout. x: [T, K]. Dispatch: Triton
-    GEMV for T <= 8 (one row without g_idx: the Gluon GEMV where its tile fits,
+    GEMV for T <= 8 (T <= 4 without g_idx: the Gluon GEMV where its tile fits,
     ferrum/ops/gemv_gluon.py), Triton dequant-in-tile GEMM above (CUDA); dequantize + F.linear
     on CPU."""
     if use_triton(x) and x.stride(1) == 1 and x.dtype != torch.float32:
