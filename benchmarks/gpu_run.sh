@@ -30,7 +30,7 @@
 #             GEMVs (quant_bench.py kernels --grid gluon), GLUON_GEMV_CONFIGS pasted from it into
 #             this tree, then batch-1 latency in bf16 / FP8 / AWQ / GGUF Q4_K with the Gluon GEMVs
 #             off and on (FERRUM_GLUON_GEMV=0/1, quant_latency_gluon{0,1}.json) and Llama-3-70B
-#             FP8 (quant_bench.py big); $OUT/gemv_gluon.py is the pasted table to commit  540 s
+#             FP8 (quant_bench.py big; GLUON_AB=1 skips the off run); $OUT/gemv_gluon.py is the pasted table to commit  540 s
 #   attntune  decode attention over an FP8 cache (256 x 1536) and the prefill kernel at 1 x
 #             7500 / 16 x 1024 tokens, over their tile configs and launch orders
 #             (tune_attention.py --small-grid)                                           300 s
@@ -71,6 +71,7 @@ TTFT_LENS=${TTFT_LENS:-128 1024 7500}   # 7500: see ferrum bench ttft --help
 TPUT_N=${TPUT_N:-1000}
 TPUT_LEN=${TPUT_LEN:-1000}
 TPUT_SEQS=${TPUT_SEQS:-512}
+GLUON_AB=${GLUON_AB:-0 1}   # gluon: the FERRUM_GLUON_GEMV values whose batch-1 latency is measured
 export PYTHONUNBUFFERED=1
 # NVLink multicast stays off on the shared H200 hosts (KINDS.md), in every process we start
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -254,7 +255,7 @@ for sec in "${sections[@]}"; do
         run_section gluon bash -c "'$PY' -m pytest -m gpu -rA -q -p no:cacheprovider tests/test_quant_kernels.py -k gluon; \
             '$PY' benchmarks/quant_bench.py kernels --grid gluon --rows 1 4 --gemm-rows --kernels bf16 gbf16 fp8 gfp8 \
             w4 gw4 gguf_12 gq4_k --out '$OUT' && '$PY' benchmarks/paste_gemv_configs.py '$OUT/quant_kernels.json' \
-            --tables GLUON_GEMV_CONFIGS && cp ferrum/ops/gemv_gluon.py '$OUT/' && for g in 0 1; do mkdir -p '$OUT'/g\$g; \
+            --tables GLUON_GEMV_CONFIGS && cp ferrum/ops/gemv_gluon.py '$OUT/' && for g in $GLUON_AB; do mkdir -p '$OUT'/g\$g; \
             FERRUM_GLUON_GEMV=\$g '$PY' benchmarks/quant_bench.py latency --formats bf16 fp8 awq gguf_q4_k \
             --out '$OUT'/g\$g && mv '$OUT'/g\$g/quant_latency.json '$OUT'/quant_latency_gluon\$g.json; done; \
             '$PY' benchmarks/quant_bench.py big --out '$OUT'"

@@ -216,14 +216,15 @@ def sec_engine(args):
     torch.profiler kernel table of one replay is saved too. (`ferrum bench sweep` gives the
     same host share over a whole batch sweep.)"""
     from ferrum import LLM, SamplingParams
-    res = {"model": args.model, "prompt_len": 128, "steps": args.steps, "runs": {}}
+    res = {"model": args.model, "quantization": args.quantization, "prompt_len": 128, "steps": args.steps,
+           "runs": {}}
     for tp, mode in [(tp, m) for tp in args.tp for m in args.async_modes]:
         if args.device == "cuda" and tp > torch.cuda.device_count():
             continue
         B_max = max(args.engine_batches)
         llm = LLM(f"dummy:{cfg_path(args.model)}", progress=False, tensor_parallel_size=tp,
                   dtype="bfloat16", device=args.device, max_num_seqs=B_max, max_model_len=128 + args.steps + 16,
-                  max_num_batched_tokens=8192, async_scheduling=mode == "on")
+                  max_num_batched_tokens=8192, async_scheduling=mode == "on", quantization=args.quantization)
         eng, ex = llm.engine, llm.engine.executor
         runner_call = (lambda m, *a: ex.call_all(m, *a)) if tp > 1 else (lambda m, *a: getattr(ex.runner, m)(*a))
         llm.generate([[5] * 128] * 4, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
@@ -251,7 +252,8 @@ def sec_engine(args):
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    save_section(args, f"profile_engine_{os.path.basename(args.model).removesuffix('.json')}", res)
+    quant = f"_{args.quantization}" if args.quantization else ""
+    save_section(args, f"profile_engine_{os.path.basename(args.model).removesuffix('.json')}{quant}", res)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,6 +387,8 @@ def main():
                    help="engine section: async scheduling off / on")
     p.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 1024, 8000], help="prefill section")
     p.add_argument("--repeats", type=int, default=5, help="prefill section: timed runs per length")
+    p.add_argument("--quantization", default=None,
+                   help="engine section: weight format of the dummy model (fp8, awq, gptq, gguf_q4_k)")
     p.add_argument("--gemv-modes", nargs="+", default=["0", "1"], help="FERRUM_TRITON_GEMV values to compare")
     args = p.parse_args()
     run_sections(args, globals())
