@@ -270,3 +270,30 @@ def test_kernel_profile_split_on_device_events():
     res = split_profile(NS(events=lambda: events), 2, on_cuda=True)
     assert res["categories_us"] == {"gemm/gemv": 35.0, "decode attention": 20.0, "sampler": 5.0}
     assert res["span_us"] == 65.0 and res["busy_us"] == 55.0 and res["idle_us"] == 10.0
+
+
+def test_vllm_peer_gets_the_kv_cache_dtype_the_driver_ignores(tmp_path):
+    """vllm_bench.py has no KV-dtype switch (the FP8 x FP8-KV throughput run of 2026-12-02 got a
+    bf16 KV cache from it): VB_KV in --peer-env reaches vllm.LLM as kv_cache_dtype, next to
+    enable_prefix_caching=False when asked, and the result says which KV dtype ran."""
+    from types import SimpleNamespace
+    from ferrum.benchmarks.peers import run_vllm
+    site = tmp_path / "site"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text("calls = []\nclass LLM:\n    def __init__(self, *a, **k):\n"
+                                              "        calls.append(k)\n")
+    (tmp_path / "vllm_bench.py").write_text(textwrap.dedent("""
+        import json, sys, vllm
+        vllm.LLM("m", load_format="dummy")
+        print("VLLMPEER", json.dumps({"section": sys.argv[1], "llm_kwargs": vllm.calls, "output_tok_s": 1.0}))
+        """))
+    args = SimpleNamespace(peers_dir=str(tmp_path), peer_timeout=60,
+                           peer_env=[f"PYTHONPATH={site}", "VB_QUANT=fp8", "VB_KV=fp8"])
+    got = run_vllm(args, "throughput")
+    assert got["llm_kwargs"] == [{"load_format": "dummy", "kv_cache_dtype": "fp8"}], got
+    assert got["kv_cache_dtype"] == "fp8" and got["section"] == "throughput"
+    got = run_vllm(args, "latency", prefix_caching=False)
+    assert got["llm_kwargs"] == [{"load_format": "dummy", "kv_cache_dtype": "fp8", "enable_prefix_caching": False}]
+    args.peer_env = [f"PYTHONPATH={site}"]
+    got = run_vllm(args, "throughput")
+    assert got["llm_kwargs"] == [{"load_format": "dummy"}] and "kv_cache_dtype" not in got

@@ -114,15 +114,16 @@ def run_peer(argv: list[str], marker: str, env: dict[str, str], timeout_s: float
             "wall_s": wall}
 
 
-# vllm_bench.py with vLLM's prefix cache off: the driver unchanged, one engine argument added.
-_VLLM_NO_PREFIX_CACHE = (
-    "import runpy, sys, vllm\n"
+# vllm_bench.py unchanged, with engine arguments added to its vllm.LLM (a JSON dict, argv[1]):
+# the driver has no switch for prefix caching or for the KV cache dtype.
+_VLLM_WITH_ENGINE_ARGS = (
+    "import json, runpy, sys, vllm\n"
+    "extra = json.loads(sys.argv[1])\n"
     "init = vllm.LLM.__init__\n"
-    "def no_prefix_cache(self, *a, **k):\n"
-    "    k['enable_prefix_caching'] = False\n"
-    "    init(self, *a, **k)\n"
-    "vllm.LLM.__init__ = no_prefix_cache\n"
-    "sys.argv = sys.argv[1:]\n"
+    "def with_engine_args(self, *a, **k):\n"
+    "    init(self, *a, **{**k, **extra})\n"
+    "vllm.LLM.__init__ = with_engine_args\n"
+    "sys.argv = sys.argv[2:]\n"
     "runpy.run_path(sys.argv[0], run_name='__main__')\n")
 
 
@@ -130,18 +131,26 @@ def run_vllm(args, section: str, tp: int = 1, prompt_len: int | None = None,
              prefix_caching: bool = True) -> dict:
     """vLLM through `<peers_dir>/vllm_bench.py section tp` (sections: latency, throughput,
     nanovllm; prompt_len sets VB_P for latency; prefix_caching=False adds
-    enable_prefix_caching=False to its LLM). Its dummy models come from ferrum's
-    benchmarks/configs; a max_model_len past the config's is allowed (the 8k TTFT prompt + the
-    driver's 600 tokens); it runs in a scratch folder, so its own $OUT files stay out of ours."""
+    enable_prefix_caching=False to its LLM; VB_KV=<dtype> in --peer-env adds
+    kv_cache_dtype=<dtype>, which the driver itself ignores, and the result then reports it as
+    `kv_cache_dtype`). Its dummy models come from ferrum's benchmarks/configs; a max_model_len
+    past the config's is allowed (the 8k TTFT prompt + the driver's 600 tokens); it runs in a
+    scratch folder, so its own $OUT files stay out of ours."""
     script = os.path.join(os.path.abspath(args.peers_dir), "vllm_bench.py")
     env = {"PEER_CONFIGS": _CONFIGS, "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", **parse_env(args.peer_env or [])}
     if prompt_len is not None:
         env["VB_P"] = str(prompt_len)
-    argv = [sys.executable, script] if prefix_caching else [sys.executable, "-c", _VLLM_NO_PREFIX_CACHE, script]
+    extra = {} if prefix_caching else {"enable_prefix_caching": False}
+    if env.get("VB_KV"):
+        extra["kv_cache_dtype"] = env["VB_KV"]
+    argv = [sys.executable, "-c", _VLLM_WITH_ENGINE_ARGS, json.dumps(extra), script] if extra \
+        else [sys.executable, script]
     with tempfile.TemporaryDirectory() as scratch:
         env["OUT"] = scratch
         result = run_peer(argv + [section, str(tp)], "VLLMPEER", env, args.peer_timeout, cwd=scratch)
     result["prefix_caching"] = prefix_caching
+    if "kv_cache_dtype" in extra and "error" not in result:
+        result.setdefault("kv_cache_dtype", extra["kv_cache_dtype"])
     return result
 
 
