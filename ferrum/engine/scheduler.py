@@ -3,6 +3,16 @@ first (so inter-token latency stays flat), then continues chunked prefills, then
 waiting sequences, within a token budget (`max_num_batched_tokens`) and a cap on running
 sequences (`max_num_seqs`). When blocks run out it preempts by recompute: the
 latest-arrived running sequence gives up its blocks and goes back to the front of the queue.
+
+Once a preemption has happened, admission keeps room for the running sequences to grow (after
+SGLang's "new token ratio"): a waiting sequence is admitted only if the blocks left after it
+hold `new_token_ratio` x the output tokens every running sequence (and it) may still generate.
+The ratio is 0 until a step preempts, then 1, decaying back to 0 over 600 steps: a pool that
+has filled up stops admitting instead of preempting and recomputing again and again, and a
+pool that never fills admits as before. (1000 x (1000 in, 1000 out) on an H200, whose bf16 KV
+pool holds ~374 such sequences: 8,310 tok/s at max_num_seqs 512 before this, 9,545 at 256. On
+CPU, 200 x (64 in, 64 out) in a pool of 40 such sequences at max_num_seqs 64: 75 preemptions
+and 21% more tokens computed before, 24 and 7% after.)
 """
 from __future__ import annotations
 
@@ -17,6 +27,14 @@ from ferrum.engine.sequence import Sequence, SequenceStatus
 
 # Sequence.arrival without the property call (the decode loop sorts every running sequence)
 _arrival = attrgetter("request.metrics.arrival_time")
+
+# Admission reserve: the expected share of max_tokens still to come. SGLang
+# (python/sglang/srt/managers/scheduler.py) starts it at 0.7 and decays it to 0.1; we keep
+# vLLM's admit-what-fits (0) until a preemption shows the pool is short. At most 4096 output
+# tokens count per sequence (SGLang's clip too: a request without max_tokens may run to the
+# context length but rarely does).
+NEW_TOKEN_RATIO_DECAY = 1 / 600     # per step, from 1 after a preemption
+MAX_OUTPUT_ESTIMATE = 4096
 
 
 @dataclass
@@ -62,6 +80,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.new_token_ratio = 0.0      # admission reserve; see the module docstring
 
     def add(self, seq: Sequence, front: bool = False) -> None:
         """Queue `seq` as waiting, at the back (new requests) or the front (preempted)."""
@@ -80,6 +99,15 @@ class Scheduler:
             self.bm.free(seq.seq_id)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+    def _output_left(self, seq: Sequence) -> int:
+        """Tokens `seq` may still generate: its max_tokens (or the context) left, at most
+        MAX_OUTPUT_ESTIMATE."""
+        left = min(self.max_model_len - seq.num_tokens, MAX_OUTPUT_ESTIMATE)
+        max_tokens = seq.request.params.max_tokens
+        if max_tokens is not None:
+            left = min(left, max_tokens - (seq.num_tokens - seq.num_prompt_tokens))
+        return max(left, 0)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -151,9 +179,12 @@ class Scheduler:
         # 3. Admit waiting sequences (FCFS; stop at the first that does not fit). A request
         #    with n > 1 samples forks them after its prefill: keep their slots free too.
         reserved = 0
+        # tokens kept free for the running sequences' outputs (none needed when nothing runs)
+        growth = 0.0
         if self.waiting:
             reserved = sum(s.request.params.n - 1 for s in self.running
                            if s.index == 0 and not s.request.forked)
+            growth = self.new_token_ratio * sum(self._output_left(s) for s in self.running)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             slots = seq.request.params.n if seq.index == 0 and not seq.request.forked else 1
@@ -163,8 +194,14 @@ class Scheduler:
             reuse = not seq.needs_prompt_logprobs
             cached = self.bm.lookup_prefix(seq.token_ids, reuse)
             n = self._chunk(seq.num_tokens - cached, budget, first=not out.prefills)
-            if n == 0 or not self.bm.can_allocate(seq.token_ids, n, reuse):
+            if n == 0:
                 break
+            # room for its whole prompt and its share of outputs, beside the running ones'
+            own = seq.num_tokens - cached - n + self.new_token_ratio * self._output_left(seq)
+            keep = int(growth + own) if self.running else 0
+            if not self.bm.can_allocate(seq.token_ids, n + keep, reuse):
+                break
+            growth += own
             self.waiting.popleft()
             cached = self.bm.allocate(seq.seq_id, seq.token_ids, cached + n, reuse)
             seq.num_computed_tokens = cached
@@ -177,6 +214,7 @@ class Scheduler:
             out.prefills.append(ScheduledChunk(seq, n))
             scheduled.add(seq.seq_id)
             budget -= n
+        self.new_token_ratio = 1.0 if out.preempted else max(0.0, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return out
 
     def _chunk(self, remaining: int, budget: int, first: bool) -> int:
