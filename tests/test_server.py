@@ -334,6 +334,15 @@ def test_bad_inputs(server):
     e = _err(_post(server, "/v1/chat/completions", {"model": MODEL, "messages": [
         {"role": "tool", "content": "x"}]}), 400)
     assert e["param"] == "messages[0].tool_call_id"
+    # a tool message answering no call of the assistant message before it (OpenAI refuses it)
+    e = _err(_post(server, "/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_a", "type": "function",
+                                                               "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_a", "content": "-3 C"},
+        {"role": "tool", "tool_call_id": "call_b", "content": "?"}]}), 400)
+    assert e["param"] == "messages[3].tool_call_id" and e["type"] == "invalid_request_error"
+    assert e["message"].startswith("messages[3].tool_call_id: 'call_b' answers no tool call")
     e = _err(_post(server, "/v1/completions", {**ok, "model": "gpt-4"}), 404)
     assert "gpt-4" in e["message"] and e["type"] == "not_found_error"
     # a lone surrogate (JSON's "\ud800" escape) is not text any tokenizer encodes: 400, not 500,
