@@ -406,6 +406,20 @@ def format_size(n: int) -> str:
     return str(n)
 
 
+def parse_threads(value) -> int:
+    """A thread count (`--threads`, `threads=`): an int or its text, at least 1. Raises
+    InvalidRequestError (a ValueError, so argparse reports it as a bad --threads) otherwise."""
+    try:
+        n = int(value) if isinstance(value, str) else value
+    except ValueError:
+        n = None
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise InvalidRequestError(f"threads must be a whole number >= 1, got {value!r} (leave "
+                                  "it out for the default: the usable cores less one)",
+                                  param="threads")
+    return n
+
+
 def option(default=None, help: str = "", *, default_factory=None, env: str | None = None,
            **cli) -> Any:
     """A config field with its documentation: `help` (a sentence; say in "(default: ...)" what
@@ -587,7 +601,8 @@ class EngineConfig:
         "control tokens")
     threads: int | None = option(
         None, "CPU threads per rank for torch ops and the BLAS (default: the usable cores less "
-        "one, split over the TP ranks, at least 1: a busy core then stalls no step)")
+        "one, split over the TP ranks, at least 1: a busy core then stalls no step)",
+        parse=parse_threads)   # checked while parsing flags, not once the model has loaded
     cache: CacheConfig = option(default_factory=CacheConfig)
     scheduler: SchedulerConfig = option(default_factory=SchedulerConfig)
     parallel: ParallelConfig = option(default_factory=ParallelConfig)
