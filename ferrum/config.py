@@ -382,6 +382,11 @@ def resolve_max_model_len(model: ModelConfig, requested: int | None) -> int:
 # token ids; a larger body is answered 413 before anything parses or tokenizes it.
 MAX_REQUEST_BODY = "8MiB"
 
+# `ferrum serve --shutdown-timeout`: seconds the server lets open requests run after SIGTERM /
+# Ctrl-C before it ends them with an error. Below Kubernetes' default grace period (30 s
+# before SIGKILL), so the ended streams' last events still go out.
+SHUTDOWN_TIMEOUT_S = 20.0
+
 
 def parse_size(value) -> int:
     """Bytes from an int or a size string: `2GiB`, `512 MiB` (powers of 1024), `2GB`, `2g`
