@@ -39,8 +39,10 @@ import asyncio
 import copy
 import hmac
 import logging
+import signal
 import socket
 import sys
+import threading
 import time
 
 import uvicorn
@@ -378,9 +380,16 @@ def serve(args) -> int:
                             log_config=_log_config(getattr(args, "verbose", False), log_requests))
     ready = (f"ferrum: serving {names[0]!r} on http://{args.host}:{args.port}/v1 "
              f"(max_model_len {engine.max_model_len})")
+    # uvicorn handles SIGTERM while it serves (the drain), then raises it again for the handler
+    # it found. The default one would kill the process before engine.shutdown() below (TP ranks
+    # would then die of their parent-death SIGKILL); a no-op lets serve return 0 instead.
+    in_main = threading.current_thread() is threading.main_thread()   # signals are the main thread's
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None) if in_main else None
     try:
         _Server(config, ready, engine, args.shutdown_timeout).run(sockets=[sock])
     finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
         engine.shutdown()
         sock.close()
     return 0
