@@ -382,6 +382,11 @@ def resolve_max_model_len(model: ModelConfig, requested: int | None) -> int:
 # token ids; a larger body is answered 413 before anything parses or tokenizes it.
 MAX_REQUEST_BODY = "8MiB"
 
+# `ferrum serve --shutdown-timeout`: seconds the server lets open requests run after SIGTERM /
+# Ctrl-C before it ends them with an error. Below Kubernetes' default grace period (30 s
+# before SIGKILL), so the ended streams' last events still go out.
+SHUTDOWN_TIMEOUT_S = 20.0
+
 
 def parse_size(value) -> int:
     """Bytes from an int or a size string: `2GiB`, `512 MiB` (powers of 1024), `2GB`, `2g`
@@ -404,6 +409,20 @@ def format_size(n: int) -> str:
         if n and n % scale == 0:
             return f"{n // scale}{unit}"
     return str(n)
+
+
+def parse_threads(value) -> int:
+    """A thread count (`--threads`, `threads=`): an int or its text, at least 1. Raises
+    InvalidRequestError (a ValueError, so argparse reports it as a bad --threads) otherwise."""
+    try:
+        n = int(value) if isinstance(value, str) else value
+    except ValueError:
+        n = None
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise InvalidRequestError(f"threads must be a whole number >= 1, got {value!r} (leave "
+                                  "it out for the default: the usable cores less one)",
+                                  param="threads")
+    return n
 
 
 def option(default=None, help: str = "", *, default_factory=None, env: str | None = None,
@@ -587,7 +606,8 @@ class EngineConfig:
         "control tokens")
     threads: int | None = option(
         None, "CPU threads per rank for torch ops and the BLAS (default: the usable cores less "
-        "one, split over the TP ranks, at least 1: a busy core then stalls no step)")
+        "one, split over the TP ranks, at least 1: a busy core then stalls no step)",
+        parse=parse_threads)   # checked while parsing flags, not once the model has loaded
     cache: CacheConfig = option(default_factory=CacheConfig)
     scheduler: SchedulerConfig = option(default_factory=SchedulerConfig)
     parallel: ParallelConfig = option(default_factory=ParallelConfig)

@@ -84,6 +84,15 @@ class EngineDeadError(FerrumError):
     """The engine loop or a worker rank failed; no further requests can be served."""
 
 
+class ServerShuttingDownError(EngineDeadError):
+    """`ferrum serve` is shutting down and this request did not finish within its
+    --shutdown-timeout (or arrived after the engine stopped); 503, as a request the server
+    cannot take now."""
+
+    http_status = 503
+    error_type = "service_unavailable"
+
+
 class AddressInUseError(FerrumError):
     """`ferrum serve` cannot listen on the host and port asked for (already in use, or not
     an address of this machine); raised before the model loads."""

@@ -28,6 +28,13 @@ def live_server(args: list[str], log_path, timeout_s: float = 120.0):
     """Run `ferrum serve <args> --port <free>`; yields its base URL once /health answers 200
     (pytest.fail with the server's log if it exits or takes longer than timeout_s); stops it
     on exit."""
+    with server_process(args, log_path, timeout_s) as (_, url):
+        yield url
+
+
+@contextlib.contextmanager
+def server_process(args: list[str], log_path, timeout_s: float = 120.0):
+    """`live_server`, yielding (the server's Popen, its base URL): for tests that signal it."""
     port = free_port()
     log = open(log_path, "w+")
     proc = subprocess.Popen([sys.executable, "-m", "ferrum.entrypoints.cli", "serve", *args,
@@ -48,7 +55,7 @@ def live_server(args: list[str], log_path, timeout_s: float = 120.0):
             if time.time() > deadline:
                 pytest.fail(f"server did not become healthy in {timeout_s:.0f} s")
             time.sleep(0.3)
-        yield url
+        yield proc, url
     finally:
         proc.terminate()
         try:

@@ -13,7 +13,7 @@ from ferrum.config import EngineConfig
 from ferrum.engine.async_engine import AsyncLLMEngine
 from ferrum.engine.llm_engine import LLMEngine
 from ferrum.entrypoints.openai.server import build_app
-from ferrum.errors import EngineDeadError, InvalidRequestError
+from ferrum.errors import EngineDeadError, InvalidRequestError, ServerShuttingDownError
 from ferrum.sampling_params import SamplingParams
 from tiny_models import make_tiny_model
 
@@ -143,6 +143,24 @@ def test_engine_failure_kills_streams_and_new_requests(engine):
     asyncio.run(go())
     s = engine.status()
     assert s["healthy"] is False and "boom" in s["error"]
+
+
+def test_stop_ends_open_streams_and_new_requests_with_its_error(engine):
+    """stop(error): what a draining server does once its --shutdown-timeout ran out."""
+    async def go():
+        stream = await engine.add_request("s", None, greedy(200), prompt_token_ids=PROMPT)
+        outs = []
+        with pytest.raises(ServerShuttingDownError, match="drain over"):
+            async for out in stream:
+                outs.append(out)
+                if len(outs) == 2:
+                    engine.stop(ServerShuttingDownError("drain over"))
+        with pytest.raises(ServerShuttingDownError, match="drain over"):
+            await engine.add_request("t", None, greedy(5), prompt_token_ids=PROMPT)
+        return outs
+    outs = asyncio.run(go())
+    assert 2 <= len(outs) < 200 and not outs[-1].finished
+    assert engine.status()["error"] == "drain over"
 
 
 def _client(app) -> httpx.AsyncClient:

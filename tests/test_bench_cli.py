@@ -8,13 +8,24 @@ from ferrum.entrypoints.cli import main
 from tiny_models import make_tiny_model
 
 
-def test_bench_latency_and_throughput_cli(tmp_path):
+def test_bench_latency_and_throughput_cli(tmp_path, capsys):
     folder = make_tiny_model(str(tmp_path / "m"), "llama", layers=2, vocab=300, max_pos=512)
     out = tmp_path / "lat.json"
-    assert main(["bench", "latency", folder, "--input-len", "16", "--output-len", "8", "--num-iters", "1",
+    capsys.readouterr()
+    assert main(["bench", "latency", folder, "--input-len", "16", "--output-len", "8", "--num-iters", "2",
                  "--no-hf", "--threads", "1", "--out", str(out)]) == 0
     lat = json.loads(out.read_text())
     assert lat["ferrum"]["decode_tok_s"] > 0 and lat["ferrum"]["ttft_s"] > 0
+    # stdout: each figure once: the bandwidths on one line, with the final measured value the
+    # JSON holds (it was printed twice, at two values), no empty ratio row ("tp1: {}"), no None
+    lines = capsys.readouterr().out.splitlines()
+    bandwidth = [line for line in lines if "GB/s" in line]
+    assert len(bandwidth) == 1, lines
+    assert bandwidth[0].startswith("bandwidth: spec n/a (CPU: ")
+    assert f"measured {lat['bandwidth']['roofline_gbs']:.1f} GB/s" in bandwidth[0]
+    assert not any(line.rstrip().endswith("{}") or "None" in line for line in lines), lines
+    assert [line.split(":")[0] for line in lines if line.startswith("iter ")] == ["iter 1", "iter 2"]
+    assert sum(line.startswith("ferrum tp1 ") for line in lines) == 1
     out = tmp_path / "thr.json"
     assert main(["bench", "throughput", folder, "--num-prompts", "4", "--threads", "1",
                  "--out", str(out)]) == 0

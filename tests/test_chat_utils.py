@@ -95,6 +95,15 @@ def test_template_without_tools_gets_the_hermes_tool_prompt(smollm2_tokenizer):
      "messages[0].content[1]", "text only"),
     ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0]", "text part"),
     ([{"role": "tool", "content": "r"}], "messages[0].tool_call_id", "required"),
+    # a tool message answers a call of the assistant message it follows (OpenAI refuses others)
+    (CONVERSATION[:3] + [{"role": "tool", "tool_call_id": "call_9", "content": "r"}],
+     "messages[3].tool_call_id", "'call_9' answers no tool call.*'call_1'"),
+    ([{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "call_1", "content": "r"}],
+     "messages[1].tool_call_id", "answer here: none"),
+    (CONVERSATION + [{"role": "user", "content": "and?"},
+                     {"role": "tool", "tool_call_id": "call_1", "content": "r"}],
+     "messages[5].tool_call_id", "answer here: none"),
+    (CONVERSATION + [{"role": "tool", "tool_call_id": "call_1", "content": "again"}], None, None),
     ([{"role": "user", "content": "x", "name": 3}], "messages[0].name", "string"),
     ([{"role": "user", "content": "x", "tool_calls": []}], None, None),          # empty list is fine
     ([{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}],

@@ -256,10 +256,33 @@ def test_threads_setting_bounds_torch_and_blas(tiny, caplog):
         with caplog.at_level(logging.WARNING, logger="ferrum"):
             threads.set_threads(threads.usable_cores() + 1)
         assert "cores: the ranks will wait" in caplog.text
-        with pytest.raises(InvalidRequestError, match="threads must be >= 1"):
+        with pytest.raises(InvalidRequestError, match="threads must be a whole number >= 1"):
             threads.set_threads(0)
     finally:
         threads.set_threads(before, warn=False)
+
+
+def test_threads_below_one_are_refused_while_parsing_every_command(capsys, tmp_path):
+    """--threads 0 / -1 is an argparse error naming the flag in every command that takes it,
+    before any model loads (it was refused only once the engine set its threads)."""
+    takers = [(name, p) for name, p in _subparsers(build_parser())
+              if any("--threads" in a.option_strings for a in p._actions)]
+    assert {"run", "serve", "bench latency", "bench ttft", "bench throughput", "bench sweep",
+            "bench serve"} <= {name for name, _ in takers}
+    for name, parser in takers:
+        assert parser.parse_args(["--threads", "2"]).threads == 2, name
+        for bad in ("0", "-1", "1.5"):
+            with pytest.raises(SystemExit) as info:
+                parser.parse_args(["--threads", bad])
+            assert info.value.code == 2, name
+            err = capsys.readouterr().err
+            assert f"argument --threads: threads must be a whole number >= 1, got '{bad}'" in err, (name, err)
+    with pytest.raises(InvalidRequestError, match="threads must be"):
+        EngineConfig.from_kwargs(threads="0")
+    # the real command: exit status 2 at once, though the model does not even exist
+    r = subprocess.run(CLI + ["serve", str(tmp_path / "no-such-model"), "--threads", "0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "argument --threads" in r.stderr and "loading" not in r.stderr
 
 
 # ---- stdout holds only answers ----------------------------------------------------------------

@@ -334,6 +334,15 @@ def test_bad_inputs(server):
     e = _err(_post(server, "/v1/chat/completions", {"model": MODEL, "messages": [
         {"role": "tool", "content": "x"}]}), 400)
     assert e["param"] == "messages[0].tool_call_id"
+    # a tool message answering no call of the assistant message before it (OpenAI refuses it)
+    e = _err(_post(server, "/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_a", "type": "function",
+                                                               "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_a", "content": "-3 C"},
+        {"role": "tool", "tool_call_id": "call_b", "content": "?"}]}), 400)
+    assert e["param"] == "messages[3].tool_call_id" and e["type"] == "invalid_request_error"
+    assert e["message"].startswith("messages[3].tool_call_id: 'call_b' answers no tool call")
     e = _err(_post(server, "/v1/completions", {**ok, "model": "gpt-4"}), 404)
     assert "gpt-4" in e["message"] and e["type"] == "not_found_error"
     # a lone surrogate (JSON's "\ud800" escape) is not text any tokenizer encodes: 400, not 500,
@@ -984,3 +993,70 @@ def test_new_fields_bad_values(server):
     for field in ("continue_final_message", "add_generation_prompt"):
         e = _err(_post(server, "/v1/chat/completions", {**chat, field: "maybe"}), 400)
         assert e["param"] == field
+
+
+# ---- shutdown ---------------------------------------------------------------------------------
+def test_sigterm_drains_open_requests_then_ends_the_rest_with_an_error(tmp_path, smollm2_tokenizer):
+    """SIGTERM: the server stops accepting connections, lets open requests run for
+    --shutdown-timeout, then ends those left: a stream with an error event and [DONE] (it was
+    cut with no final event), a non-streaming request with a 503 body; `ferrum serve` then
+    shuts its engine down and exits 0 (uvicorn's re-raised SIGTERM killed it first)."""
+    import signal
+    import threading
+    from live_server import server_process
+    from tiny_models import make_tiny_model
+    # a context long enough that no machine finishes its requests within the drain time
+    folder = make_tiny_model(str(tmp_path / "m"), "llama", vocab=49152, hidden=64, layers=2,
+                             max_pos=32768, seed=5)
+    smollm2_tokenizer.hf.save_pretrained(folder)
+    drain_s = 6
+    with server_process([folder, "--device", "cpu", "--threads", "1", "--max-model-len", "32768",
+                         "--kv-cache-memory", "64MiB", "--shutdown-timeout", str(drain_s)],
+                        tmp_path / "server.log") as (proc, url):
+        results: dict = {}
+        started = {name: threading.Event() for name in ("short", "long")}
+
+        def stream(name: str, max_tokens: int):
+            body = {"prompt": PROMPT, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+                    "stream_options": {"include_usage": True}}
+            lines = results[name] = []
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                        started[name].set()
+
+        def whole():
+            results["whole"] = httpx.post(url + "/v1/completions", timeout=120, json={
+                "prompt": PROMPT, "max_tokens": 32000, "ignore_eos": True})
+
+        threads = [threading.Thread(target=stream, args=("long", 32000)), threading.Thread(target=whole)]
+        for t in threads:
+            t.start()
+        assert started["long"].wait(60)
+        threads.append(threading.Thread(target=stream, args=("short", 200)))
+        threads[-1].start()
+        assert started["short"].wait(60)
+        t0 = time.time()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1)
+        with pytest.raises(httpx.ConnectError):   # no new connections while draining
+            httpx.get(url + "/health", timeout=5)
+        for t in threads:
+            t.join(60)
+        assert proc.wait(30) == 0
+        elapsed = time.time() - t0
+    short, long = results["short"], results["long"]
+    # the short stream ran to its end during the drain
+    assert short[-1] == "data: [DONE]"
+    assert json.loads(short[-2][len("data: "):])["usage"]["completion_tokens"] == 200
+    assert json.loads(short[-3][len("data: "):])["choices"][0]["finish_reason"] == "length"
+    # the long one was ended after the drain: an error event, then [DONE]
+    assert long[-1] == "data: [DONE]"
+    error = json.loads(long[-2][len("data: "):])["error"]
+    assert error["code"] == 503 and error["type"] == "service_unavailable"
+    assert f"--shutdown-timeout of {drain_s} s" in error["message"]
+    assert not any('"finish_reason": "length"' in x for x in long)
+    e = _err(results["whole"], 503)
+    assert e["type"] == "service_unavailable"
+    assert drain_s <= elapsed < drain_s + 20

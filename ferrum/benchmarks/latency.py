@@ -141,9 +141,9 @@ def main(args) -> int:
             res.update(model=llm.engine.model_name, dtype=run.info.dtype, num_params=run.info.num_params,
                        bandwidth={"spec_gbs": spec, "spec_source": spec_src, "roofline_gbs": roofline[0],
                                   "roofline_source": roofline[1]})
+            # the bandwidths are printed once, with the table: on CPU the measured one can still rise
             print(f"model {llm.engine.model_name} ({run.info.num_params / 1e6:.1f}M params, {run.info.dtype}) "
-                  f"on {device}, {threads} threads; bytes read per decode step {run.bytes_per_step / 1e6:.1f} MB; "
-                  f"spec bandwidth {spec} GB/s ({spec_src}); measured {roofline[0]:.1f} GB/s ({roofline[1]})")
+                  f"on {device}, {threads} threads; bytes read per decode step {run.bytes_per_step / 1e6:.1f} MB")
         print(f"TP={tp}: batch {args.batch_size}, input {args.input_len}, output {args.output_len}, "
               f"iters {args.num_iters}", flush=True)
         # HF next to ferrum on CPU only (first TP size), and only where both fit in memory
@@ -246,8 +246,13 @@ def _hf(args, run: "_Run", resolve_model):
 
 
 def _print_table(runs: dict, hf_summary: dict | None, hf_times, res: dict) -> None:
-    print(f"medians (min-max) over the iterations; MBU over the spec ({res['bandwidth']['spec_gbs']} GB/s) and "
-          f"over the measured roofline ({res['bandwidth']['roofline_gbs']:.1f} GB/s)")
+    """The summary on stdout: the two bandwidths, the table, then one line per ratio."""
+    bw = res["bandwidth"]
+    spec = f"{bw['spec_gbs']:.1f} GB/s" if bw["spec_gbs"] is not None else "n/a"
+    print(f"bandwidth: spec {spec} ({bw['spec_source']}); measured {bw['roofline_gbs']:.1f} GB/s "
+          f"({bw['roofline_source']})")
+    print("medians (min-max) over the iterations; MBU spec / MBU roof: the decode read rate over "
+          "each bandwidth")
     print(f"{'':10} {'TTFT ms':>22} {'TPOT ms':>22} {'decode tok/s':>13} {'MBU spec':>9} {'MBU roof':>9}")
 
     def pct(x):
@@ -259,7 +264,12 @@ def _print_table(runs: dict, hf_summary: dict | None, hf_times, res: dict) -> No
         print(f"{name:10} {a:>22} {b:>22} {s['decode_tok_s']:13.2f} {pct(s['mbu']):>9} {pct(s['mbu_vs_roofline']):>9}")
     if hf_summary:
         print(f"HF mode: {hf_summary['mode']}")
-    for k, v in res["ratios"].items():
-        print(f"{k}: {v}")
+    # ratios: {"tp1": {"decode_tok_s_vs_hf": 1.2, ...}, "tp2_speedup": 1.4}; a TP size with
+    # nothing to compare against has an empty row, which prints nothing
+    for key, value in res["ratios"].items():
+        for name, x in (value.items() if isinstance(value, dict) else [(None, value)]):
+            label = f"{key} {name}" if name else key
+            print(f"ratio {label}: {f'{x:.3f}' if x is not None else 'n/a'}"
+                  + (" (> 1: ferrum ahead)" if name else ""))
     if res["load_note"]:
         print(f"note: {res['load_note']}")

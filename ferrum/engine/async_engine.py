@@ -12,6 +12,8 @@ itself raises (the executor is broken: a dead TP rank, a device fault), the engi
 every open stream raises EngineDeadError, and so does every later `add_request`;
 `status()["healthy"]` turns False with the reason in `status()["error"]` (the server answers
 /health 503 with it). A broken executor is also reported while the loop is idle.
+`stop(error)` ends the loop the same way on purpose (a server whose drain time ran out): every
+open stream and later `add_request` raise `error`.
 """
 from __future__ import annotations
 
@@ -93,7 +95,7 @@ class AsyncLLMEngine:
         self._streams: dict[str, _Stream] = {}    # touched by the engine thread only
         self._lock = threading.Lock()             # orders "dead" against new commands
         self._dead: BaseException | None = None
-        self._stopping = False
+        self._stopping: EngineDeadError | None = None   # set by a stop command: the loop ends with it
         self._status = self._snapshot()
         self._thread = threading.Thread(target=self._run, name="ferrum-engine", daemon=True)
         self._thread.start()
@@ -175,8 +177,8 @@ class AsyncLLMEngine:
 
     def _dead_error(self) -> EngineDeadError:
         cause = self._dead
-        if isinstance(cause, EngineDeadError):
-            return EngineDeadError(str(cause))
+        if isinstance(cause, EngineDeadError):   # a fresh one per stream, of the same kind
+            return type(cause)(str(cause))
         err = EngineDeadError(f"the engine loop failed: {type(cause).__name__}: {cause}")
         err.__cause__ = cause
         return err
@@ -202,12 +204,18 @@ class AsyncLLMEngine:
         reason = health() if health is not None else None
         return None if reason is None else f"the executor is broken: {reason}"
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the step thread (open streams get EngineDeadError) and shut the engine down."""
+    def stop(self, error: EngineDeadError | None = None) -> None:
+        """Stop the step thread once the step running now ends, without waiting (thread-safe):
+        every open stream, and every later add_request, raises `error` (default
+        EngineDeadError "the engine was shut down"). A stopped or dead engine ignores it."""
         try:
-            self._send(("stop",))
+            self._send(("stop", error or EngineDeadError("the engine was shut down")))
         except EngineDeadError:
             pass
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the step thread (open streams get EngineDeadError) and shut the engine down."""
+        self.stop()
         self._thread.join(timeout)
         self.engine.shutdown()
 
@@ -221,14 +229,14 @@ class AsyncLLMEngine:
 
     def _run(self) -> None:
         try:
-            while not self._stopping:
+            while self._stopping is None:
                 if not self.engine.has_unfinished_requests():
                     self._status = self._snapshot()
                     self._handle(self._cmds.get())      # idle: block until there is work
                     self._drain()
                     self._status = self._snapshot()     # the new work shows while its first step runs
                 self._drain()
-                if self._stopping or not self.engine.has_unfinished_requests():
+                if self._stopping is not None or not self.engine.has_unfinished_requests():
                     continue
                 deliveries: dict[asyncio.AbstractEventLoop, list] = {}
                 for out in self.engine.step():
@@ -246,7 +254,7 @@ class AsyncLLMEngine:
             log.exception("engine loop failed")
             self._die(e)
             return
-        self._die(EngineDeadError("the engine was shut down"))
+        self._die(self._stopping)
 
     def _drain(self) -> None:
         while True:
@@ -276,7 +284,7 @@ class AsyncLLMEngine:
             if stream is not None:
                 stream.put(_END)
         elif kind == "stop":
-            self._stopping = True
+            self._stopping = cmd[1]
 
     def _die(self, error: BaseException) -> None:
         with self._lock:

@@ -7,7 +7,8 @@ the same named error everywhere (InvalidRequestError, `param` = the field's path
 
 Messages follow the OpenAI chat format: roles system, developer (given to the template as
 system), user, assistant, tool; `name`; assistant `content: null` with `tool_calls`; `tool`
-messages with `tool_call_id`; content as a string or a list of text parts (joined with
+messages with `tool_call_id`, the id of a call of the assistant message they follow (only
+tool messages between; OpenAI refuses others); content as a string or a list of text parts (joined with
 newlines; image / audio / file parts are refused: ferrum's models take text only). Unknown
 keys inside a message are ignored, as vLLM does. Tool calls reach the chat template the way
 Hugging Face's `apply_chat_template(messages, tools=...)` expects them: `function.arguments`
@@ -114,10 +115,13 @@ def _tool_calls(calls, where: str) -> list[dict]:
 
 def parse_messages(messages) -> list[dict]:
     """OpenAI chat messages -> messages for the chat template (see the module docstring).
-    Raises InvalidRequestError naming the message and field."""
+    Raises InvalidRequestError naming the message and field, also for a tool message whose
+    `tool_call_id` is not the id of a call of the assistant message it follows (with only tool
+    messages between them), as OpenAI refuses it."""
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "must be a non-empty list of messages")
     out = []
+    answerable: list[str] = []   # ids of the calls of the assistant message this run of tool messages follows
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -142,7 +146,14 @@ def parse_messages(messages) -> list[dict]:
             if not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]:
                 raise _bad(f"{where}.tool_call_id", "is required for tool messages (the id of "
                                                     "the call this answers)")
+            if m["tool_call_id"] not in answerable:
+                raise _bad(f"{where}.tool_call_id", f"{m['tool_call_id']!r} answers no tool call: a "
+                           "tool message must follow the assistant message with that call in its "
+                           "tool_calls (only tool messages between); the calls it can answer here: "
+                           f"{', '.join(map(repr, answerable)) or 'none'}")
             msg["tool_call_id"] = m["tool_call_id"]
+        else:   # OpenAI: tool messages must follow the assistant message whose calls they answer
+            answerable = [c["id"] for c in msg.get("tool_calls", ()) if "id" in c]
         out.append(msg)
     return out
 

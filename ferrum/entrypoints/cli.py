@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 
-from ferrum.config import MAX_REQUEST_BODY, parse_size
+from ferrum.config import MAX_REQUEST_BODY, SHUTDOWN_TIMEOUT_S, parse_size
 from ferrum.entrypoints.args import (HelpFormatter, _as_argparse_type, add_engine_args,
                                      config_from_args)
 from ferrum.errors import FerrumError
@@ -25,6 +25,13 @@ def _port(text: str) -> int:
     if not 0 < port < 65536:
         raise argparse.ArgumentTypeError(f"port must be in 1..65535, got {port}")
     return port
+
+
+def _seconds(text: str) -> float:
+    seconds = float(text)
+    if not seconds >= 0:   # also NaN
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
+    return seconds
 
 
 def _cmd_pull(args) -> int:
@@ -126,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
                    default=MAX_REQUEST_BODY, metavar="SIZE",
                    help="largest request body read, with a unit; a larger one is answered 413 "
                         "before it is parsed or tokenized")
+    g.add_argument("--shutdown-timeout", type=_seconds, default=SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C: stop accepting connections, let open requests run "
+                        "this long, then end those left with an error (a stream: an error event "
+                        "and [DONE]); a second signal quits at once")
     s.set_defaults(func=_cmd_serve)
 
     names = ", ".join(known_names())

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 
-from ferrum.errors import InvalidRequestError
+from ferrum.config import parse_threads, set_kernels
 
 log = logging.getLogger("ferrum")
 
@@ -48,11 +48,10 @@ def set_threads(threads: int | None, ranks: int = 1, warn: bool = True) -> int:
     """Use `threads` (None: `default_threads(ranks)`) for torch's intra-op pool (of the
     calling thread: torch keeps the count per thread) and every BLAS library loaded in this
     process; returns the count. With `warn`, logs
-    `oversubscription_warning` when there is one. Raises InvalidRequestError for threads < 1."""
+    `oversubscription_warning` when there is one. Raises InvalidRequestError for threads < 1
+    (`parse_threads`)."""
     import torch
-    if threads is not None and threads < 1:
-        raise InvalidRequestError(f"threads must be >= 1, got {threads}", param="threads")
-    n = threads or default_threads(ranks)
+    n = default_threads(ranks) if threads is None else parse_threads(threads)
     message = oversubscription_warning(n, ranks) if warn else None
     if message:
         log.warning(message)
@@ -71,7 +70,6 @@ def apply_engine_settings(config, warn: bool = False) -> int:
     else the TP size) and its kernel switches (`ferrum.config.set_kernels`). torch's thread
     count is per thread, so every thread that runs model code calls this. Returns the
     threads."""
-    from ferrum.config import set_kernels
     set_kernels(config.kernels)
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", config.parallel.tensor_parallel_size))
     return set_threads(config.threads, ranks, warn=warn)

@@ -277,7 +277,8 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
     items in order. Consecutive function_call items join the assistant message before them
     (one turn, parallel calls); a function_call_output becomes a `tool` message carrying its
     call's name. `developer` is rendered as `system` (chat templates know that role).
-    Raises InvalidRequestError (param "input") naming the offending item."""
+    Raises InvalidRequestError (param "input") naming the offending item, also for a
+    function_call_output whose call_id no earlier function_call item has."""
     msgs: list[dict] = []
     if req.instructions:
         msgs.append({"role": "system", "content": req.instructions})
@@ -311,12 +312,12 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
                 msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             call_id = _string_field(item, "call_id", where)
+            if call_id not in call_names:   # OpenAI: "No tool call found for function call output"
+                raise InvalidRequestError(f"{where}.call_id {call_id!r} matches no function_call "
+                                          "item before it", param="input")
             output = item.get("output")
-            msg = {"role": "tool", "tool_call_id": call_id,
-                   "content": output if isinstance(output, str) else _text_of(output, where)}
-            if call_id in call_names:
-                msg["name"] = call_names[call_id]
-            msgs.append(msg)
+            msgs.append({"role": "tool", "tool_call_id": call_id, "name": call_names[call_id],
+                         "content": output if isinstance(output, str) else _text_of(output, where)})
         elif kind == "item_reference":
             raise InvalidRequestError(f"{where} is an item_reference: {_NO_STATE}", param="input")
         else:

@@ -27,6 +27,11 @@ other ferrum errors use their `http_status`.
 Start-up (`serve`): the port is bound before the model loads (a busy port fails at once), the
 "serving ..." line is printed once the socket listens, and uvicorn logs one access line per
 request to stderr unless `--disable-log-requests`.
+
+Shutdown (SIGTERM, Ctrl-C): the server stops accepting connections and lets open requests run
+for `--shutdown-timeout` seconds (default 20); then it stops the engine, so a stream still
+open ends with an error event (503, "service_unavailable") and `data: [DONE]`, and a waiting
+non-streaming request gets that 503 as its body. A second signal quits at once.
 """
 from __future__ import annotations
 
@@ -34,8 +39,10 @@ import asyncio
 import copy
 import hmac
 import logging
+import signal
 import socket
 import sys
+import threading
 import time
 
 import uvicorn
@@ -52,7 +59,8 @@ from ferrum.entrypoints.openai.protocol import (ChatCompletionRequest, Completio
                                                 DetokenizeRequest, TokenizeRequest)
 from ferrum.entrypoints.openai.responses import add_routes as add_responses_routes
 from ferrum.entrypoints.openai.serving import OpenAIServing, error_body, ferrum_error_body
-from ferrum.errors import AddressInUseError, FerrumError, InvalidRequestError, QueueFullError
+from ferrum.errors import (AddressInUseError, FerrumError, InvalidRequestError, QueueFullError,
+                           ServerShuttingDownError)
 from ferrum.metrics import Metrics
 
 log = logging.getLogger("ferrum")
@@ -60,6 +68,9 @@ log = logging.getLogger("ferrum")
 _COUNTED_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models",
                   "/v1/models/{id}", "/tokenize", "/detokenize"}
 _RETRY_AFTER_S = "1"
+# after --shutdown-timeout ends the open requests: time for their last events to go out before
+# uvicorn cancels what is left (a client that reads nothing)
+_FLUSH_S = 5.0
 
 
 class AuthenticationError(FerrumError):
@@ -345,8 +356,9 @@ def _log_config(verbose: bool, log_requests: bool) -> dict:
 
 
 def serve(args) -> int:
-    """Bind the port, build the engine from the CLI flags, then serve until interrupted.
-    Raises AddressInUseError (before loading anything) when the port is taken."""
+    """Bind the port, build the engine from the CLI flags, then serve until SIGTERM / Ctrl-C
+    (and drain, see the module docstring). Raises AddressInUseError (before loading anything)
+    when the port is taken."""
     from ferrum.engine.llm_engine import LLMEngine
     from ferrum.entrypoints.args import config_from_args
 
@@ -363,14 +375,21 @@ def serve(args) -> int:
              list(dict.fromkeys(n for n in (args.model, engine.engine.model_name) if n)))
     app = build_app(engine, names, args.api_key, args.allowed_origins, args.max_request_body)
     log_requests = not args.disable_log_requests
-    config = uvicorn.Config(app, timeout_graceful_shutdown=2, access_log=log_requests,
+    config = uvicorn.Config(app, timeout_graceful_shutdown=args.shutdown_timeout + _FLUSH_S,
+                            access_log=log_requests,
                             log_config=_log_config(getattr(args, "verbose", False), log_requests))
     ready = (f"ferrum: serving {names[0]!r} on http://{args.host}:{args.port}/v1 "
              f"(max_model_len {engine.max_model_len})")
+    # uvicorn handles SIGTERM while it serves (the drain), then raises it again for the handler
+    # it found. The default one would kill the process before engine.shutdown() below (TP ranks
+    # would then die of their parent-death SIGKILL); a no-op lets serve return 0 instead.
+    in_main = threading.current_thread() is threading.main_thread()   # signals are the main thread's
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None) if in_main else None
     try:
-        # Ctrl-C: give open streams 2 s, then close them (their requests are aborted)
-        _Server(config, ready).run(sockets=[sock])
+        _Server(config, ready, engine, args.shutdown_timeout).run(sockets=[sock])
     finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
         engine.shutdown()
         sock.close()
     return 0
@@ -378,11 +397,25 @@ def serve(args) -> int:
 
 class _Server(uvicorn.Server):
     """uvicorn.Server that prints `ready` to stderr once its socket listens (uvicorn's own
-    start-up line is an INFO log, hidden without -v)."""
+    start-up line is an INFO log, hidden without -v), and shuts down gracefully: on SIGTERM /
+    Ctrl-C uvicorn stops accepting connections and waits for the open requests; those still
+    running after `drain_s` seconds are ended by stopping the engine, so each stream ends with
+    an error event and [DONE] (`OpenAIServing._stream_errors`; Responses: response.failed) and
+    each non-streaming request gets a 503, instead of a cut connection."""
 
-    def __init__(self, config: uvicorn.Config, ready: str):
+    def __init__(self, config: uvicorn.Config, ready: str, engine: AsyncLLMEngine, drain_s: float):
         super().__init__(config)
-        self.ready = ready
+        self.ready, self.engine, self.drain_s = ready, engine, drain_s
+
+    async def shutdown(self, sockets=None) -> None:
+        error = ServerShuttingDownError(
+            f"the server is shutting down: this request did not finish within its "
+            f"--shutdown-timeout of {self.drain_s:g} s")
+        deadline = asyncio.get_running_loop().call_later(self.drain_s, self.engine.stop, error)
+        try:
+            await super().shutdown(sockets=sockets)
+        finally:
+            deadline.cancel()
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets=sockets)
