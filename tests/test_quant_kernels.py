@@ -244,25 +244,45 @@ def check_gluon_gemv(device: str, shapes=None) -> None:
             got = call(x.to(device), None if bias is None else bias.to(device), cfg)
             assert got.shape == (M, N) and got.dtype == dtype
             _check(got, ref, dtype, f"gluon {kind} gemv {dtype} M={M} N={N} K={K} config={cfg} bias={bias is not None}")
-    if shapes is not None:  # the linears' dispatch takes the Gluon GEMV for 1 and 4 rows on the GPU
+    if shapes is not None:  # the linears' dispatch on the GPU: Gluon where the table says so
         N, K = shapes[0]
-        for M in (1, 4):
+        for M in (1, 4, 6):
             x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
             w, scale = fp8.quantize_fp8_per_channel(torch.randn(N, K, generator=gen) * 0.05)
-            assert gg.config_for("fp8", x.to(device), N, K) is not None
+            assert gg.config_for("fp8", x[:4].to(device), N, K) is not None   # 6 rows: launches of 4 + 2
             ref = torch.nn.functional.linear(x.double(), fp8.dequantize_fp8(w, scale).double())
             _check(fp8.fp8_linear(x.to(device), w.to(device), scale.to(device)), ref, torch.bfloat16,
-                   f"fp8_linear {M} rows {N}x{K} (Gluon)")
+                   f"fp8_linear {M} rows {N}x{K}")
             qw, s, z, _ = _int4_case(N, K, 128, False, gen, device)
-            assert gg.config_for("w4", x.to(device), N, K) is not None
+            assert M > 1 or gg.config_for("w4", x.to(device), N, K) is not None
             ref = torch.nn.functional.linear(x.double(), int4.dequantize_int4(qw.cpu(), s.cpu(), z.cpu(), 128).double())
             _check(int4.int4_linear(x.to(device), qw, s, z, 128), ref, torch.bfloat16,
-                   f"int4_linear {M} rows {N}x{K} (Gluon)")
+                   f"int4_linear {M} rows {N}x{K}")
             raw = _gguf_raw(gguf.Q4_K, N, K, gen)
-            assert gg.config_for("q4_k", x.to(device), N, K) is not None
+            assert M > 1 or gg.config_for("q4_k", x.to(device), N, K) is not None
             ref = torch.nn.functional.linear(x.double(), gguf.gguf_dequantize(raw, gguf.Q4_K, K).double())
             _check(gguf.gguf_linear(x.to(device), raw.to(device), gguf.Q4_K), ref, torch.bfloat16,
-                   f"gguf_linear Q4_K {M} rows {N}x{K} (Gluon)")
+                   f"gguf_linear Q4_K {M} rows {N}x{K}")
+    else:  # the FP8 dispatch with the Gluon path forced on (CPU): 5-8 rows go in launches of 4 + the rest
+        dense, saved = gg.dense_gemv, (gg.can_use, gg.dense_gemv, fp8.use_triton)
+        launches = []
+
+        def counting(x, *a, **k):
+            launches.append(x.shape[0])
+            return dense(x, *a, **k)
+        gg.can_use, gg.dense_gemv = (lambda x: 1 <= x.shape[0] <= gg.MAX_ROWS), counting
+        fp8.use_triton = lambda x: True
+        try:
+            w, scale = fp8.quantize_fp8_per_channel(torch.randn(16, 2048, generator=gen) * 0.05)
+            for M, want in ((3, [3]), (6, [4, 2]), (8, [4, 4])):
+                launches.clear()
+                x = torch.randn(M, 2048, generator=gen).to(torch.bfloat16)
+                ref = torch.nn.functional.linear(x.double(), fp8.dequantize_fp8(w, scale).double())
+                _check(fp8.fp8_linear(x, w, scale), ref, torch.bfloat16, f"fp8_linear {M} rows (Gluon dispatch)")
+                assert launches == want, (M, launches)
+                assert gg.gemv_config("fp8", 16, 2048, M) is None or M <= gg.TUNED_ROWS
+        finally:
+            gg.can_use, gg.dense_gemv, fp8.use_triton = saved
     qw, s, z, _ = _int4_case(16, 2048, 128, False, gen, device)
     for bad, rows in (((8, 4, 1), 1), ((3, 1, 1), 1), ((8, 1, 4), 1), ((8, 1, 1), 9)):  # K, N, split; 9 rows
         with pytest.raises(ValueError):

@@ -215,13 +215,22 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
     """y = x (scale * weight)^T + bias. x: [T, K] bf16/fp16/fp32; weight [N, K]
     float8_e4m3fn; scale [N] float32; input_scale: [1] float32 (static activation scale of
     the checkpoint) or None. Dispatch: the Gluon GEMV for T <= 4 where its tile fits
-    (ferrum/ops/gemv_gluon.py), else the Triton GEMV for T <= 8, `torch._scaled_mm` above that
-    on CUDA (bfloat16 x, N and K multiples of 16), else dequantize + F.linear."""
+    (ferrum/ops/gemv_gluon.py), for 5-8 rows in launches of 4 rows and the rest, else the
+    Triton GEMV for T <= 8, `torch._scaled_mm` above that on CUDA (bfloat16 x, N and K
+    multiples of 16), else dequantize + F.linear. (5-8 rows in two Gluon launches: at 4 rows
+    the Gluon GEMV took 14-86 us per Llama-3-8B matrix on an H200 and the Triton one 100-548
+    us, benchmarks/results/h200-2026-12-02, so two launches beat any Triton launch of more
+    rows.)"""
     T, K = x.shape
     if use_triton(x) and T <= MAX_GEMV_ROWS and x.dtype != torch.float32 and x.stride(1) == 1:
-        cfg = gemv_gluon.config_for("fp8", x, weight.shape[0], K) if weight.stride(1) == 1 else None
-        if cfg is not None:
+        N, rows = weight.shape[0], min(T, gemv_gluon.TUNED_ROWS)
+        cfg = gemv_gluon.config_for("fp8", x[:rows], N, K) if weight.stride(1) == 1 else None
+        rest = gemv_gluon.config_for("fp8", x[rows:], N, K) if cfg is not None and rows < T else None
+        if cfg is not None and rows == T:
             return gemv_gluon.dense_gemv(x, weight, scale, bias, cfg)
+        if rest is not None:
+            return torch.cat([gemv_gluon.dense_gemv(x[:rows], weight, scale, bias, cfg),
+                              gemv_gluon.dense_gemv(x[rows:], weight, scale, bias, rest)])
         return fp8_gemv(x, weight, scale, bias)
     # row-wise scaled _scaled_mm produces bfloat16 only
     if x.is_cuda and x.dtype == torch.bfloat16 and K % 16 == 0 and weight.shape[0] % 16 == 0:

@@ -409,6 +409,7 @@ MAX_ROWS = 8  # rows of x a launch takes (ferrum.ops.fp8.MAX_GEMV_ROWS)
 # without spills at 2 warps (x's registers grow with the rows: 8 rows spill for FP8, 4-bit and
 # Q4_K, which then keep their Triton GEMV); bf16 has no entry (cuBLAS takes 2+ rows)
 ROWS_BLOCK_N = {"fp8": {2: 2, 4: 1}, "w4": {2: 4, 4: 2}, "q4_k": {2: 4, 4: 1}}
+TUNED_ROWS = 4  # most rows `gemv_config` gives a config for (the table's row keys are 1 and 4)
 
 
 def default_config(kind: str, N: int, K: int, M: int = 1) -> tuple[int, int, int] | None:
@@ -437,8 +438,11 @@ def default_config(kind: str, N: int, K: int, M: int = 1) -> tuple[int, int, int
 
 
 def gemv_config(kind: str, N: int, K: int, M: int = 1) -> tuple[int, int, int] | None:
-    """`GLUON_GEMV_CONFIGS[(kind, N, K, 1 or 4)]` if listed, else `default_config` (None for
-    bf16, whose Triton GEMV serves one row and cuBLAS more)."""
+    """`GLUON_GEMV_CONFIGS[(kind, N, K, 1 or 4)]` if listed (2-4 rows: the 4-row entry), else
+    `default_config` (None for bf16, whose Triton GEMV serves one row and cuBLAS more). None
+    for more than `TUNED_ROWS` rows: a 4-row tile at 8 rows spills (see `ROWS_BLOCK_N`)."""
+    if M > TUNED_ROWS:
+        return None
     key = (kind, N, K, 1 if M == 1 else 4)
     if key in GLUON_GEMV_CONFIGS:
         return GLUON_GEMV_CONFIGS[key]
