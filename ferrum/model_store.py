@@ -161,7 +161,9 @@ def pull(name: str, progress: bool = True) -> str:
     """
     m = known_model(name)
     if m is None:
-        raise ModelNotFoundError(f"unknown model name {name!r}; known: {', '.join(known_names())}")
+        raise ModelNotFoundError(f"unknown model name {name!r}; known: {', '.join(known_names())} (pull takes "
+                                 "only these; `ferrum run` / `serve` also take a local folder or GGUF file, or "
+                                 "a Hugging Face hub id)")
     folder = os.path.join(models_dir(), m.name)
     path = os.path.join(folder, m.filename)
     if _verified(path, m.sha256):

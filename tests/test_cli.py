@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import io
 import logging
 import os
 import socket
@@ -486,3 +487,17 @@ def test_prompts_are_tokenized_off_the_event_loop(app_engine, monkeypatch, path)
     health, r = asyncio.run(go())
     assert health.status_code == 200 and r.status_code == 200, r.text
     assert waited and all(waited), waited
+
+
+def test_run_says_when_the_context_length_ended_the_answer(tmp_path, capsys):
+    """`ferrum run --ctx-size 24 --max-tokens 100` on a 16-token prompt stops after 8 tokens;
+    the server answers such a request with a 400, run says on stderr why it stopped."""
+    from ferrum.entrypoints.run import stream
+    from tiny_models import make_tiny_model
+    folder = make_tiny_model(str(tmp_path / "m"), "llama", layers=1, vocab=64, max_pos=128)
+    with LLM(folder, progress=False, device="cpu", dtype="float32", max_model_len=24) as llm:
+        out = io.StringIO()
+        stream(llm.engine, list(range(3, 19)), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), out=out)
+        assert "[stopped at the context length, 24 tokens (--ctx-size)]" in capsys.readouterr().err
+        stream(llm.engine, list(range(3, 19)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), out=out)
+        assert "context length" not in capsys.readouterr().err

@@ -319,6 +319,9 @@ def test_bad_inputs(server):
             "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})]:
         e = _err(_post(server, path, {**body, "temperature": 2.5}), 400)   # OpenAI: [0, 2]
         assert e["param"] == "temperature" and "2" in e["message"]
+        nan = json.dumps({**body, "temperature": float("nan")}).encode()    # NaN: Python's JSON extension
+        e = _err(_post(server, path, content=nan), 400)
+        assert e["param"] == "temperature" and "finite" in e["message"]
         assert _post(server, path, {**body, "temperature": 2}).status_code == 200
     # every bad logit_bias key is named, not only the first (issue 13 item 7)
     e = _err(_post(server, "/v1/completions", {**ok, "logit_bias": {"abc": 1, "5": 1, "-1": 2}}), 400)

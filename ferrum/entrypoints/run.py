@@ -62,7 +62,7 @@ def stream(engine, prompt_ids: list[int], params: SamplingParams, out=None,
     rid = engine.add_request(None, None, params, prompt_token_ids=prompt_ids)
     t0 = time.perf_counter()
     first = None
-    text, n, interrupted, error = "", 0, False, None
+    text, n, interrupted, error, reason = "", 0, False, None, None
     with sigint_flag() as hit:
         try:
             while engine.has_unfinished_requests():
@@ -77,7 +77,7 @@ def stream(engine, prompt_ids: list[int], params: SamplingParams, out=None,
                     out.write(c.delta_text)
                     out.flush()
                     text, n = c.text, len(c.token_ids)
-                    error = o.error or error
+                    error, reason = o.error or error, c.finish_reason or reason
         except BaseException:
             engine.abort_request(rid)
             raise
@@ -87,6 +87,10 @@ def stream(engine, prompt_ids: list[int], params: SamplingParams, out=None,
     if error is not None:
         raise RequestFailedError(f"the request failed in the engine after {n} tokens "
                                  f"(the text above is incomplete): {error}")
+    # a "length" stop before max_tokens is the context's end: say so (the server's 400 cannot here)
+    ctx_end = reason == "length" and (params.max_tokens is None or n < params.max_tokens)
+    if ctx_end:
+        print(f"[stopped at the context length, {engine.max_model_len} tokens (--ctx-size)]", file=sys.stderr)
     if stats and n:
         decode = (n - 1) / (t1 - first) if n > 1 and t1 > first else float("nan")
         print(f"[{n} tokens in {t1 - t0:.2f} s; TTFT {1000 * (first - t0):.0f} ms, "

@@ -57,7 +57,7 @@ class StreamOptions(_Strict):
 
 # OpenAI's temperature range is [0, 2]: the server refuses more (SamplingParams, offline, takes
 # any temperature >= 0; its own check names a negative one).
-Temperature = Annotated[float, Field(le=2.0)]
+Temperature = Annotated[float, Field(le=2.0, allow_inf_nan=False)]  # NaN / inf: "a finite number"
 
 # OpenAI's `service_tier`: ferrum has one tier, which "auto" and "default" name ("flex",
 # "priority", "scale": a 400 naming the field).
