@@ -166,19 +166,22 @@ def test_batch_matches_alone(folder, reference, cfg):
     w.assert_drained()
 
 
-def test_admission_keeps_room_for_running_outputs_instead_of_thrashing(folder):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_admission_keeps_room_for_running_outputs_instead_of_thrashing(folder, async_scheduling):
     """40 prompts of 32 tokens x 32 new tokens (ignore_eos) in a pool of 40 blocks of 8 (320
     slots: 5 full sequences) with max_num_seqs 40: admitting every prompt that fits now (the
     scheduler before the new-token reserve) preempted 20 times and computed 3,265 tokens for
     2,560; keeping room for the running outputs once a preemption has happened: 5 preemptions,
     2,712 tokens (261 steps instead of 221: fewer sequences at once). The outputs are those of
-    an unpressured run."""
+    an unpressured run. With async scheduling, steps overlap while the waiting prompts cannot
+    be admitted (Scheduler.would_admit_next), not only when the queue is empty."""
     rng = random.Random(3)
     prompts = [[rng.randrange(2, VOCAB) for _ in range(32)] for _ in range(40)]
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     with make_llm(folder, enable_prefix_caching=False) as llm:
         want = tokens(llm.generate(prompts, sp, use_tqdm=False))
-    llm = make_llm(folder, num_kv_blocks=40, block_size=8, max_num_seqs=40, enable_prefix_caching=False)
+    llm = make_llm(folder, num_kv_blocks=40, block_size=8, max_num_seqs=40, enable_prefix_caching=False,
+                   async_scheduling=async_scheduling)
     computed = []
     orig = llm.engine.scheduler.schedule
 
@@ -192,6 +195,9 @@ def test_admission_keeps_room_for_running_outputs_instead_of_thrashing(folder):
     ideal = 40 * 64
     assert sum(computed) <= 1.1 * ideal, (sum(computed), ideal)
     assert llm.engine.status()["num_preemptions"] <= 8
+    stats = llm.engine.stats
+    # 40 prompts in waves of ~5: most decode steps have a waiting queue they cannot admit from
+    assert (stats["overlapped_steps"] > stats["steps"] // 2) == async_scheduling, stats
     w.assert_drained()
 
 

@@ -321,16 +321,17 @@ class LLMEngine:
         host: every running sequence was sampled in it and only decodes (their input ids are
         taken from the device), no penalties / min_tokens / logprobs read output ids, no
         grammar needs the sampled token before it computes the next mask, the
-        scheduler will neither admit (no waiting request, or no free sequence slot) nor
-        preempt (enough free blocks). A sequence that the in-flight token finishes gets one
+        scheduler will neither admit (no waiting request, no free sequence slot, or too few
+        free blocks for the first waiting one: `Scheduler.would_admit_next`) nor preempt
+        (enough free blocks). A sequence that the in-flight token finishes gets one
         wasted row (as in vLLM); its position is still < max_model_len, since a running
         sequence holds at most max_model_len tokens. When the in-flight tokens surely end
         every running sequence (max_tokens or max_model_len reached, known without their
         values), the step would be all waste, which the next request would wait behind (a
         max_tokens=1 request, as a TTFT measurement sends): process them first instead."""
         in_flight, scheduler = self._in_flight, self.scheduler
-        if not in_flight.overlappable or (scheduler.waiting and len(scheduler.running)
-                                          < self.config.scheduler.max_num_seqs):
+        if not in_flight.overlappable or (len(scheduler.running) < self.config.scheduler.max_num_seqs
+                                          and scheduler.would_admit_next()):
             return False
         bs = self.block_size
         new_blocks = 0

@@ -4,9 +4,10 @@ waiting sequences, within a token budget (`max_num_batched_tokens`) and a cap on
 sequences (`max_num_seqs`). When blocks run out it preempts by recompute: the
 latest-arrived running sequence gives up its blocks and goes back to the front of the queue.
 
-Once a preemption has happened, admission keeps room for the running sequences to grow (after
-SGLang's "new token ratio"): a waiting sequence is admitted only if the blocks left after it
-hold `new_token_ratio` x the output tokens every running sequence (and it) may still generate.
+Admission keeps room for what is admitted to finish: a waiting sequence is admitted beside
+running ones only if the blocks left after its first chunk hold the rest of its prompt and
+`new_token_ratio` x the output tokens every running sequence (and it) may still generate (after
+SGLang's "new token ratio").
 The ratio is 0 until a step preempts, then 1, decaying back to 0 over 600 steps: a pool that
 has filled up stops admitting instead of preempting and recomputing again and again, and a
 pool that never fills admits as before. (1000 x (1000 in, 1000 out) on an H200, whose bf16 KV
@@ -194,12 +195,8 @@ class Scheduler:
             reuse = not seq.needs_prompt_logprobs
             cached = self.bm.lookup_prefix(seq.token_ids, reuse)
             n = self._chunk(seq.num_tokens - cached, budget, first=not out.prefills)
-            if n == 0:
-                break
-            # room for its whole prompt and its share of outputs, beside the running ones'
-            own = seq.num_tokens - cached - n + self.new_token_ratio * self._output_left(seq)
-            keep = int(growth + own) if self.running else 0
-            if not self.bm.can_allocate(seq.token_ids, n + keep, reuse):
+            own = self._room_for(seq, cached, n, growth) if n else None
+            if own is None:
                 break
             growth += own
             self.waiting.popleft()
@@ -216,6 +213,27 @@ class Scheduler:
             budget -= n
         self.new_token_ratio = 1.0 if out.preempted else max(0.0, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return out
+
+    def _room_for(self, seq: Sequence, cached: int, n: int, growth: float) -> float | None:
+        """Admission of waiting `seq` with `n` tokens computed now after a `cached`-token
+        prefix hit: the tokens it keeps free beyond its chunk (the rest of its prompt and its
+        share of outputs), or None when the pool cannot also keep `growth` free for the running
+        sequences (nothing is kept when none runs)."""
+        own = seq.num_tokens - cached - n + self.new_token_ratio * self._output_left(seq)
+        keep = int(growth + own) if self.running else 0
+        return own if self.bm.can_allocate(seq.token_ids, n + keep, not seq.needs_prompt_logprobs) else None
+
+    def would_admit_next(self) -> bool:
+        """Whether the next `schedule` could admit the first waiting sequence with the blocks
+        free now (its first chunk and the admission reserve; the sequence cap is the caller's
+        check). The async engine overlaps a step only when it could not."""
+        if not self.waiting:
+            return False
+        seq = self.waiting[0]
+        cached = self.bm.lookup_prefix(seq.token_ids, not seq.needs_prompt_logprobs)
+        n = self._chunk(seq.num_tokens - cached, self.config.max_num_batched_tokens, first=True)
+        growth = self.new_token_ratio * sum(self._output_left(s) for s in self.running)
+        return self._room_for(seq, cached, n, growth) is not None
 
     def _chunk(self, remaining: int, budget: int, first: bool) -> int:
         """Tokens to compute now. Without chunked prefill a prompt goes whole, and may exceed
