@@ -7,13 +7,10 @@ latest-arrived running sequence gives up its blocks and goes back to the front o
 Admission keeps room for what is admitted to finish: a waiting sequence is admitted beside
 running ones only if the blocks left after its first chunk hold the rest of its prompt and
 `new_token_ratio` x the output tokens every running sequence (and it) may still generate (after
-SGLang's "new token ratio").
-The ratio is 0 until a step preempts, then 1, decaying back to 0 over 600 steps: a pool that
-has filled up stops admitting instead of preempting and recomputing again and again, and a
-pool that never fills admits as before. (1000 x (1000 in, 1000 out) on an H200, whose bf16 KV
-pool holds ~374 such sequences: 8,310 tok/s at max_num_seqs 512 before this, 9,545 at 256. On
-CPU, 200 x (64 in, 64 out) in a pool of 40 such sequences at max_num_seqs 64: 75 preemptions
-and 21% more tokens computed before, 24 and 7% after.)
+SGLang's "new token ratio"). The ratio is 0 until a step preempts, then 1, decaying back to 0
+over 600 steps: a pool that has filled up stops admitting instead of preempting and
+recomputing again and again, and a pool that never fills admits as before (figures:
+benchmarks/results/README.md).
 """
 from __future__ import annotations
 
@@ -185,7 +182,7 @@ class Scheduler:
         if self.waiting:
             reserved = sum(s.request.params.n - 1 for s in self.running
                            if s.index == 0 and not s.request.forked)
-            growth = self.new_token_ratio * sum(self._output_left(s) for s in self.running)
+            growth = self._running_growth()
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             slots = seq.request.params.n if seq.index == 0 and not seq.request.forked else 1
@@ -214,6 +211,12 @@ class Scheduler:
         self.new_token_ratio = 1.0 if out.preempted else max(0.0, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return out
 
+    def _running_growth(self) -> float:
+        """Output tokens kept free for the running sequences: new_token_ratio x what each may
+        still generate (0 without a loop over them while no preemption happened lately)."""
+        ratio = self.new_token_ratio
+        return ratio * sum(self._output_left(s) for s in self.running) if ratio else 0.0
+
     def _room_for(self, seq: Sequence, cached: int, n: int, growth: float) -> float | None:
         """Admission of waiting `seq` with `n` tokens computed now after a `cached`-token
         prefix hit: the tokens it keeps free beyond its chunk (the rest of its prompt and its
@@ -232,8 +235,7 @@ class Scheduler:
         seq = self.waiting[0]
         cached = self.bm.lookup_prefix(seq.token_ids, not seq.needs_prompt_logprobs)
         n = self._chunk(seq.num_tokens - cached, self.config.max_num_batched_tokens, first=True)
-        growth = self.new_token_ratio * sum(self._output_left(s) for s in self.running)
-        return self._room_for(seq, cached, n, growth) is not None
+        return self._room_for(seq, cached, n, self._running_growth()) is not None
 
     def _chunk(self, remaining: int, budget: int, first: bool) -> int:
         """Tokens to compute now. Without chunked prefill a prompt goes whole, and may exceed

@@ -217,10 +217,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
     the checkpoint) or None. Dispatch: the Gluon GEMV for T <= 4 where its tile fits
     (ferrum/ops/gemv_gluon.py), for 5-8 rows in launches of 4 rows and the rest, else the
     Triton GEMV for T <= 8, `torch._scaled_mm` above that on CUDA (bfloat16 x, N and K
-    multiples of 16), else dequantize + F.linear. (5-8 rows in two Gluon launches: at 4 rows
-    the Gluon GEMV took 14-86 us per Llama-3-8B matrix on an H200 and the Triton one 100-548
-    us, benchmarks/results/h200-2026-12-02, so two launches beat any Triton launch of more
-    rows.)"""
+    multiples of 16), else dequantize + F.linear. (Two Gluon launches for 5-8 rows beat one
+    Triton launch: figures in benchmarks/results/README.md.)"""
     T, K = x.shape
     if use_triton(x) and T <= MAX_GEMV_ROWS and x.dtype != torch.float32 and x.stride(1) == 1:
         N, rows = weight.shape[0], min(T, gemv_gluon.TUNED_ROWS)
