@@ -191,12 +191,9 @@ for sec in "${sections[@]}"; do
             extra+=(--deselect "tests/test_quant_kernels.py::test_kernel_on_gpu[check_gguf_gemv]")
             echo "tests: check_gguf_gemv deselected (no gguf package here; carry its wheel in $WHEELS)" | tee -a "$summary"
         fi
-        if ! "$PY" -c "import jsonschema" 2>/dev/null; then
-            # imported at the module's top: without it pytest stops the whole run at collection
-            extra+=(--ignore tests/test_structured_output.py)
-            echo "tests: tests/test_structured_output.py left out (no jsonschema here; carry its wheels in $WHEELS)" | tee -a "$summary"
-        fi
-        run_section tests "$PY" -m pytest -m gpu -rA -v --durations=25 -p no:cacheprovider \
+        # a module that cannot be imported (a missing wheel: jsonschema on 2026-12-02) is one
+        # error in the report, and the other modules still run
+        run_section tests "$PY" -m pytest -m gpu -rA -v --durations=25 -p no:cacheprovider --continue-on-collection-errors \
             --junitxml="$OUT/tests.xml" "${extra[@]}" "${tests[@]}"
         ;;
     latency)

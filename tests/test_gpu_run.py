@@ -103,3 +103,15 @@ def test_large_throughput_sections_skip_the_one_at_a_time_phase():
     for sec in ("tput", "fp8"):
         body = script.split(f"    {sec})\n", 1)[1].split(";;", 1)[0]
         assert "bench throughput" in body and "--no-sequential" in body, sec
+
+
+def test_gpu_run_tests_section_survives_a_module_that_cannot_be_imported(tmp_path):
+    """A test module whose import fails (the GPU machine lacked jsonschema on 2026-12-02, and
+    pytest then ran nothing at all) is one collection error; the other modules still run."""
+    broken = tmp_path / "test_needs_missing.py"
+    broken.write_text("import a_module_that_is_not_installed\n")
+    proc, out = _run(tmp_path, ["tests"], GPU_TESTS=f"{broken} tests/test_sampler.py")
+    log = open(os.path.join(out, "tests.log")).read()
+    assert "ModuleNotFoundError" in log and "a_module_that_is_not_installed" in log, log[-3000:]
+    assert "Interrupted: 1 error during collection" not in log, log[-3000:]
+    assert "test_sampler.py" in log and "1 error" in log, log[-3000:]
