@@ -163,8 +163,9 @@ def _gemv_configs(N: int, K: int) -> list[tuple[int, int, int, int]]:
 def test_gemv_at_llama3_8b_shapes(name):
     """The batch-1 GEMV on every Llama-3-8B matrix at every block configuration it runs with:
     error against float64 at most 2x cuBLAS's own bf16 error on the same inputs, through the
-    production dispatch (`ops.linear` picks the GEMV) too."""
-    from ferrum.ops import gemv
+    production dispatch (`ops.linear` picks the Triton GEMV, or the Gluon one where
+    GLUON_GEMV_CONFIGS lists the shape) too."""
+    from ferrum.ops import gemv, gemv_gluon
     from ferrum.ops.linear import linear
     N, K = LLAMA3_8B_MATRICES[name]
     g = torch.Generator(device="cuda").manual_seed(N + K)
@@ -177,7 +178,14 @@ def test_gemv_at_llama3_8b_shapes(name):
         err = (gemv.gemv(x, w, config=cfg).double() - ref).abs().max().item()
         print(f"[gpu] gemv {name} {N}x{K} cfg={cfg}: max|err| {err:.3e} (cuBLAS {cublas_err:.3e})")
         assert err <= 2 * cublas_err, f"{name} cfg={cfg}: {err:.3e} vs cuBLAS {cublas_err:.3e}"
-    assert torch.equal(linear(x, w), gemv.gemv(x, w))
+    gluon_cfg = gemv_gluon.config_for("bf16", x, N, K)
+    if gluon_cfg is None:
+        assert torch.equal(linear(x, w), gemv.gemv(x, w))
+    else:
+        err = (gemv_gluon.dense_gemv(x, w, config=gluon_cfg).double() - ref).abs().max().item()
+        print(f"[gpu] Gluon gemv {name} {N}x{K} cfg={gluon_cfg}: max|err| {err:.3e} (cuBLAS {cublas_err:.3e})")
+        assert err <= 2 * cublas_err, f"{name} Gluon cfg={gluon_cfg}: {err:.3e} vs cuBLAS {cublas_err:.3e}"
+        assert torch.equal(linear(x, w), gemv_gluon.dense_gemv(x, w, config=gluon_cfg))
 
 
 def test_gemv_chain_in_cuda_graph_waits_for_its_input():

