@@ -9,7 +9,8 @@ events (median of 20 after warm-up) and reported as us per call and the KV bytes
 second (the kernel's useful traffic: B x context x 8 heads x 128 x 2 (K, V) x 2 bytes, over
 the 4.35 TB/s roofline; 1 byte with --kv-dtype fp8). The current defaults (`_decode_config`,
 `num_decode_splits`) are the baseline row. --prefill-cases also times the prefill kernel
-(`tune_prefill`). Writes tune_attention.json (tune_attention_fp8.json).
+(`tune_prefill`). `--default-only` times just the baseline row (an A/B of two kernel versions run
+one after the other). Writes tune_attention.json (tune_attention_fp8.json; `--tag T` appends _T).
 """
 from __future__ import annotations
 
@@ -116,6 +117,9 @@ def main():
     p.add_argument("--small-grid", action="store_true",
                    help="decode: BLOCK_N 32/64/128 x warps 4/8 x stages 2/3 x the two smallest split counts "
                    "(24 configs); prefill: 3 tile shapes (24 configs with the launch orders)")
+    p.add_argument("--default-only", action="store_true",
+                   help="decode: time only the default config (an A/B of two kernel versions, run one after the other)")
+    p.add_argument("--tag", default="", help="suffix of the JSON's name (tune_attention[_fp8][_TAG].json)")
     p.add_argument("--prefill-cases", default="",
                    help="also time prefill_attention for these BxL cases (e.g. 1x7500,16x1024)")
     args = p.parse_args()
@@ -135,7 +139,7 @@ def main():
         rows = []
         splits = sorted({1, 2, 4, base_s}) if B >= 64 else sorted({base_s, max(1, base_s // 2), base_s * 2})
         grid = ((32, 64, 128), (4, 8), (2, 3), splits[:2]) if args.small_grid else ((32, 64, 128), (4, 8), (2, 3, 4), splits)
-        configs = [(None, None, None, base_s)] + list(itertools.product(*grid))
+        configs = [(None, None, None, base_s)] + ([] if args.default_only else list(itertools.product(*grid)))
         for bn, warps, stages, s in configs:
             tb.DECODE_BLOCK_N, tb.DECODE_NUM_WARPS, tb.DECODE_NUM_STAGES = bn, warps, stages
             try:
@@ -159,7 +163,8 @@ def main():
         res["prefill"] = tune_prefill(args.prefill_cases, gen, args.small_grid)
     os.makedirs(args.out, exist_ok=True)
     import json
-    with open(os.path.join(args.out, f"tune_attention{'_fp8' if fp8 else ''}.json"), "w") as f:
+    name = "tune_attention" + ("_fp8" if fp8 else "") + (f"_{args.tag}" if args.tag else "")
+    with open(os.path.join(args.out, name + ".json"), "w") as f:
         json.dump({"command": " ".join([sys.executable] + sys.argv), "gpu": torch.cuda.get_device_name(0),
                    "torch": torch.__version__, **res}, f, indent=1)
 
