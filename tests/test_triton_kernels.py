@@ -586,6 +586,21 @@ def sm90_compile(fn, consts: dict, ptrs: dict, warps: int, stages: int, what: st
     divisible-by-16 hint the JIT adds at run time for such values, except those named in
     `no_hint` (e.g. a row count). `loop_without_barrier`: also assert that no loop of the SASS
     (a backward branch's range) holds a BAR or a shared-memory access."""
+    k, usage, sass = sm90_sass(fn, consts, ptrs, warps, stages, no_hint)
+    if loop_without_barrier:
+        for body in _sass_loops(sass):
+            bad = [i for i in body if i.split()[0].split(".")[0] in ("BAR", "LDS", "STS", "STSM", "LDSM")]
+            assert not bad, f"{what}: the loop moves data through shared memory: {bad[:4]}"
+    line = next(ln for ln in usage.splitlines() if "REG:" in ln)
+    print(f"sm_90 {what}: shared {k.metadata.shared} B, {line.split()[0]}, {line.split()[1]}")
+    assert "STACK:0 " in line + " ", f"{what}: register spills: {line}"
+    assert k.metadata.shared <= 227 * 1024, f"{what}: shared memory {k.metadata.shared}"
+
+
+def sm90_sass(fn, consts: dict, ptrs: dict, warps: int, stages: int, no_hint: tuple[str, ...] = ()):
+    """(compiled kernel, cuobjdump -res-usage text, SASS text) of `fn` compiled for sm_90 with
+    Triton's bundled ptxas, no GPU needed; arguments as `sm90_compile`'s (which checks the
+    result; benchmarks/sass_loop.py counts its loops' instructions)."""
     import subprocess as sp
     import tempfile
     import triton
@@ -606,15 +621,8 @@ def sm90_compile(fn, consts: dict, ptrs: dict, warps: int, stages: int, what: st
         f.write(k.asm["cubin"])
         f.flush()
         usage = sp.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-        if loop_without_barrier:
-            sass = sp.run([cuobjdump, "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
-            for body in _sass_loops(sass):
-                bad = [i for i in body if i.split()[0].split(".")[0] in ("BAR", "LDS", "STS", "STSM", "LDSM")]
-                assert not bad, f"{what}: the loop moves data through shared memory: {bad[:4]}"
-    line = next(ln for ln in usage.splitlines() if "REG:" in ln)
-    print(f"sm_90 {what}: shared {k.metadata.shared} B, {line.split()[0]}, {line.split()[1]}")
-    assert "STACK:0 " in line + " ", f"{what}: register spills: {line}"
-    assert k.metadata.shared <= 227 * 1024, f"{what}: shared memory {k.metadata.shared}"
+        sass = sp.run([cuobjdump, "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
+    return k, usage, sass
 
 
 def _sass_loops(sass: str) -> list[list[str]]:

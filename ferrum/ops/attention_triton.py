@@ -144,29 +144,34 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 
 if HAS_TRITON:
     @triton.jit
-    def _fp8_query(q, qk_scale, FP8: tl.constexpr):
-        """(q for `_attend_tile`, SCALED): over an FP8 cache a 16-bit q becomes float16 with the
-        logits' scale folded in (clamped to fp16's +-65504, a logit no softmax could resolve
-        anyway), so K / V convert to fp16 (exact) and the logits need no multiply; else q as
-        it is."""
-        if FP8 and q.dtype != tl.float32:
+    def _fp8_query(q, qk_scale, vs_ptr, SCALED: tl.constexpr):
+        """(q, v_scale) for `_attend_tile`. SCALED (an FP8 cache and a 16-bit q): q becomes
+        float16 with the logits' scale folded in (clamped to fp16's +-65504, a logit no softmax
+        could resolve anyway), so K / V convert to fp16 (exact) and the logits need no
+        multiply, and V's tiles are multiplied by v_scale (fp16) in the tile (the output is
+        then not); else q as it is (and the caller scales the output). The multiply on V also
+        changes how Triton 3.6 feeds V to the P x V dot: without it V's e4m3 bytes were read
+        from shared memory one at a time (LDS.U8 + IMAD per value); with it the 128-token
+        decode loop takes 971 sm_90 instructions instead of 1,278 (benchmarks/sass_loop.py)."""
+        if SCALED:
             q16 = tl.clamp(q.to(tl.float32) * qk_scale, -65504.0, 65504.0).to(tl.float16)
-            scaled = True
+            v_scale = tl.load(vs_ptr).to(tl.float16)
         else:
             q16 = q
-            scaled = False
-        return q16, scaled
+            v_scale = qk_scale  # unused
+        return q16, v_scale
 
     @triton.jit
     def _attend_tile(q, kc_ptr, vc_ptr, off, offs_d, n, n_mask, last_pos, m_i, l_i, acc, qk_scale,
                      window, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, WINDOWED: tl.constexpr = False,
-                     SCALED: tl.constexpr = False):
+                     SCALED: tl.constexpr = False, v_scale=1.0):
         """Fold one tile of BLOCK_N cached tokens (positions n, cache offsets `off`, present
         where n_mask) into the online-softmax state (m_i running max, l_i running sum, acc
         unnormalised output; base 2) of the query rows q. CAUSAL: row r sees positions <=
         last_pos[r]; WINDOWED as well only positions > last_pos[r] - window, so a row may see
         nothing in a tile (its running max stays -inf and the tile adds 0). SCALED: q already
-        carries qk_scale (`_fp8_query`). K / V convert to q's dtype. Shared by the decode and
+        carries qk_scale and V is multiplied by v_scale (`_fp8_query`). K / V convert to q's
+        dtype. Shared by the decode and
         prefill kernels (FlashAttention-2's inner loop)."""
         kt = tl.load(kc_ptr + off[None, :] + offs_d[:, None], mask=n_mask[None, :], other=0.0)
         s = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PREC)
@@ -187,6 +192,8 @@ if HAS_TRITON:
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(vc_ptr + off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
         v = v.to(q.dtype)
+        if SCALED:
+            v = v * v_scale
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         return m_new, l_i, acc
 
@@ -238,7 +245,8 @@ if HAS_TRITON:
         q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=g_mask[:, None], other=0.0)
 
-        q, scaled = _fp8_query(q, qk_scale, FP8)
+        SCALED: tl.constexpr = FP8 and q_ptr.dtype.element_ty != tl.float32
+        q, v_scale = _fp8_query(q, qk_scale, vs_ptr, SCALED)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -251,11 +259,12 @@ if HAS_TRITON:
             off = blk * stride_cblk + (n % PAGE) * stride_cslot + kvh * stride_ch
             # Every tile has >= 1 valid column, so the running max stays finite.
             m_i, l_i, acc = _attend_tile(q, kc_ptr, vc_ptr, off, offs_d, n, n_mask, n, m_i, l_i, acc,
-                                         qk_scale, window, CAUSAL=False, DOT_PREC=DOT_PREC, SCALED=scaled)
+                                         qk_scale, window, CAUSAL=False, DOT_PREC=DOT_PREC, SCALED=SCALED,
+                                         v_scale=v_scale)
 
         has = l_i > 0
         o = acc / tl.where(has, l_i, 1.0)[:, None]  # zero rows where nothing was seen
-        if FP8:
+        if FP8 and not SCALED:
             o = o * tl.load(vs_ptr)
         o_ptrs = o_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
         if DIRECT_OUT:
@@ -430,7 +439,8 @@ if HAS_TRITON:
             hi = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
             if FP8:  # FP8 cache: K's scale folds into the logits' scale, V's into the output
                 qk_scale = qk_scale * tl.load(ks_ptr)
-            q, scaled = _fp8_query(q, qk_scale, FP8)
+            SCALED: tl.constexpr = FP8 and q_ptr.dtype.element_ty != tl.float32
+            q, v_scale = _fp8_query(q, qk_scale, vs_ptr, SCALED)
             lo = 0
             if WINDOWED:
                 lo = tl.maximum(ctx + m0 - window + 1, 0)
@@ -447,7 +457,7 @@ if HAS_TRITON:
                 off = blk * stride_cblk + (n % PAGE) * stride_cslot + kvh * stride_ch
                 m_i, l_i, acc = _attend_tile(q, kc_ptr, vc_ptr, off, offs_d, n, n < hi, ctx + offs_m,
                                              m_i, l_i, acc, qk_scale, window, CAUSAL=False,
-                                             DOT_PREC=DOT_PREC, SCALED=scaled)
+                                             DOT_PREC=DOT_PREC, SCALED=SCALED, v_scale=v_scale)
             for n0 in range(full_end, hi, BLOCK_N):
                 n = n0 + offs_n
                 n_mask = n < hi
@@ -455,9 +465,10 @@ if HAS_TRITON:
                 off = blk * stride_cblk + (n % PAGE) * stride_cslot + kvh * stride_ch
                 m_i, l_i, acc = _attend_tile(q, kc_ptr, vc_ptr, off, offs_d, n, n_mask, ctx + offs_m,
                                              m_i, l_i, acc, qk_scale, window, CAUSAL=True,
-                                             DOT_PREC=DOT_PREC, WINDOWED=WINDOWED, SCALED=scaled)
+                                             DOT_PREC=DOT_PREC, WINDOWED=WINDOWED, SCALED=SCALED,
+                                             v_scale=v_scale)
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            if FP8:
+            if FP8 and not SCALED:
                 o = o * tl.load(vs_ptr)
             tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                      o.to(o_ptr.dtype.element_ty), mask=m_mask[:, None])
