@@ -69,7 +69,7 @@ def _run_interpreted(name: str) -> str:
 
 
 def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    got = got.double().cpu()
+    got = got.double().to(ref.device)
     assert not torch.isnan(got).any(), "NaN in output"
     return ((got - ref).abs().max() / ref.abs().max()).item()
 
@@ -163,11 +163,13 @@ def check_int4_gemm(device: str, shapes=((64, 256),), rows=(9, 40)) -> None:
     for N, K in shapes:
         for group, act_order in ((32, False), (128, True)):
             qw, s, z, g = _int4_case(N, K, group, act_order, gen, device)
+            # the float64 reference on the device: 512 rows of a Llama-3-8B matrix take ~10 s each on the CPU
             ref_w = int4.dequantize_int4(qw.cpu(), s.cpu(), z.cpu(), group, None if g is None else g.cpu()).double()
+            ref_w = ref_w.to(device)
             b = torch.randn(N, generator=gen).to(torch.bfloat16)
             for M in rows:
                 x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
-                ref = torch.nn.functional.linear(x.double(), ref_w, b.double())
+                ref = torch.nn.functional.linear(x.to(device).double(), ref_w, b.to(device).double())
                 cfg = (16, 32, 32, 4, 1) if device == "cpu" else None  # small tiles: the interpreter is slow
                 got = int4.int4_gemm(x.to(device), qw, s, z, group, g, b.to(device), config=cfg)
                 _check(got, ref, torch.bfloat16, f"int4 gemm M={M} N={N} K={K} g={group} act_order={act_order}")
@@ -357,7 +359,7 @@ def test_fp8_scaled_mm_llama3_8b_shapes_on_gpu():
         w, s = fp8.quantize_fp8_per_channel(torch.randn(N, K, generator=gen) * 0.05)
         for M in (64, 512):
             x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
-            ref = torch.nn.functional.linear(x.double(), fp8.dequantize_fp8(w, s).double())
+            ref = torch.nn.functional.linear(x.cuda().double(), fp8.dequantize_fp8(w, s).cuda().double())
             got = fp8.fp8_linear(x.cuda(), w.cuda(), s.cuda())
             # activations are quantized to FP8 too (per token): 2^-4 relative per element
             err = _rel_err(got, ref)
@@ -420,11 +422,11 @@ def check_gguf_gemm(device: str, qtype: int, shape, rows, gen) -> None:
     from ferrum.ops import gguf
     N, K = shape
     raw = _gguf_raw(qtype, N, K, gen)
-    ref_w = gguf.gguf_dequantize(raw, qtype, K).double()
+    ref_w = gguf.gguf_dequantize(raw, qtype, K).double().to(device)  # float64 reference on the device
     b = torch.randn(N, generator=gen).to(torch.bfloat16)
     for M in rows:
         x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
-        ref = torch.nn.functional.linear(x.double(), ref_w, b.double())
+        ref = torch.nn.functional.linear(x.to(device).double(), ref_w, b.to(device).double())
         cfg = (16, 16, 4, 1) if device == "cpu" else None  # small tiles: the interpreter is slow
         got = gguf.gguf_gemm(x.to(device), raw.to(device), qtype, b.to(device), config=cfg)
         _check(got, ref, torch.bfloat16, f"gguf gemm qtype {qtype} M={M} N={N} K={K}")
@@ -432,7 +434,7 @@ def check_gguf_gemm(device: str, qtype: int, shape, rows, gen) -> None:
     M = gguf.GGUF_GEMM_MAX_ROWS + 3
     x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
     got = gguf.gguf_linear(x.to(device), raw.to(device), qtype, b.to(device))
-    _check(got, torch.nn.functional.linear(x.double(), ref_w, b.double()), torch.bfloat16,
+    _check(got, torch.nn.functional.linear(x.to(device).double(), ref_w, b.to(device).double()), torch.bfloat16,
            f"gguf_linear qtype {qtype} M={M} N={N} K={K}")
 
 
