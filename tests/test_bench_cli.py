@@ -16,6 +16,7 @@ def test_bench_latency_and_throughput_cli(tmp_path, capsys):
                  "--no-hf", "--threads", "1", "--out", str(out)]) == 0
     lat = json.loads(out.read_text())
     assert lat["ferrum"]["decode_tok_s"] > 0 and lat["ferrum"]["ttft_s"] > 0
+    assert lat["ratios"] == {}   # no peer, no HF: no ratio row (it held an empty "tp1": {})
     # stdout: each figure once: the bandwidths on one line, with the final measured value the
     # JSON holds (it was printed twice, at two values), no empty ratio row ("tp1: {}"), no None
     lines = capsys.readouterr().out.splitlines()

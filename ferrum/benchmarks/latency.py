@@ -231,7 +231,7 @@ def main(args) -> int:
             save_partial()
             peer = res["peers"][f"gpt_fast_tp{tp}"] = run_gpt_fast(args, tp, args.input_len, args.output_len)
             row["decode_tok_s_vs_gpt_fast"] = ratio(ours, peer.get("best_decode_tok_s"))
-    res["ratios"] = ratios
+    res["ratios"] = {k: v for k, v in ratios.items() if v != {}}   # a TP size with no peer: no row
     res["load_note"] = load_note(device, busy_processes())
     _print_table(runs, hf_summary, hf_times, res)
     write_json(args.out, record("latency", args, device, res))
@@ -265,7 +265,7 @@ def _print_table(runs: dict, hf_summary: dict | None, hf_times, res: dict) -> No
     if hf_summary:
         print(f"HF mode: {hf_summary['mode']}")
     # ratios: {"tp1": {"decode_tok_s_vs_hf": 1.2, ...}, "tp2_speedup": 1.4}; a TP size with
-    # nothing to compare against has an empty row, which prints nothing
+    # nothing to compare against has no row
     for key, value in res["ratios"].items():
         for name, x in (value.items() if isinstance(value, dict) else [(None, value)]):
             label = f"{key} {name}" if name else key
