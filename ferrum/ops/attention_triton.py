@@ -4,11 +4,10 @@ per layer `kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]` (K the
 through the block table. Under `TRITON_INTERPRET=1` the kernels also run on CPU tensors (tests).
 An FP8 (e4m3) cache holds K / V divided by the layer's k_scale / v_scale ([1] float32 device
 tensors, so CUDA graphs stay valid): the store divides and saturates at +-448, the attention
-kernels fold k_scale into the logits' scale and v_scale into the output. With a 16-bit query
-the FP8 tiles' dots run in float16 (`_fp8_query`): e4m3 -> fp16 is one conversion per two
-values and exact, where e4m3 -> bf16 goes through float32 (~3.5 instructions per value in the
-sm_90 SASS, which made the FP8 decode loop issue-bound at 2.7x the bf16 loop's instructions
-per byte).
+kernels fold k_scale into the logits' scale and v_scale into V's tiles (or the output). With
+a 16-bit query the FP8 tiles' dots run in float16 (`_fp8_query`): e4m3 -> fp16 is one
+conversion per two values and exact, where e4m3 -> bf16 goes through float32, which made the
+FP8 decode loop issue-bound (benchmarks/sass_loop.py counts its sm_90 instructions).
 
 - `write_kv`: one kernel for K and V of all tokens; slot < 0 is skipped (padded CUDA-graph rows).
 - `decode_attention`: split-K "flash-decoding" (Dao, Haziza, Massa, Sizov 2023): grid
@@ -146,13 +145,14 @@ if HAS_TRITON:
     @triton.jit
     def _fp8_query(q, qk_scale, vs_ptr, SCALED: tl.constexpr):
         """(q, v_scale) for `_attend_tile`. SCALED (an FP8 cache and a 16-bit q): q becomes
-        float16 with the logits' scale folded in (clamped to fp16's +-65504, a logit no softmax
-        could resolve anyway), so K / V convert to fp16 (exact) and the logits need no
-        multiply, and V's tiles are multiplied by v_scale (fp16) in the tile (the output is
-        then not); else q as it is (and the caller scales the output). The multiply on V also
-        changes how Triton 3.6 feeds V to the P x V dot: without it V's e4m3 bytes were read
-        from shared memory one at a time (LDS.U8 + IMAD per value); with it the 128-token
-        decode loop takes 971 sm_90 instructions instead of 1,278 (benchmarks/sass_loop.py)."""
+        float16 with the logits' scale folded in, so K / V convert to fp16 (exact) and the
+        logits need no multiply, and V's tiles are multiplied by v_scale (fp16) in the tile
+        (the output then is not); else q as it is (and the caller scales the output). The
+        clamp to fp16's +-65504 only touches a logit no softmax could resolve; with a tiny
+        k_scale q's smallest components become fp16 subnormals, off by at most 2^-25 each, far
+        below e4m3's own rounding of K. The multiply on V also changes how Triton 3.6 feeds V
+        to the P x V dot: without it V's e4m3 bytes were read from shared memory one at a time
+        (LDS.U8 + IMAD per value; counts: benchmarks/sass_loop.py, benchmarks/results/README.md)."""
         if SCALED:
             q16 = tl.clamp(q.to(tl.float32) * qk_scale, -65504.0, 65504.0).to(tl.float16)
             v_scale = tl.load(vs_ptr).to(tl.float16)
