@@ -14,12 +14,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from ferrum.errors import InvalidRequestError, UnsupportedModelError
+from ferrum.errors import ConfigError, InvalidRequestError, UnsupportedModelError
 from ferrum.tool_parsers import TOOL_PARSERS
 
 # `--quantization` values: fp8 quantizes an unquantized checkpoint while loading; the 4-bit
@@ -362,7 +363,6 @@ def resolve_max_model_len(model: ModelConfig, requested: int | None) -> int:
     context-extending rope scaling (llama3) already states the extended length in
     max_position_embeddings (the HF convention), so that limit holds for it too.
     Raises ConfigError (param "max_model_len") for requested < 1 or above the limit."""
-    from ferrum.errors import ConfigError
     limit = model.max_position_embeddings
     if requested is None:
         return limit
@@ -468,6 +468,21 @@ def option_default(f: dataclasses.Field):
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
+def check_positive(cfg, ints: tuple[str, ...] = (), floats: tuple[str, ...] = ()) -> None:
+    """Raise ConfigError (param = the field) unless each field named in `ints` is a whole
+    number >= 1 (None allowed: "not set") and each in `floats` a finite number > 0: a zero
+    token budget or block size would make the scheduler spin or divide by zero later, far
+    from the flag that caused it."""
+    for name in ints:
+        v = getattr(cfg, name)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ConfigError(f"{name} must be a whole number >= 1, got {v!r}", param=name)
+    for name in floats:
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ConfigError(f"{name} must be a finite number > 0, got {v!r}", param=name)
+
+
 @dataclass
 class CacheConfig:
     """Paged KV cache: block size and how many blocks the pool gets."""
@@ -484,6 +499,12 @@ class CacheConfig:
     kv_cache_dtype: str = option(
         "auto", "KV cache element type: auto (the model dtype) | fp8 (e4m3 with one scale per "
         "layer: half the bytes of bf16, twice the blocks)", choices=("auto", "fp8"))
+
+    def __post_init__(self):
+        check_positive(self, ("block_size", "num_kv_blocks"), ("gpu_memory_utilization",))
+        if self.gpu_memory_utilization > 1:
+            raise ConfigError(f"gpu_memory_utilization is a fraction of the GPU's memory, at most 1, got "
+                              f"{self.gpu_memory_utilization!r}", param="gpu_memory_utilization")
 
 
 @dataclass
@@ -502,6 +523,9 @@ class SchedulerConfig:
         None, "prepare and launch decode step n+1 while the device runs step n (default: on "
         "for CUDA, off for CPU, where it only delays each token by one step)")
 
+    def __post_init__(self):
+        check_positive(self, ("max_num_seqs", "max_num_batched_tokens", "max_waiting"))
+
 
 @dataclass
 class ParallelConfig:
@@ -518,12 +542,18 @@ class ParallelConfig:
         False, "MoE layers: whole experts per TP rank (num_experts / tp each, tokens gathered "
         "and their outputs all-reduced) instead of every expert's FFN split over the ranks")
 
+    def __post_init__(self):
+        check_positive(self, ("tensor_parallel_size",), ("step_timeout_s", "startup_timeout_s"))
+
 
 def parse_gemv_config(text: str) -> tuple[int, int, int, int]:
     """`"BN,BK,warps,stages"` -> four ints (the Triton GEMV's block shape). Raises ValueError."""
-    values = tuple(int(v) for v in text.split(","))
-    if len(values) != 4:
-        raise ValueError(f"expected BN,BK,warps,stages, got {text!r}")
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 4 or min(values) < 1:
+        raise ValueError(f"expected four whole numbers >= 1, BN,BK,warps,stages, got {text!r}")
     return values
 
 

@@ -286,6 +286,54 @@ def test_threads_below_one_are_refused_while_parsing_every_command(capsys, tmp_p
     assert r.returncode == 2 and "argument --threads" in r.stderr and "loading" not in r.stderr
 
 
+def test_zero_and_nan_engine_limits_are_named_config_errors(tmp_path):
+    """From the 12-02 fresh-user run: --max-num-batched-tokens 0 made the scheduler spin at
+    100% CPU forever, --block-size 0 / -16 ended in ZeroDivisionError / a negative tensor
+    size, --max-num-seqs 0 asked for more KV memory, NaN timeouts ran; now each is a
+    ConfigError naming the field when the config is built, before any model loads."""
+    from ferrum.errors import ConfigError, UnsupportedModelError
+    for key, bad in (("max_num_batched_tokens", 0), ("block_size", 0), ("block_size", -16), ("max_num_seqs", 0),
+                     ("max_waiting", -1), ("num_kv_blocks", 0), ("tensor_parallel_size", 0),
+                     ("step_timeout_s", float("nan")), ("startup_timeout_s", 0.0), ("gpu_memory_utilization", 1.5),
+                     ("gpu_memory_utilization", float("inf"))):
+        with pytest.raises(ConfigError, match=key) as info:
+            EngineConfig.from_kwargs(**{key: bad})
+        assert info.value.param == key
+    EngineConfig.from_kwargs(num_kv_blocks=None, max_num_seqs=1, step_timeout_s=0.5)   # the edges pass
+    # a config.json that is not JSON: a named error, not transformers' OSError traceback
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"')
+    from ferrum.loader.safetensors import load_hf_folder
+    with pytest.raises(UnsupportedModelError, match="not a valid JSON"):
+        load_hf_folder(str(tmp_path))
+
+
+def test_bench_counts_and_lengths_below_one_are_parse_errors(capsys):
+    """`ferrum bench latency --num-iters 0` ended in max() of an empty list after the model
+    had loaded; counts, lengths and bandwidths are checked while parsing."""
+    subs = dict(_subparsers(build_parser()))
+    for name, flag, bad in (("bench latency", "--num-iters", "0"), ("bench latency", "--batch-size", "0"),
+                            ("bench latency", "--input-len", "-3"), ("bench latency", "--spec-bandwidth-gbs", "nan"),
+                            ("bench ttft", "--num-iters", "0"), ("bench throughput", "--num-prompts", "0"),
+                            ("bench serve", "--output-len", "0"), ("bench sweep", "--output-len", "0")):
+        with pytest.raises(SystemExit) as info:
+            subs[name].parse_args([flag, bad])
+        assert info.value.code == 2
+        assert f"argument {flag}: expected a" in capsys.readouterr().err, (name, flag)
+    with pytest.raises(SystemExit):
+        subs["bench throughput"].parse_args(["--input-len", "0", "5"])
+
+
+def test_run_without_seed_is_not_the_same_every_process():
+    """`ferrum run` without --seed draws its sampling seed from the OS (the engine's RNG starts
+    from --engine-seed 0 in every process, so unseeded replies repeated run after run); with
+    --seed the seed is the one given."""
+    from ferrum.entrypoints.run import sampling_params
+    parser = dict(_subparsers(build_parser()))["run"]
+    seeds = {sampling_params(parser.parse_args([])).seed for _ in range(8)}
+    assert None not in seeds and len(seeds) > 1
+    assert sampling_params(parser.parse_args(["--seed", "4"])).seed == 4
+
+
 # ---- stdout holds only answers ----------------------------------------------------------------
 
 def _wheel(folder, name="tiny_pkg", version="1.0") -> str:

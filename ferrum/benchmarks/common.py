@@ -13,6 +13,32 @@ import time
 from ferrum.benchmarks.run_record import record, write_json
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (a zero count or length fails at parse time, not
+    with a traceback after the model has loaded)."""
+    import argparse
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return n
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    import argparse
+    import math
+    try:
+        x = float(text)
+    except ValueError:
+        x = math.nan
+    if not math.isfinite(x) or x <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return x
+
+
 def add_common_args(p) -> None:
     """Add --out and --seed to the benchmark parser p (--threads is an engine flag)."""
     p.add_argument("--out", default=None, help="write the results as JSON to this file (default: print only)")

@@ -26,9 +26,11 @@ ahead). Reported: median, min and max over --num-iters after one warm-up iterati
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
-from ferrum.benchmarks.common import add_common_args, llm_from_config, random_prompts, sync_device
+from ferrum.benchmarks.common import (add_common_args, llm_from_config, positive_float, positive_int, random_prompts,
+                                      sync_device)
 from ferrum.benchmarks.hf_baseline import load_hf_model
 from ferrum.benchmarks.run_record import busy_processes, load_note, record, setup_threads, write_json
 from ferrum.benchmarks.mbu import decode_bytes_per_step, mbu_columns, measure_roofline_gbs, spec_bandwidth_gbs
@@ -39,15 +41,15 @@ def add_parser(subparsers, add_engine_args) -> None:
     """Add `ferrum bench latency` and its flags."""
     p = subparsers.add_parser("latency", help="batch-1 prefill/decode speed (TTFT, TPOT, MBU) vs HF, vLLM, gpt-fast")
     add_engine_args(p)
-    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per sequence")
-    p.add_argument("--output-len", type=int, default=64, help="generated tokens per sequence")
-    p.add_argument("--batch-size", type=int, default=1, help="sequences per iteration")
-    p.add_argument("--num-iters", type=int, default=3, help="timed iterations (after one warm-up)")
+    p.add_argument("--input-len", type=positive_int, default=128, help="prompt tokens per sequence")
+    p.add_argument("--output-len", type=positive_int, default=64, help="generated tokens per sequence")
+    p.add_argument("--batch-size", type=positive_int, default=1, help="sequences per iteration")
+    p.add_argument("--num-iters", type=positive_int, default=3, help="timed iterations (after one warm-up)")
     p.add_argument("--tp-sizes", type=int, nargs="+", default=None,
                    help="run ferrum at each of these TP sizes in turn (default: the -tp size)")
     p.add_argument("--peer-tp-sizes", type=int, nargs="+", default=None,
                    help="TP sizes (of --tp-sizes) the peers run at, each a peer start (default: all of --tp-sizes)")
-    p.add_argument("--spec-bandwidth-gbs", type=float, default=None,
+    p.add_argument("--spec-bandwidth-gbs", type=positive_float, default=None,
                    help="memory bandwidth for the headline MBU (default: the device's spec sheet, "
                         "ferrum.benchmarks.mbu; none on CPU)")
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip the HF transformers baseline")
@@ -132,7 +134,8 @@ def main(args) -> int:
         llm, device = run.llm, run.device
         vocab = run.cfg.vocab_size
         if args.input_len + args.output_len > llm.engine.max_model_len:
-            print(f"input_len + output_len exceeds max_model_len {llm.engine.max_model_len}")
+            print(f"ferrum bench latency: error: --input-len + --output-len exceeds max_model_len "
+                  f"{llm.engine.max_model_len}; lower them or raise --max-model-len", file=sys.stderr)
             llm.engine.shutdown()
             return 2
         if roofline is None:

@@ -39,7 +39,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from ferrum.benchmarks.common import add_common_args, llm_from_config, random_prompts
+from ferrum.benchmarks.common import add_common_args, llm_from_config, positive_int, random_prompts
 from ferrum.benchmarks.run_record import record, setup_threads, write_json
 
 _PCTS = (50, 90, 99)
@@ -55,9 +55,9 @@ def add_parser(subparsers, add_engine_args) -> None:
     g.add_argument("--api-key", default=None, help="API key to send (default: none)")
     g.add_argument("--served-model-name", default=None, help="`model` to send (default: the "
                    "first of /v1/models)")
-    g.add_argument("--num-prompts", type=int, default=64, help="requests per run")
-    g.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
-    g.add_argument("--output-len", type=int, default=64, help="generated tokens per request")
+    g.add_argument("--num-prompts", type=positive_int, default=64, help="requests per run")
+    g.add_argument("--input-len", type=positive_int, default=128, help="prompt tokens per request")
+    g.add_argument("--output-len", type=positive_int, default=64, help="generated tokens per request")
     g.add_argument("--request-rate", type=float, default=math.inf,
                    help="requests/s, Poisson arrivals; inf: all at once")
     g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")

@@ -20,9 +20,10 @@ two (the batch filling and draining):
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
-from ferrum.benchmarks.common import add_common_args, llm_from_config, random_prompts
+from ferrum.benchmarks.common import add_common_args, llm_from_config, positive_float, positive_int, random_prompts
 from ferrum.benchmarks.run_record import record, setup_threads, write_json
 from ferrum.benchmarks.mbu import decode_bytes_per_step, mbu_columns, measure_roofline_gbs, spec_bandwidth_gbs
 
@@ -33,10 +34,10 @@ def add_parser(subparsers, add_engine_args) -> None:
     add_engine_args(p)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256],
                    help="batch sizes to run, one after another")
-    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per sequence")
-    p.add_argument("--output-len", type=int, default=64, help="generated tokens per sequence")
+    p.add_argument("--input-len", type=positive_int, default=128, help="prompt tokens per sequence")
+    p.add_argument("--output-len", type=positive_int, default=64, help="generated tokens per sequence")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0 times the sampling path")
-    p.add_argument("--spec-bandwidth-gbs", type=float, default=None, help="see `ferrum bench latency` (default: the device's spec sheet; none on CPU)")
+    p.add_argument("--spec-bandwidth-gbs", type=positive_float, default=None, help="see `ferrum bench latency` (default: the device's spec sheet; none on CPU)")
     p.add_argument("--plot", default=None, help="PNG of decode tok/s and MBU over batch size (default: no plot)")
     add_common_args(p)
     p.set_defaults(func=main)
@@ -114,7 +115,8 @@ def main(args) -> int:
     ex = eng.executor
     caps, device = ex.capabilities(), str(ex.info().device)
     if args.input_len + args.output_len > eng.max_model_len:
-        print(f"input_len + output_len exceeds max_model_len {eng.max_model_len}")
+        print(f"ferrum bench sweep: error: --input-len + --output-len exceeds max_model_len "
+              f"{eng.max_model_len}; lower them or raise --max-model-len", file=sys.stderr)
         eng.shutdown()
         return 2
     weights = decode_bytes_per_step(caps.memory, eng.model_config, ex.dtype)

@@ -34,9 +34,10 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
 
-from ferrum.benchmarks.common import add_common_args, llm_from_config, random_prompts
+from ferrum.benchmarks.common import add_common_args, llm_from_config, positive_int, random_prompts
 from ferrum.benchmarks.run_record import record, setup_threads, write_json
 from ferrum.benchmarks.peers import add_peer_args, ratio, run_vllm
 from ferrum.benchmarks.step_log import StepLog, profile_kernels, profile_markdown
@@ -46,10 +47,10 @@ def add_parser(subparsers, add_engine_args) -> None:
     """Add `ferrum bench throughput` and its flags."""
     p = subparsers.add_parser("throughput", help="offline batch output tok/s vs the same prompts one at a time")
     add_engine_args(p)
-    p.add_argument("--num-prompts", type=int, default=32, help="prompts in the batch")
-    p.add_argument("--input-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"),
+    p.add_argument("--num-prompts", type=positive_int, default=32, help="prompts in the batch")
+    p.add_argument("--input-len", type=positive_int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"),
                    help="prompt lengths, uniform in [MIN, MAX]")
-    p.add_argument("--output-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"),
+    p.add_argument("--output-len", type=positive_int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"),
                    help="output lengths, uniform in [MIN, MAX]")
     p.add_argument("--no-sequential", dest="sequential", action="store_false",
                    help="skip the one-at-a-time baseline")
@@ -60,7 +61,7 @@ def add_parser(subparsers, add_engine_args) -> None:
     p.add_argument("--json-schema", default=None, metavar="SCHEMA",
                    help="compare the batch constrained to this JSON schema (a file or inline JSON) "
                         "with the same batch unconstrained (default: no comparison)")
-    p.add_argument("--repeats", type=int, default=3, help="--json-schema: interleaved runs of each")
+    p.add_argument("--repeats", type=positive_int, default=3, help="--json-schema: interleaved runs of each")
     p.add_argument("--step-log", default=None, metavar="DIR",
                    help="write where the batched phase's time goes to DIR: step_log.json (every step: "
                         "kind, batch, graph bucket, overlapped or not, host split, device time and idle "
@@ -288,7 +289,8 @@ def main(args) -> int:
     vocab = eng.model_config.vocab_size
     prompts, params, in_lens, out_lens = workload(args, vocab)
     if max(i + o for i, o in zip(in_lens, out_lens)) > eng.max_model_len:
-        print(f"input + output length exceeds max_model_len {eng.max_model_len}")
+        print(f"ferrum bench throughput: error: the longest --input-len + --output-len exceeds "
+              f"max_model_len {eng.max_model_len}; lower them or raise --max-model-len", file=sys.stderr)
         return 2
     expected = sum(out_lens)
     device = str(eng.executor.info().device)

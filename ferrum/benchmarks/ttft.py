@@ -21,9 +21,10 @@ best against best (the driver reports its best of 3).
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
-from ferrum.benchmarks.common import add_common_args, llm_from_config, random_prompts, sync_device
+from ferrum.benchmarks.common import add_common_args, llm_from_config, positive_int, random_prompts, sync_device
 from ferrum.benchmarks.run_record import record, setup_threads, write_json
 from ferrum.benchmarks.peers import add_peer_args, ratio, run_vllm
 
@@ -42,7 +43,7 @@ def add_parser(subparsers, add_engine_args) -> None:
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="ferrum's modes (see above)")
     p.add_argument("--vllm-modes", nargs="*", default=["cold"], choices=MODES,
                    help="modes vLLM runs in with --peers vllm (one vLLM start per length and mode)")
-    p.add_argument("--num-iters", type=int, default=5, help="timed runs per length and mode")
+    p.add_argument("--num-iters", type=positive_int, default=5, help="timed runs per length and mode")
     p.add_argument("--profile-dir", default=None,
                    help="also write a torch.profiler trace (chrome JSON) of one cold prefill per length here (default: no trace)")
     add_peer_args(p)
@@ -106,7 +107,8 @@ def main(args) -> int:
     eng = llm.engine
     device = str(eng.executor.info().device)
     if longest + 16 > eng.max_model_len:
-        print(f"prompt length {longest} + 16 exceeds max_model_len {eng.max_model_len}")
+        print(f"ferrum bench ttft: error: prompt length {longest} + 16 exceeds max_model_len "
+              f"{eng.max_model_len}; lower the lengths or raise --max-model-len", file=sys.stderr)
         eng.shutdown()
         return 2
     vocab = eng.model_config.vocab_size

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import random
 import signal
 import sys
 import threading
@@ -100,10 +101,14 @@ def stream(engine, prompt_ids: list[int], params: SamplingParams, out=None,
 
 
 def sampling_params(args) -> SamplingParams:
-    """SamplingParams from `ferrum run`'s generation flags (validated: InvalidRequestError)."""
+    """SamplingParams from `ferrum run`'s generation flags (validated: InvalidRequestError).
+    Without --seed a seed is drawn from the OS: the engine's own RNG starts from --engine-seed
+    (0) in every process, so unseeded replies would repeat from run to run, which a chat
+    command (as llama.cpp's --seed -1) should not do."""
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2 ** 31)
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                           min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
+                          seed=seed, max_tokens=args.max_tokens, stop=args.stop)
 
 
 def run(args) -> int:

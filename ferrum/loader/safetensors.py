@@ -81,12 +81,15 @@ def load_hf_folder(folder: str) -> ModelSource:
     """Resolve a local HF model folder into a ModelSource: config.json through transformers'
     AutoConfig, EOS ids from generation_config.json (GenerationConfig), else config.json.
     Raises ModelNotFoundError when the folder has no config.json, UnsupportedModelError for
-    an unknown architecture."""
+    an unknown architecture or a config.json that is not valid JSON."""
     if not os.path.exists(os.path.join(folder, "config.json")):
         raise ModelNotFoundError(f"{folder} has no config.json; not a Hugging Face model folder")
     from transformers import AutoConfig
     try:
         hf = AutoConfig.from_pretrained(folder)
+    except OSError as e:   # transformers' "not a valid JSON file" (and unreadable files)
+        raise UnsupportedModelError(f"{folder}/config.json cannot be read as a model config: "
+                                    f"{str(e).splitlines()[0]}") from None
     except (ValueError, KeyError) as e:   # unknown model_type
         raise UnsupportedModelError(f"{folder}/config.json: {e}") from e
     config = ModelConfig.from_hf_config(hf)
