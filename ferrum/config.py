@@ -144,10 +144,14 @@ class ModelConfig:
         Raises UnsupportedModelError for an architecture or option ferrum does not implement."""
         archs = getattr(hf, "architectures", None) or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None and not archs:   # ferrum picks the model class by "architectures", as vLLM does
+            raise UnsupportedModelError(
+                f"config.json has no \"architectures\" list (model_type "
+                f"{getattr(hf, 'model_type', None)!r}); add the model class, one of "
+                f"{sorted(SUPPORTED_ARCHITECTURES)}")
         if arch is None:
             raise UnsupportedModelError(
-                f"unsupported architecture {archs or getattr(hf, 'model_type', None)!r}; "
-                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+                f"unsupported architecture {archs!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
         family = SUPPORTED_ARCHITECTURES[arch]
         extra = _family_fields(hf, arch)
         n_heads = hf.num_attention_heads

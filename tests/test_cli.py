@@ -305,6 +305,10 @@ def test_zero_and_nan_engine_limits_are_named_config_errors(tmp_path):
     from ferrum.loader.safetensors import load_hf_folder
     with pytest.raises(UnsupportedModelError, match="not a valid JSON"):
         load_hf_folder(str(tmp_path))
+    # no "architectures": said so (it read "unsupported architecture 'llama'", though Llama is supported)
+    from ferrum.config import ModelConfig
+    with pytest.raises(UnsupportedModelError, match='no "architectures" list'):
+        ModelConfig.from_hf_dict({"model_type": "llama"})
 
 
 def test_bench_counts_and_lengths_below_one_are_parse_errors(capsys):
