@@ -309,3 +309,21 @@ def test_vllm_peer_gets_the_kv_cache_dtype_the_driver_ignores(tmp_path):
     args.peer_env = [f"PYTHONPATH={site}"]
     got = run_vllm(args, "throughput")
     assert got["llm_kwargs"] == [{"load_format": "dummy"}] and "kv_cache_dtype" not in got
+
+
+def test_busy_process_command_lines_are_one_line():
+    """The load note names other busy processes by their command line: a `python -c` script's
+    newlines printed as line breaks in the middle of the bench output (12-02 fresh-user run)."""
+    import subprocess
+    import sys
+    import time
+    from ferrum.benchmarks.run_record import _proc_text
+    child = subprocess.Popen([sys.executable, "-c", "import time\ntime.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 10
+        while "sleep" not in (text := _proc_text(child.pid, "cmdline")) and time.monotonic() < deadline:
+            time.sleep(0.05)   # until the child has exec'd
+        assert text.endswith("-c import time time.sleep(30)") and "\n" not in text, text
+    finally:
+        child.kill()
+        child.wait()

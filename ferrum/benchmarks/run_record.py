@@ -63,10 +63,11 @@ def git_commit() -> str | None:
 
 
 def _proc_text(pid: int, name: str) -> str:
-    """/proc/<pid>/<name> as one line (NULs as spaces), at most 100 characters; "" if gone."""
+    """/proc/<pid>/<name> as one line (NULs and any newlines inside arguments, as a `python -c`
+    script has, as single spaces), at most 100 characters; "" if gone."""
     try:
         with open(f"/proc/{pid}/{name}", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:100]
+            return " ".join(f.read().replace(b"\0", b" ").decode(errors="replace").split())[:100]
     except OSError:
         return ""
 
