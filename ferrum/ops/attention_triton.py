@@ -171,8 +171,7 @@ if HAS_TRITON:
         last_pos[r]; WINDOWED as well only positions > last_pos[r] - window, so a row may see
         nothing in a tile (its running max stays -inf and the tile adds 0). SCALED: q already
         carries qk_scale and V is multiplied by v_scale (`_fp8_query`). K / V convert to q's
-        dtype. Shared by the decode and
-        prefill kernels (FlashAttention-2's inner loop)."""
+        dtype. Shared by the decode and prefill kernels (FlashAttention-2's inner loop)."""
         kt = tl.load(kc_ptr + off[None, :] + offs_d[:, None], mask=n_mask[None, :], other=0.0)
         s = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PREC)
         if not SCALED:
@@ -218,7 +217,7 @@ if HAS_TRITON:
             WINDOWED: tl.constexpr = False):
         if USE_PDL:  # launched early (PDL, triton_utils.py): wait for q and the cache
             pdl_start()
-        if FP8:  # FP8 cache: K's scale folds into the logits' scale, V's into the output
+        if FP8:  # FP8 cache: K's scale folds into the logits' scale, V's into V's tiles or the output
             qk_scale = qk_scale * tl.load(ks_ptr)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -437,7 +436,7 @@ if HAS_TRITON:
             # running max is finite from the first iteration on. With a window, start at the
             # first row's window start (later rows' windows start later: masked per row).
             hi = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
-            if FP8:  # FP8 cache: K's scale folds into the logits' scale, V's into the output
+            if FP8:  # FP8 cache: K's scale folds into the logits' scale, V's into V's tiles or the output
                 qk_scale = qk_scale * tl.load(ks_ptr)
             SCALED: tl.constexpr = FP8 and q_ptr.dtype.element_ty != tl.float32
             q, v_scale = _fp8_query(q, qk_scale, vs_ptr, SCALED)
