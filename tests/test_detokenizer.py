@@ -14,6 +14,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from transformers import PreTrainedTokenizerFast
 
 from ferrum.tokenizer.detokenizer import IncrementalDetokenizer
+from tiny_models import byte_level_bpe
 
 CORPUS = ["Hello world, this is a test.", "The quick brown fox jumps over the lazy dog.",
           "日本語のテキスト", "emoji 😀 and 🎉 party", "café naïve"] * 3
@@ -36,12 +37,7 @@ class HfWrapper:
 
 @functools.cache
 def byte_level() -> HfWrapper:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|eos|>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = byte_level_bpe(CORPUS, 300, ["<|eos|>"])
     return HfWrapper(PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|eos|>"))
 
 

@@ -305,12 +305,12 @@ def _async_constrained_equals_sync(folder: str, device: str) -> None:
     runs = {}
     for async_scheduling in (True, False):
         with LLM(folder, progress=False, device=device, dtype="float32", max_model_len=MAX_LEN,
-                 async_scheduling=async_scheduling) as gpu:
-            assert gpu.engine.async_scheduling is async_scheduling
-            outs = gpu.generate(prompts, params, use_tqdm=False)
-            assert gpu.engine.status()["grammar_matchers"] == 0
+                 async_scheduling=async_scheduling) as llm:
+            assert llm.engine.async_scheduling is async_scheduling
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            assert llm.engine.status()["grammar_matchers"] == 0
             if async_scheduling:
-                assert gpu.engine.stats["overlapped_steps"] > 0
+                assert llm.engine.stats["overlapped_steps"] > 0
         runs[async_scheduling] = [[c.token_ids for c in o.outputs] for o in outs]
         for o in outs[::2]:
             for c in o.outputs:

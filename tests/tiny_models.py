@@ -62,17 +62,24 @@ JSON_CORPUS = ['{"w": ["a", "b", "c"], "k": 42}', '{"name": "x", "ok": true, "n"
                "Describe a cat. Paris, JSON please? 1 2 3 x y z", "[1, 2.5, -3e4]"] * 4
 
 
-def save_byte_level_tokenizer(folder: str, vocab: int = 300) -> str:
-    """Trains a byte-level BPE tokenizer (every byte a token, merges learnt on JSON-like text;
-    ids 0 / 1 = <|bos|> / <|eos|>, as `make_tiny_model`'s config) and saves it to `folder`:
-    a tokenizer for tests that must run with no download (the GPU machine has no PyPI)."""
+def byte_level_bpe(corpus: list[str], vocab: int, special_tokens: list[str]):
+    """A byte-level BPE `tokenizers.Tokenizer` (GPT-2 / Llama-3 style: every byte a token)
+    with merges learnt on `corpus` up to `vocab` entries; the special tokens get the first ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(JSON_CORPUS, trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=["<|bos|>", "<|eos|>"], show_progress=False,
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=special_tokens, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tok
+
+
+def save_byte_level_tokenizer(folder: str, vocab: int = 300) -> str:
+    """Trains a byte-level BPE tokenizer (merges learnt on JSON-like text; ids 0 / 1 =
+    <|bos|> / <|eos|>, as `make_tiny_model`'s config) and saves it to `folder`: a tokenizer
+    for tests that must run with no download (the GPU machine has no PyPI)."""
+    from transformers import PreTrainedTokenizerFast
+    tok = byte_level_bpe(JSON_CORPUS, vocab, ["<|bos|>", "<|eos|>"])
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>").save_pretrained(folder)
     return folder
