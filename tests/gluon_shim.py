@@ -40,7 +40,24 @@ class _Shim:
         return x
 
     @staticmethod
-    def inline_asm_elementwise(*args, **kwargs):  # PDL only: the tests launch without it
+    def inline_asm_elementwise(asm, constraints, args, dtype, is_pure, pack):
+        """dp4a (`gemv_gluon._dp4a`) computed with tl ops; PDL's asm returns None (the tests
+        launch without it)."""
+        if asm.startswith("dp4a.u32.s32"):
+            a, b = args
+            out = tl.zeros(a.shape, tl.int32)
+            for i in range(4):  # byte i of a (unsigned) times byte i of b (signed)
+                out += ((a >> (8 * i)) & 0xFF) * ((b << (24 - 8 * i)) >> 24)
+            return out
+        if asm.startswith("prmt.b32"):
+            a, b = args
+            sel = int(asm.split(",")[-1].rstrip(";"), 0)
+            out = tl.zeros(a.shape, tl.int32)
+            for i in range(4):  # result byte i = byte (sel nibble i) of b:a
+                j = (sel >> (4 * i)) & 7
+                src = a if j < 4 else b
+                out |= ((src >> (8 * (j % 4))) & 0xFF) << (8 * i)
+            return out
         return None
 
     @staticmethod

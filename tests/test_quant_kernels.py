@@ -214,6 +214,28 @@ def _gluon_case(kind: str, N: int, K: int, gen: torch.Generator, device: str, dt
     return (lambda x, b, c: gg.q4k_gemv(x, raw, b, c)), ref_w
 
 
+def _q8_1(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (K % 32 == 0) as the Q4_K Gluon GEMV reads it, in float64: per 32 values
+    round(x / d) d with d = max |x| / 127 (llama.cpp's quantize_q8_1, in float32 as the kernel)."""
+    xb = x.float().view(x.shape[0], -1, 32)
+    d = xb.abs().amax(-1, keepdim=True) * (1.0 / 127.0)
+    inv = torch.where(d > 0, 1.0 / torch.where(d > 0, d, 1.0), 0.0)
+    return (torch.round(xb * inv).double() * d.double()).view(x.shape)
+
+
+Q8_X_TOL = 2e-2  # Q4_K Gluon GEMV vs the exact product: int8 x (measured <= 6.5e-3 on _gguf_raw weights)
+
+
+def _check_q8(got, x, ref_w, bias, dtype, what):
+    """The Q4_K Gluon GEMV's output against its own arithmetic (x through `_q8_1`) at the dtype's
+    bound, and against the exact product at `Q8_X_TOL`."""
+    b = None if bias is None else bias.double().to(ref_w.device)
+    _check(got, torch.nn.functional.linear(_q8_1(x).to(ref_w.device), ref_w, b), dtype, what + " (q8 x)")
+    err = _rel_err(got, torch.nn.functional.linear(x.double().to(ref_w.device), ref_w, b))
+    print(f"{what}: vs the exact product {err:.2e}")
+    assert err < Q8_X_TOL, f"{what}: {err:.2e} vs the exact product"
+
+
 def check_gluon_gemv(device: str, shapes=None) -> None:
     """The Gluon GEMVs (bf16 / fp16, FP8, 4-bit, GGUF Q4_K; ferrum/ops/gemv_gluon.py) for 1-8
     rows of x against the float64 reference: on CPU at small shapes over configs that cover
@@ -245,7 +267,11 @@ def check_gluon_gemv(device: str, shapes=None) -> None:
             ref = torch.nn.functional.linear(x.double(), ref_w, None if bias is None else bias.double())
             got = call(x.to(device), None if bias is None else bias.to(device), cfg)
             assert got.shape == (M, N) and got.dtype == dtype
-            _check(got, ref, dtype, f"gluon {kind} gemv {dtype} M={M} N={N} K={K} config={cfg} bias={bias is not None}")
+            what = f"gluon {kind} gemv {dtype} M={M} N={N} K={K} config={cfg} bias={bias is not None}"
+            if kind == "q4_k":  # x in int8, as llama.cpp's MMVQ
+                _check_q8(got, x, ref_w, bias, dtype, what)
+            else:
+                _check(got, ref, dtype, what)
     if shapes is not None:  # the linears' dispatch on the GPU: Gluon where the table says so
         N, K = shapes[0]
         for M in (1, 4, 6):
@@ -261,10 +287,15 @@ def check_gluon_gemv(device: str, shapes=None) -> None:
             _check(int4.int4_linear(x.to(device), qw, s, z, 128), ref, torch.bfloat16,
                    f"int4_linear {M} rows {N}x{K}")
             raw = _gguf_raw(gguf.Q4_K, N, K, gen)
-            assert M > 1 or gg.config_for("q4_k", x.to(device), N, K) is not None
-            ref = torch.nn.functional.linear(x.double(), gguf.gguf_dequantize(raw, gguf.Q4_K, K).double())
-            _check(gguf.gguf_linear(x.to(device), raw.to(device), gguf.Q4_K), ref, torch.bfloat16,
-                   f"gguf_linear Q4_K {M} rows {N}x{K}")
+            gluon = gg.config_for("q4_k", x.to(device), N, K) is not None
+            assert M > 1 or gluon
+            ref_w = gguf.gguf_dequantize(raw, gguf.Q4_K, K).double()
+            got = gguf.gguf_linear(x.to(device), raw.to(device), gguf.Q4_K)
+            if gluon:
+                _check_q8(got, x, ref_w, None, torch.bfloat16, f"gguf_linear Q4_K {M} rows {N}x{K}")
+            else:
+                _check(got, torch.nn.functional.linear(x.double(), ref_w), torch.bfloat16,
+                       f"gguf_linear Q4_K {M} rows {N}x{K}")
     else:  # the FP8 dispatch with the Gluon path forced on (on CPU too): 5-8 rows go in launches of 4 + the rest
         dense, saved = gg.dense_gemv, (gg.can_use, gg.dense_gemv, fp8.use_triton)
         launches = []

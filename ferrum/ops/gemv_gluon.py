@@ -30,10 +30,18 @@ for all rows: per nibble one LOP3 and one FFMA, plus half a shift. The offsets (
 cost float32 mantissa bits in the cancellation: ~3e-5 relative error per output in a float32
 emulation (p = 8 would save two shifts per word but cost ~1e-3, near bf16's own rounding).
 
-Q4_K (`_q4k_gemv_kernel`): the same trick on each byte's two nibbles (the low one to bits
-12..15, the high one to 16..19: one shift, two LOP3 per byte), the 16-byte block header (d,
-dmin, eight 6-bit scale / min pairs) decoded per row and chunk, and per sub-block
-d sc sum(q x) - dmin m sum(x) as llama.cpp's vec_dot_q4_K.
+Q4_K (`_q4k_gemv_kernel`) works in integers, as llama.cpp's MMVQ (vec_dot_q4_K_q8_1): each
+thread quantizes the x of its chunk to int8 per 32-value sub-block (d = max |x| / 127, rounding
+by a float magic number, bytes packed by PRMT; quantize_q8_1's scheme, in registers, so x
+costs no extra launch), masks each word's low and high nibbles (one LOP3 each; the high ones
+stay at bits 4..7, 16 q, undone in the scale) and sums q xq by dp4a, four products per
+instruction. Per sub-block y += d sc dx sum(q xq) - dmin m dx sum(xq), the 16-byte block header
+(d, dmin, eight 6-bit scale / min pairs) decoded per row and chunk. In sm_90 SASS that is ~2
+instructions per weight value instead of ~3.9 for the float32 path above (the x quantization,
+repeated in every program, is a third of them: `benchmarks/sass_loop.py --gemv`). x's int8
+rounding adds ~0.5% of the largest output on random Q4_K weights (tests: vs the exact product
+within 2e-2; vs the same int8 x within bf16's bound); llama.cpp and vLLM's GGUF kernels round
+x the same way.
 
 Constraints (else the Triton GEMVs run): N % BLOCK_N == 0, K a multiple of one tile (E * 32 *
 num_warps elements; 256 * num_warps features for 4-bit, 2048 * num_warps for Q4_K), 4-bit
@@ -251,53 +259,69 @@ if HAS_GLUON:
         _store_tile(y_ptr, b_ptr, gl.sum(acc, axis=2), n0, pid_k, M, N, stride_ym, BLOCK_M, BLOCK_N,
                     gl.SliceLayout(2, LMNC), HAS_BIAS, SPLIT_K)
 
-    @gluon.constexpr_function
-    def _q4k_shift(i):
-        """Left shift (negative: right) that takes byte i's low nibble of a word to bits 12..15
-        and its high nibble to bits 16..19 (`_q4k_gemv_kernel`)."""
-        return 12 - 8 * i
+    @gluon.jit
+    def _dp4a(a, b):
+        """sum_i a_i b_i over the four bytes of int32 words a (unsigned) and b (signed), PTX
+        dp4a; int32."""
+        return gl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b], dtype=gl.int32,
+                                         is_pure=True, pack=1)
 
     @gluon.jit
-    def _q4k_nibbles(words, I: gl.constexpr, magic):
-        """(2^11 + low nibble, 2^7 + high nibble) of byte I (0..3) of int32 words, as float32
-        (the magic-number trick of `_nib`: one shift and two LOP3)."""
-        S: gl.constexpr = _q4k_shift(I)
-        if S > 0:
-            src = words << S
-        else:
-            src = words >> (-S)
-        lo = ((src & 0x0000F000) | (magic + (4 << 23))).to(gl.float32, bitcast=True)
-        hi = ((src & 0x000F0000) | magic).to(gl.float32, bitcast=True)
-        return lo, hi
+    def _prmt(a, b, SEL: gl.constexpr):
+        """PTX prmt.b32: byte i of the result is byte SEL's nibble i of (b:a) (0-3: a, 4-7: b)."""
+        return gl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {SEL};", "=r,r,r", [a, b], dtype=gl.int32,
+                                         is_pure=True, pack=1)
 
     @gluon.jit
-    def _byte(word, j):
-        """Byte j (a tensor of 0..3) of int32 words, as int32."""
-        return (word >> (8 * j)) & 0xFF
+    def _q8_word(x0, x1, x2, x3, inv):
+        """int32 words whose byte b is round(x_b inv) as a signed byte (|x_b inv| <= 127), for
+        float32 tensors x_b: x_b inv + 1.5 * 2^23 rounds to nearest even and leaves the integer in
+        the float's low mantissa bits (two's complement in its low byte), one FFMA per value
+        where a float->int conversion would take the quarter-rate pipe."""
+        b0 = (x0 * inv + 12582912.0).to(gl.int32, bitcast=True)
+        b1 = (x1 * inv + 12582912.0).to(gl.int32, bitcast=True)
+        b2 = (x2 * inv + 12582912.0).to(gl.int32, bitcast=True)
+        b3 = (x3 * inv + 12582912.0).to(gl.int32, bitcast=True)
+        return _prmt(_prmt(b0, b1, 0x0040), _prmt(b2, b3, 0x0040), 0x5410)  # the low bytes, in order
 
     @gluon.jit
-    def _q4k_scale_min(h1, h2, h3, j):
-        """llama.cpp get_scale_min_k4 for sub-block j (a tensor of 0..7) from the scale bytes
-        q[0..11] of a Q4_K header held as int32 words h1 = q[0..3], h2 = q[4..7], h3 =
-        q[8..11]: (scale, min), 6-bit integers as float32."""
-        jj = j % 4
-        a = _byte(h1, jj)
-        b = _byte(h2, jj)
-        c = _byte(h3, jj)
-        sc = gl.where(j < 4, a & 63, (c & 15) | ((a >> 6) << 4))
-        m = gl.where(j < 4, b & 63, (c >> 4) | ((b >> 6) << 4))
-        return sc.to(gl.float32), m.to(gl.float32)
+    def _q8_scale(x0, x1, x2, x3):
+        """(d, 1 / d) with d = max |x| / 127 over the 32 values x_b[..., w] (b = 0..3, w the last,
+        in-register axis of [BLOCK_M, BLOCK_C, 8] tensors), as [BLOCK_M, BLOCK_C]; d = 0 (and
+        1 / d = 0) for an all-zero sub-block. llama.cpp's quantize_q8_1."""
+        amax = gl.max(gl.maximum(gl.maximum(gl.abs(x0), gl.abs(x1)), gl.maximum(gl.abs(x2), gl.abs(x3))), axis=2)
+        d = amax * (1.0 / 127.0)
+        return d, gl.where(amax > 0, 1.0 / gl.where(amax > 0, d, 1.0), 0.0)
 
     @gluon.jit
-    def _q4k_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, C_SPLIT, magic, stride_xm, stride_wn, stride_ym,
+    def _q4k_scale_min(h1, h2, h3, k):
+        """llama.cpp get_scale_min_k4 for the two sub-blocks 2k, 2k + 1 of group k (a tensor of
+        0..3) from the scale bytes q[0..11] of a Q4_K header held as int32 words h1 = q[0..3],
+        h2 = q[4..7], h3 = q[8..11]: (sc_2k, m_2k, sc_2k+1, m_2k+1), 6-bit integers as float32.
+        Both sub-blocks' bytes sit in 16-bit half k % 2 of each word, so one shift per word
+        serves both (k is fixed per thread: the shifts do not vary in the loop)."""
+        hw = 16 * (k % 2)
+        a = h1 >> hw
+        b = h2 >> hw
+        c = h3 >> hw
+        sc = gl.where(k < 2, a & 0x3F3F, (c & 0x0F0F) | ((a >> 2) & 0x3030))
+        m = gl.where(k < 2, b & 0x3F3F, ((c >> 4) & 0x0F0F) | ((b >> 2) & 0x3030))
+        return ((sc & 0xFF).to(gl.float32), (m & 0xFF).to(gl.float32),
+                ((sc >> 8) & 0xFF).to(gl.float32), ((m >> 8) & 0xFF).to(gl.float32))
+
+    @gluon.jit
+    def _q4k_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, C_SPLIT, stride_xm, stride_wn, stride_ym,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_C: gl.constexpr, X_PAIRS: gl.constexpr,
                          HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, USE_PDL: gl.constexpr):
         """GGUF Q4_K (ferrum/ops/gguf.py has the block layout) GEMV for M (<= BLOCK_M) rows of x.
         w_ptr: the raw rows viewed as int32 (a 144-byte super-block is 36 words: d | dmin, 3
         words of 6-bit scales, 32 words of quants). A thread's chunk t is the 32 quant bytes of
         group c = t % 4 of super-block t // 4: byte l holds element 64 c + l (low nibble,
-        sub-block 2c) and 64 c + 32 + l (high nibble, sub-block 2c + 1). Per sub-block:
-        d sc sum(q x) - dmin m sum(x). Program (pid_n, pid_k): rows pid_n * BLOCK_N .., chunks
+        sub-block 2c) and 64 c + 32 + l (high nibble, sub-block 2c + 1). x is quantized to int8
+        per sub-block in registers (`_q8_scale`, `_q8_word`: word w of a sub-block holds its
+        elements 4w..4w+3, as the weight's bytes), and per sub-block
+        y += d sc dx sum(q xq) - dmin m sum(x), the integer sum by dp4a (llama.cpp's
+        vec_dot_q4_K_q8_1). Program (pid_n, pid_k): rows pid_n * BLOCK_N .., chunks
         pid_k * C_SPLIT .. (a multiple of BLOCK_C). X_PAIRS as `_w4_gemv_kernel`'s."""
         L4: gl.constexpr = _tile_layout(BLOCK_M, 8, gl.num_warps())
         LW: gl.constexpr = gl.SliceLayout(0, L4)                      # [BLOCK_N, BLOCK_C, 8] words
@@ -315,7 +339,7 @@ if HAS_GLUON:
         offs_nc_n = gl.expand_dims(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LNC)), 1)
         offs_c = gl.expand_dims(gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, LNC)), 0)   # [1, BLOCK_C]
         h_ptrs = w_ptr + offs_nc_n.to(gl.int64) * stride_wn + 36 * (offs_c // 4)          # headers, [BN, BC]
-        sub = 2 * (offs_c % 4)                                                           # sub-block of the low nibbles
+        grp = offs_c % 4                                     # group in its super-block: sub-blocks 2 grp, 2 grp + 1
         # x of byte 0 of each word: element 64 t + 4 w (bf16 pairs: int32 index 32 t + 2 w)
         offs_m = _lead(0, BLOCK_M, LX)
         cwx = gl.expand_dims(_chunk_offsets(BLOCK_C, 8, LX), 0)
@@ -323,6 +347,7 @@ if HAS_GLUON:
         t_start = pid_k * C_SPLIT
         t_end = gl.minimum(t_start + C_SPLIT, K // 64)
         acc = gl.zeros([BLOCK_M, BLOCK_N, BLOCK_C], gl.float32, layout=LMNC)
+        ones = gl.full([BLOCK_M, BLOCK_C, 8], 0x01010101, gl.int32, layout=LX)
         words = gl.load(q_ptrs + 9 * t_start, eviction_policy="evict_first")  # weights only: before the wait
         if USE_PDL:
             _pdl_start()
@@ -332,33 +357,42 @@ if HAS_GLUON:
             h1 = gl.load(hp + 1)
             h2 = gl.load(hp + 2)
             h3 = gl.load(hp + 3)
-            p_lo = gl.zeros([BLOCK_M, BLOCK_N, BLOCK_C], gl.float32, layout=LMNC)
-            p_hi = gl.zeros([BLOCK_M, BLOCK_N, BLOCK_C], gl.float32, layout=LMNC)
-            xs_lo = gl.zeros([BLOCK_M, BLOCK_C, 8], gl.float32, layout=LX)
-            xs_hi = gl.zeros([BLOCK_M, BLOCK_C, 8], gl.float32, layout=LX)
-            for pr in gl.static_range(2):  # bytes 2 pr, 2 pr + 1 of every word: elements 4w + i, 32 + 4w + i
-                if X_PAIRS:  # x[e], x[e + 1] (e even) as one int32 of two bf16
-                    xl = _bf16_pair(_x_tile(x_lo + (32 * t0 + pr), offs_m, M, BLOCK_M))
-                    xh = _bf16_pair(_x_tile(x_lo + (32 * t0 + pr + 16), offs_m, M, BLOCK_M))
-                else:
-                    xl = (_x_tile(x_lo + (64 * t0 + 2 * pr), offs_m, M, BLOCK_M).to(gl.float32),
-                          _x_tile(x_lo + (64 * t0 + 2 * pr + 1), offs_m, M, BLOCK_M).to(gl.float32))
-                    xh = (_x_tile(x_lo + (64 * t0 + 2 * pr + 32), offs_m, M, BLOCK_M).to(gl.float32),
-                          _x_tile(x_lo + (64 * t0 + 2 * pr + 33), offs_m, M, BLOCK_M).to(gl.float32))
-                for h in gl.static_range(2):
-                    xs_lo += xl[h]
-                    xs_hi += xh[h]
-                    f_lo, f_hi = _q4k_nibbles(words, 2 * pr + h, magic)
-                    p_lo += gl.sum(gl.expand_dims(f_lo, 0) * gl.expand_dims(xl[h], 1), axis=3)
-                    p_hi += gl.sum(gl.expand_dims(f_hi, 0) * gl.expand_dims(xh[h], 1), axis=3)
-            s_lo = gl.expand_dims(gl.convert_layout(gl.sum(xs_lo, axis=2), LMC, assert_trivial=True), 1)
-            s_hi = gl.expand_dims(gl.convert_layout(gl.sum(xs_hi, axis=2), LMC, assert_trivial=True), 1)
+            # x elements 4w + b (low sub-block) and 32 + 4w + b (high), b = 0..3, as float32
+            if X_PAIRS:  # x[e], x[e + 1] (e even) as one int32 of two bf16
+                l0, l1 = _bf16_pair(_x_tile(x_lo + 32 * t0, offs_m, M, BLOCK_M))
+                l2, l3 = _bf16_pair(_x_tile(x_lo + (32 * t0 + 1), offs_m, M, BLOCK_M))
+                u0, u1 = _bf16_pair(_x_tile(x_lo + (32 * t0 + 16), offs_m, M, BLOCK_M))
+                u2, u3 = _bf16_pair(_x_tile(x_lo + (32 * t0 + 17), offs_m, M, BLOCK_M))
+            else:
+                xp = x_lo + 64 * t0
+                l0 = _x_tile(xp, offs_m, M, BLOCK_M).to(gl.float32)
+                l1 = _x_tile(xp + 1, offs_m, M, BLOCK_M).to(gl.float32)
+                l2 = _x_tile(xp + 2, offs_m, M, BLOCK_M).to(gl.float32)
+                l3 = _x_tile(xp + 3, offs_m, M, BLOCK_M).to(gl.float32)
+                u0 = _x_tile(xp + 32, offs_m, M, BLOCK_M).to(gl.float32)
+                u1 = _x_tile(xp + 33, offs_m, M, BLOCK_M).to(gl.float32)
+                u2 = _x_tile(xp + 34, offs_m, M, BLOCK_M).to(gl.float32)
+                u3 = _x_tile(xp + 35, offs_m, M, BLOCK_M).to(gl.float32)
+            d_lo, inv_lo = _q8_scale(l0, l1, l2, l3)
+            d_hi, inv_hi = _q8_scale(u0, u1, u2, u3)
+            xq_lo = _q8_word(l0, l1, l2, l3, gl.expand_dims(inv_lo, 2))    # [BLOCK_M, BLOCK_C, 8]
+            xq_hi = _q8_word(u0, u1, u2, u3, gl.expand_dims(inv_hi, 2))
+            dx_lo = gl.expand_dims(gl.convert_layout(d_lo, LMC, assert_trivial=True), 1)
+            dx_hi = gl.expand_dims(gl.convert_layout(d_hi, LMC, assert_trivial=True), 1)
+            # sum(x) of the min term from the int8 values too: dp4a with bytes of 1
+            s_lo = dx_lo * gl.expand_dims(gl.convert_layout(gl.sum(_dp4a(ones, xq_lo), axis=2), LMC,
+                                                            assert_trivial=True), 1).to(gl.float32)
+            s_hi = dx_hi * gl.expand_dims(gl.convert_layout(gl.sum(_dp4a(ones, xq_hi), axis=2), LMC,
+                                                            assert_trivial=True), 1).to(gl.float32)
+            q_lo, xq_lo = gl.broadcast(gl.expand_dims(words & 0x0F0F0F0F, 0), gl.expand_dims(xq_lo, 1))
+            # the high nibbles stay in place (16 q as unsigned bytes): no shift, 1/16 in the scale
+            q_hi, xq_hi = gl.broadcast(gl.expand_dims(words & -252645136, 0), gl.expand_dims(xq_hi, 1))  # 0xF0F0F0F0
+            i_lo = gl.sum(_dp4a(q_lo, xq_lo), axis=3).to(gl.float32)         # [BLOCK_M, BLOCK_N, BLOCK_C]
+            i_hi = gl.sum(_dp4a(q_hi, xq_hi), axis=3).to(gl.float32)
             d = gl.expand_dims((h0 & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32), 0)
             dmin = gl.expand_dims((h0 >> 16).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32), 0)
-            sc_lo, m_lo = _q4k_scale_min(h1, h2, h3, sub)
-            sc_hi, m_hi = _q4k_scale_min(h1, h2, h3, sub + 1)
-            # p = sum (2^(23-p) + q) x: the offsets are 2^11 (low nibbles at bits 12..15), 2^7 (high)
-            acc += (d * (gl.expand_dims(sc_lo, 0) * (p_lo - 2048.0 * s_lo) + gl.expand_dims(sc_hi, 0) * (p_hi - 128.0 * s_hi))
+            sc_lo, m_lo, sc_hi, m_hi = _q4k_scale_min(h1, h2, h3, grp)
+            acc += (d * (gl.expand_dims(sc_lo, 0) * dx_lo * i_lo + gl.expand_dims(sc_hi * 0.0625, 0) * dx_hi * i_hi)
                     - dmin * (gl.expand_dims(m_lo, 0) * s_lo + gl.expand_dims(m_hi, 0) * s_hi))
             if t0 + BLOCK_C < t_end:
                 words = gl.load(q_ptrs + 9 * (t0 + BLOCK_C), eviction_policy="evict_first")
@@ -548,7 +582,7 @@ def q4k_gemv(x: torch.Tensor, raw: torch.Tensor, bias: torch.Tensor | None = Non
     xa, stride_xm, pairs = _x_arg(x)
     _q4k_gemv_kernel[(N // bn, split)](
         xa, raw.view(torch.int32), bias if bias is not None else x, out, x.shape[0], N, K, K // 64 // split,
-        F32_2P7_BITS, stride_xm, raw.stride(0) // 4, y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_C=32 * warps,
+        stride_xm, raw.stride(0) // 4, y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_C=32 * warps,
         X_PAIRS=pairs, HAS_BIAS=bias is not None and split == 1, SPLIT_K=split, USE_PDL=pdl, num_warps=warps,
         launch_pdl=pdl)
     return y if split == 1 else reduce_splits(out, y, bias, pdl)
