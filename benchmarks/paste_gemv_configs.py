@@ -7,7 +7,8 @@ module's current literal.
     python3 benchmarks/paste_gemv_configs.py OUT/quant_kernels.json [OUT/moe_tune.json] [--root .]
 
 The JSON holds each table as {"(N, K, rows)": [config...]} (keys are the tuples' reprs). A
-table the JSON lacks is left as it is. Prints what it replaced.
+table the JSON lacks is left as it is; `--merge` keeps the entries of a table that the JSON
+does not have (a sweep of some kernels only). Prints what it replaced.
 """
 from __future__ import annotations
 
@@ -31,19 +32,30 @@ def literal(table: dict[str, list]) -> str:
     return "{\n" + "".join(f"    {k!r}: {v!r},\n" for k, v in items) + "}"
 
 
-def replace_table(source: str, name: str, new_literal: str) -> str:
-    """source with the dict literal assigned to `name` at module level replaced. Raises
+def _literal_span(source: str, name: str) -> tuple[int, int]:
+    """(start, end) of the dict literal assigned to `name` at module level in source. Raises
     ValueError when the assignment is not found."""
     m = re.search(rf"^{name}\s*:[^=\n]*=\s*", source, flags=re.M)
     if m is None:
         raise ValueError(f"{name} assignment not found")
-    start = end = m.end()
     depth = 0
-    for i in range(start, len(source)):   # the literal ends where its braces balance
+    for i in range(m.end(), len(source)):   # the literal ends where its braces balance
         depth += {"{": 1, "}": -1}.get(source[i], 0)
         if depth == 0:
-            end = i + 1
-            break
+            return m.end(), i + 1
+    return m.end(), m.end()
+
+
+def current_table(source: str, name: str) -> dict[str, list | None]:
+    """The dict literal assigned to `name` in source, keyed as the JSON is (tuple reprs)."""
+    start, end = _literal_span(source, name)
+    return {repr(k): None if v is None else list(v) for k, v in ast.literal_eval(source[start:end]).items()}
+
+
+def replace_table(source: str, name: str, new_literal: str) -> str:
+    """source with the dict literal assigned to `name` at module level replaced. Raises
+    ValueError when the assignment is not found."""
+    start, end = _literal_span(source, name)
     return source[:start] + new_literal + source[end:]
 
 
@@ -53,6 +65,7 @@ def main() -> None:
     p.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     p.add_argument("--tables", nargs="+", default=list(TABLES), choices=list(TABLES),
                    help="write only these tables (default: every one the JSON holds)")
+    p.add_argument("--merge", action="store_true", help="keep the entries the JSON does not have")
     args = p.parse_args()
     res = {}
     for path in args.json:
@@ -67,8 +80,9 @@ def main() -> None:
         path = os.path.join(args.root, rel)
         with open(path) as f:
             source = f.read()
+        table = {**current_table(source, name), **res[name]} if args.merge else res[name]
         with open(path, "w") as f:
-            f.write(replace_table(source, name, literal(res[name])))
+            f.write(replace_table(source, name, literal(table)))
         print(f"{name}: {len(res[name])} entries written to {rel}")
 
 

@@ -206,6 +206,9 @@ def test_paste_gemv_configs_replaces_only_the_table():
     exec(new, ns)
     assert ns["W4_GEMV_CONFIGS"] == {(8, 16, 1): (5, 6), (8, 16, 4): (1, 2)}
     assert ns["A"] == 1 and ns["B"] == {2: 3}
+    # --merge reads the table back: the entries a partial sweep has replace, the rest stay
+    assert tool.current_table(new, "W4_GEMV_CONFIGS") == {"(8, 16, 1)": [5, 6], "(8, 16, 4)": [1, 2]}
+    assert tool.current_table("T: dict = {\n    ('q', 1, 2): None,\n}\n", "T") == {"('q', 1, 2)": None}
 
 
 def test_throughput_step_log(tmp_path):
