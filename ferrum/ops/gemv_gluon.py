@@ -310,6 +310,12 @@ if HAS_GLUON:
                 ((sc >> 8) & 0xFF).to(gl.float32), ((m >> 8) & 0xFF).to(gl.float32))
 
     @gluon.jit
+    def _q4k_header(hp):
+        """The four int32 words d | dmin, q[0..3], q[4..7], q[8..11] of Q4_K headers at hp."""
+        return (gl.load(hp, eviction_policy="evict_first"), gl.load(hp + 1, eviction_policy="evict_first"),
+                gl.load(hp + 2, eviction_policy="evict_first"), gl.load(hp + 3, eviction_policy="evict_first"))
+
+    @gluon.jit
     def _q4k_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, C_SPLIT, stride_xm, stride_wn, stride_ym,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_C: gl.constexpr, X_PAIRS: gl.constexpr,
                          HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, USE_PDL: gl.constexpr):
@@ -348,15 +354,13 @@ if HAS_GLUON:
         t_end = gl.minimum(t_start + C_SPLIT, K // 64)
         acc = gl.zeros([BLOCK_M, BLOCK_N, BLOCK_C], gl.float32, layout=LMNC)
         ones = gl.full([BLOCK_M, BLOCK_C, 8], 0x01010101, gl.int32, layout=LX)
-        words = gl.load(q_ptrs + 9 * t_start, eviction_policy="evict_first")  # weights only: before the wait
+        # weights only before the wait; the headers are weight bytes too, loaded a tile ahead as
+        # the quants (a header load at the top of each tile would stall it for a DRAM latency)
+        words = gl.load(q_ptrs + 9 * t_start, eviction_policy="evict_first")
+        h0, h1, h2, h3 = _q4k_header(h_ptrs + 9 * t_start)
         if USE_PDL:
             _pdl_start()
         for t0 in range(t_start, t_end, BLOCK_C):
-            hp = h_ptrs + 9 * t0
-            h0 = gl.load(hp)
-            h1 = gl.load(hp + 1)
-            h2 = gl.load(hp + 2)
-            h3 = gl.load(hp + 3)
             # x elements 4w + b (low sub-block) and 32 + 4w + b (high), b = 0..3, as float32
             if X_PAIRS:  # x[e], x[e + 1] (e even) as one int32 of two bf16
                 l0, l1 = _bf16_pair(_x_tile(x_lo + 32 * t0, offs_m, M, BLOCK_M))
@@ -396,6 +400,7 @@ if HAS_GLUON:
                     - dmin * (gl.expand_dims(m_lo, 0) * s_lo + gl.expand_dims(m_hi, 0) * s_hi))
             if t0 + BLOCK_C < t_end:
                 words = gl.load(q_ptrs + 9 * (t0 + BLOCK_C), eviction_policy="evict_first")
+                h0, h1, h2, h3 = _q4k_header(h_ptrs + 9 * (t0 + BLOCK_C))
         _store_tile(y_ptr, b_ptr, gl.sum(acc, axis=2), n0, pid_k, M, N, stride_ym, BLOCK_M, BLOCK_N,
                     gl.SliceLayout(2, LMNC), HAS_BIAS, SPLIT_K)
 
@@ -423,7 +428,7 @@ GLUON_GEMV_CONFIGS: dict[tuple[str, int, int, int], tuple[int, int, int] | None]
     ('q4_k', 4096, 4096, 4): (4, 1, 1),
     ('q4_k', 4096, 14336, 1): (8, 1, 1),
     ('q4_k', 4096, 14336, 4): (4, 1, 1),
-    ('q4_k', 6144, 4096, 1): (8, 1, 1),
+    ('q4_k', 6144, 4096, 1): (8, 2, 1),
     ('q4_k', 6144, 4096, 4): None,
     ('q4_k', 28672, 4096, 1): (8, 2, 1),
     ('q4_k', 28672, 4096, 4): None,
