@@ -580,6 +580,9 @@ class KernelConfig:
                               "the shapes its tuning table lists) through the Gluon GEMVs "
                               "(ferrum/ops/gemv_gluon.py; CUDA sm_90+) instead of the Triton ones",
                               env="FERRUM_GLUON_GEMV")
+    q8_activation_kernel: bool = option(
+        False, "the Q4_K Gluon GEMV takes x rounded to int8 by a kernel of its own (llama.cpp's "
+        "quantize_q8_1) instead of rounding it in every GEMV program", env="FERRUM_Q8_ACTIVATION_KERNEL")
     pdl: bool = option(True, "programmatic dependent launch of the decode kernels (CUDA sm_90+)",
                        env="FERRUM_PDL")
     cpu_blas_gemv: bool = option(True, "CPU float32 linears through numpy's OpenBLAS (one "

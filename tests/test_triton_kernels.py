@@ -578,15 +578,16 @@ def check_prefill_graph(device: str) -> None:
 
 
 def sm90_compile(fn, consts: dict, ptrs: dict, warps: int, stages: int, what: str,
-                 no_hint: tuple[str, ...] = (), loop_without_barrier: bool = False) -> None:
+                 no_hint: tuple[str, ...] = (), loop_without_barrier: bool = False, maxnreg: int | None = None) -> None:
     """Compile Triton (or Gluon) kernel `fn` for sm_90 (H100/H200) without a GPU (Triton's
     bundled ptxas) and assert no register spills and shared memory within the 227 KB an sm_90
     block may use. consts: constexpr values; ptrs: pointer argument -> "*bf16" etc. (others
     are i32, or fp32 for qk_scale / eps). Integer and pointer arguments carry the
     divisible-by-16 hint the JIT adds at run time for such values, except those named in
     `no_hint` (e.g. a row count). `loop_without_barrier`: also assert that no loop of the SASS
-    (a backward branch's range) holds a BAR or a shared-memory access."""
-    k, usage, sass = sm90_sass(fn, consts, ptrs, warps, stages, no_hint)
+    (a backward branch's range) holds a BAR or a shared-memory access. `maxnreg`: the
+    launch's register cap, as the kernel's launcher passes it."""
+    k, usage, sass = sm90_sass(fn, consts, ptrs, warps, stages, no_hint, maxnreg)
     if loop_without_barrier:
         for body in _sass_loops(sass):
             bad = [i for i in body if i.split()[0].split(".")[0] in ("BAR", "LDS", "STS", "STSM", "LDSM")]
@@ -597,7 +598,8 @@ def sm90_compile(fn, consts: dict, ptrs: dict, warps: int, stages: int, what: st
     assert k.metadata.shared <= 227 * 1024, f"{what}: shared memory {k.metadata.shared}"
 
 
-def sm90_sass(fn, consts: dict, ptrs: dict, warps: int, stages: int, no_hint: tuple[str, ...] = ()):
+def sm90_sass(fn, consts: dict, ptrs: dict, warps: int, stages: int, no_hint: tuple[str, ...] = (),
+              maxnreg: int | None = None):
     """(compiled kernel, cuobjdump -res-usage text, SASS text) of `fn` compiled for sm_90 with
     Triton's bundled ptxas, no GPU needed; arguments as `sm90_compile`'s (which checks the
     result; benchmarks/sass_loop.py counts its loops' instructions)."""
@@ -616,7 +618,7 @@ def sm90_sass(fn, consts: dict, ptrs: dict, warps: int, stages: int, no_hint: tu
     if getattr(fn, "is_gluon", lambda: False)():
         from triton.experimental.gluon._runtime import GluonASTSource as source
     k = triton.compile(source(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=warps, num_stages=stages))
+                       options=dict(num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {})))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
         f.flush()

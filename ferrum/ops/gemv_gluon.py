@@ -61,8 +61,11 @@ from ferrum.config import KERNELS
 from ferrum.ops.triton_utils import HAS_TRITON, is_sm90, next_pow2, pdl_ok, reduce_splits
 
 try:
+    import triton
+    import triton.language as tl
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from ferrum.ops.triton_utils import pdl_start
     HAS_GLUON = HAS_TRITON
 except ImportError:  # pragma: no cover - triton < 3.5
     HAS_GLUON = False
@@ -309,6 +312,25 @@ if HAS_GLUON:
         return ((sc & 0xFF).to(gl.float32), (m & 0xFF).to(gl.float32),
                 ((sc >> 8) & 0xFF).to(gl.float32), ((m >> 8) & 0xFF).to(gl.float32))
 
+    @triton.jit
+    def _q8_1_kernel(x_ptr, q_ptr, d_ptr, K, stride_xm, BLOCKS: tl.constexpr, USE_PDL: tl.constexpr):
+        """Row pid 0, 32-value blocks pid 1 * BLOCKS .. of x [M, K] (K % 32 == 0) -> q [M, K] int8
+        = round(x / d) and d [M, K / 32] float32 = max |x| / 127 per block, rounded as
+        `_q8_word` does (the magic number: round to nearest even)."""
+        if USE_PDL:
+            pdl_start()
+        row = tl.program_id(0)
+        blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+        offs = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]
+        ok = blocks < K // 32
+        x = tl.load(x_ptr + row * stride_xm + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=1)
+        d = amax * (1.0 / 127.0)
+        inv = tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), tl.where(amax > 0, d, 1.0)), 0.0)
+        q = ((x * inv[:, None] + 12582912.0).to(tl.int32, bitcast=True) & 0xFF).to(tl.int8)
+        tl.store(q_ptr + row * K + offs, q, mask=ok[:, None])
+        tl.store(d_ptr + row * (K // 32) + blocks, d, mask=ok)
+
     @gluon.jit
     def _q4k_header(hp):
         """The four int32 words d | dmin, q[0..3], q[4..7], q[8..11] of Q4_K headers at hp."""
@@ -316,9 +338,10 @@ if HAS_GLUON:
                 gl.load(hp + 2, eviction_policy="evict_first"), gl.load(hp + 3, eviction_policy="evict_first"))
 
     @gluon.jit
-    def _q4k_gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, C_SPLIT, stride_xm, stride_wn, stride_ym,
-                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_C: gl.constexpr, X_PAIRS: gl.constexpr,
-                         HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, USE_PDL: gl.constexpr):
+    def _q4k_gemv_kernel(x_ptr, d_ptr, w_ptr, b_ptr, y_ptr, M, N, K, C_SPLIT, stride_xm, stride_dm, stride_wn,
+                         stride_ym, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_C: gl.constexpr,
+                         X_PAIRS: gl.constexpr, X_Q8: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr,
+                         USE_PDL: gl.constexpr):
         """GGUF Q4_K (ferrum/ops/gguf.py has the block layout) GEMV for M (<= BLOCK_M) rows of x.
         w_ptr: the raw rows viewed as int32 (a 144-byte super-block is 36 words: d | dmin, 3
         words of 6-bit scales, 32 words of quants). A thread's chunk t is the 32 quant bytes of
@@ -328,7 +351,9 @@ if HAS_GLUON:
         elements 4w..4w+3, as the weight's bytes), and per sub-block
         y += d sc dx sum(q xq) - dmin m sum(x), the integer sum by dp4a (llama.cpp's
         vec_dot_q4_K_q8_1). Program (pid_n, pid_k): rows pid_n * BLOCK_N .., chunks
-        pid_k * C_SPLIT .. (a multiple of BLOCK_C). X_PAIRS as `_w4_gemv_kernel`'s."""
+        pid_k * C_SPLIT .. (a multiple of BLOCK_C). X_PAIRS as `_w4_gemv_kernel`'s. X_Q8: x is
+        already int8 (`q8_1`: x_ptr its bytes as int32 words [M, K / 4], d_ptr its float32
+        scales [M, K / 32]; strides in those elements), so a chunk's x is two 32-byte loads."""
         L4: gl.constexpr = _tile_layout(BLOCK_M, 8, gl.num_warps())
         LW: gl.constexpr = gl.SliceLayout(0, L4)                      # [BLOCK_N, BLOCK_C, 8] words
         LX: gl.constexpr = gl.SliceLayout(1, L4)                      # [BLOCK_M, BLOCK_C, 8] x
@@ -349,7 +374,14 @@ if HAS_GLUON:
         # x of byte 0 of each word: element 64 t + 4 w (bf16 pairs: int32 index 32 t + 2 w)
         offs_m = _lead(0, BLOCK_M, LX)
         cwx = gl.expand_dims(_chunk_offsets(BLOCK_C, 8, LX), 0)
-        x_lo = x_ptr + offs_m * stride_xm + gl.where(X_PAIRS, 32 * (cwx // 8) + 2 * (cwx % 8), 64 * (cwx // 8) + 4 * (cwx % 8))
+        if X_Q8:  # word w of sub-block 2t (16 t + w) and 2t + 1 (16 t + 8 + w); their scales 2t, 2t + 1
+            x_lo = x_ptr + offs_m * stride_xm + cwx + 8 * (cwx // 8)
+            d_rows = gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LMC)), 1)
+            d_ptrs = d_ptr + d_rows * stride_dm + 2 * gl.expand_dims(gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, LMC)), 0)
+            d_mask = d_rows < M
+        else:
+            x_lo = x_ptr + offs_m * stride_xm + gl.where(X_PAIRS, 32 * (cwx // 8) + 2 * (cwx % 8),
+                                                         64 * (cwx // 8) + 4 * (cwx % 8))
         t_start = pid_k * C_SPLIT
         t_end = gl.minimum(t_start + C_SPLIT, K // 64)
         acc = gl.zeros([BLOCK_M, BLOCK_N, BLOCK_C], gl.float32, layout=LMNC)
@@ -361,28 +393,34 @@ if HAS_GLUON:
         if USE_PDL:
             _pdl_start()
         for t0 in range(t_start, t_end, BLOCK_C):
-            # x elements 4w + b (low sub-block) and 32 + 4w + b (high), b = 0..3, as float32
-            if X_PAIRS:  # x[e], x[e + 1] (e even) as one int32 of two bf16
-                l0, l1 = _bf16_pair(_x_tile(x_lo + 32 * t0, offs_m, M, BLOCK_M))
-                l2, l3 = _bf16_pair(_x_tile(x_lo + (32 * t0 + 1), offs_m, M, BLOCK_M))
-                u0, u1 = _bf16_pair(_x_tile(x_lo + (32 * t0 + 16), offs_m, M, BLOCK_M))
-                u2, u3 = _bf16_pair(_x_tile(x_lo + (32 * t0 + 17), offs_m, M, BLOCK_M))
+            if X_Q8:
+                xq_lo = _x_tile(x_lo + 16 * t0, offs_m, M, BLOCK_M)                # [BLOCK_M, BLOCK_C, 8]
+                xq_hi = _x_tile(x_lo + (16 * t0 + 8), offs_m, M, BLOCK_M)
+                dx_lo = gl.expand_dims(gl.load(d_ptrs + 2 * t0, mask=d_mask, other=0.0), 1)   # [BLOCK_M, 1, BLOCK_C]
+                dx_hi = gl.expand_dims(gl.load(d_ptrs + (2 * t0 + 1), mask=d_mask, other=0.0), 1)
             else:
-                xp = x_lo + 64 * t0
-                l0 = _x_tile(xp, offs_m, M, BLOCK_M).to(gl.float32)
-                l1 = _x_tile(xp + 1, offs_m, M, BLOCK_M).to(gl.float32)
-                l2 = _x_tile(xp + 2, offs_m, M, BLOCK_M).to(gl.float32)
-                l3 = _x_tile(xp + 3, offs_m, M, BLOCK_M).to(gl.float32)
-                u0 = _x_tile(xp + 32, offs_m, M, BLOCK_M).to(gl.float32)
-                u1 = _x_tile(xp + 33, offs_m, M, BLOCK_M).to(gl.float32)
-                u2 = _x_tile(xp + 34, offs_m, M, BLOCK_M).to(gl.float32)
-                u3 = _x_tile(xp + 35, offs_m, M, BLOCK_M).to(gl.float32)
-            d_lo, inv_lo = _q8_scale(l0, l1, l2, l3)
-            d_hi, inv_hi = _q8_scale(u0, u1, u2, u3)
-            xq_lo = _q8_word(l0, l1, l2, l3, gl.expand_dims(inv_lo, 2))    # [BLOCK_M, BLOCK_C, 8]
-            xq_hi = _q8_word(u0, u1, u2, u3, gl.expand_dims(inv_hi, 2))
-            dx_lo = gl.expand_dims(gl.convert_layout(d_lo, LMC, assert_trivial=True), 1)
-            dx_hi = gl.expand_dims(gl.convert_layout(d_hi, LMC, assert_trivial=True), 1)
+                # x elements 4w + b (low sub-block) and 32 + 4w + b (high), b = 0..3, as float32
+                if X_PAIRS:  # x[e], x[e + 1] (e even) as one int32 of two bf16
+                    l0, l1 = _bf16_pair(_x_tile(x_lo + 32 * t0, offs_m, M, BLOCK_M))
+                    l2, l3 = _bf16_pair(_x_tile(x_lo + (32 * t0 + 1), offs_m, M, BLOCK_M))
+                    u0, u1 = _bf16_pair(_x_tile(x_lo + (32 * t0 + 16), offs_m, M, BLOCK_M))
+                    u2, u3 = _bf16_pair(_x_tile(x_lo + (32 * t0 + 17), offs_m, M, BLOCK_M))
+                else:
+                    xp = x_lo + 64 * t0
+                    l0 = _x_tile(xp, offs_m, M, BLOCK_M).to(gl.float32)
+                    l1 = _x_tile(xp + 1, offs_m, M, BLOCK_M).to(gl.float32)
+                    l2 = _x_tile(xp + 2, offs_m, M, BLOCK_M).to(gl.float32)
+                    l3 = _x_tile(xp + 3, offs_m, M, BLOCK_M).to(gl.float32)
+                    u0 = _x_tile(xp + 32, offs_m, M, BLOCK_M).to(gl.float32)
+                    u1 = _x_tile(xp + 33, offs_m, M, BLOCK_M).to(gl.float32)
+                    u2 = _x_tile(xp + 34, offs_m, M, BLOCK_M).to(gl.float32)
+                    u3 = _x_tile(xp + 35, offs_m, M, BLOCK_M).to(gl.float32)
+                d_lo, inv_lo = _q8_scale(l0, l1, l2, l3)
+                d_hi, inv_hi = _q8_scale(u0, u1, u2, u3)
+                xq_lo = _q8_word(l0, l1, l2, l3, gl.expand_dims(inv_lo, 2))    # [BLOCK_M, BLOCK_C, 8]
+                xq_hi = _q8_word(u0, u1, u2, u3, gl.expand_dims(inv_hi, 2))
+                dx_lo = gl.expand_dims(gl.convert_layout(d_lo, LMC, assert_trivial=True), 1)
+                dx_hi = gl.expand_dims(gl.convert_layout(d_hi, LMC, assert_trivial=True), 1)
             # sum(x) of the min term from the int8 values too: dp4a with bytes of 1
             s_lo = dx_lo * gl.expand_dims(gl.convert_layout(gl.sum(_dp4a(ones, xq_lo), axis=2), LMC,
                                                             assert_trivial=True), 1).to(gl.float32)
@@ -575,6 +613,25 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     return y if split == 1 else reduce_splits(out, y, bias, pdl)
 
 
+Q8_BLOCKS = 32  # 32-value blocks per program of `q8_1` (1,024 values)
+# Register cap of the Q4_K GEMV on int8 x: ptxas takes ~250 per thread (2 warps per scheduler)
+# where 168 (3) hold the loop without spills at the default configs (tests' sm_90 compile)
+Q8_MAXNREG = 168
+
+
+def q8_1(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] bf16/fp16 (K % 32 == 0, rows contiguous) -> (q [M, K] int8, d [M, K / 32]
+    float32): per 32 values d = max |x| / 127 and q = round(x / d) (llama.cpp's
+    quantize_q8_1, without its sums), on x's device (CUDA, or the interpreter)."""
+    M, K = x.shape
+    q = torch.empty(M, K, dtype=torch.int8, device=x.device)
+    d = torch.empty(M, K // 32, dtype=torch.float32, device=x.device)
+    pdl = pdl_ok(x)
+    _q8_1_kernel[(M, triton.cdiv(K // 32, Q8_BLOCKS))](x, q, d, K, x.stride(0), BLOCKS=Q8_BLOCKS, USE_PDL=pdl,
+                                                       num_warps=4, launch_pdl=pdl)
+    return q, d
+
+
 def q4k_gemv(x: torch.Tensor, raw: torch.Tensor, bias: torch.Tensor | None = None,
              config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """y = x W^T + bias with W in GGUF Q4_K blocks: raw [N, K // 256 * 144] uint8, rows
@@ -584,10 +641,15 @@ def q4k_gemv(x: torch.Tensor, raw: torch.Tensor, bias: torch.Tensor | None = Non
     K = raw.shape[1] // 144 * 256
     bm, bn, warps, split, y, out, pdl = _prepare("q4_k", x, N, K, config,
                                                  raw.stride(1) == 1 and raw.stride(0) % 4 == 0)
-    xa, stride_xm, pairs = _x_arg(x)
+    if KERNELS.q8_activation_kernel:
+        q, d = q8_1(x)
+        xa, stride_xm, pairs, stride_dm = q.view(torch.int32), K // 4, False, K // 32
+    else:
+        (xa, stride_xm, pairs), d, stride_dm = _x_arg(x), x, 0
     _q4k_gemv_kernel[(N // bn, split)](
-        xa, raw.view(torch.int32), bias if bias is not None else x, out, x.shape[0], N, K, K // 64 // split,
-        stride_xm, raw.stride(0) // 4, y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_C=32 * warps,
-        X_PAIRS=pairs, HAS_BIAS=bias is not None and split == 1, SPLIT_K=split, USE_PDL=pdl, num_warps=warps,
-        launch_pdl=pdl)
+        xa, d, raw.view(torch.int32), bias if bias is not None else x, out, x.shape[0], N, K, K // 64 // split,
+        stride_xm, stride_dm, raw.stride(0) // 4, y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_C=32 * warps,
+        X_PAIRS=pairs, X_Q8=KERNELS.q8_activation_kernel, HAS_BIAS=bias is not None and split == 1, SPLIT_K=split,
+        USE_PDL=pdl, num_warps=warps, launch_pdl=pdl,
+        **({"maxnreg": Q8_MAXNREG} if KERNELS.q8_activation_kernel and x.is_cuda else {}))
     return y if split == 1 else reduce_splits(out, y, bias, pdl)
