@@ -587,7 +587,7 @@ def sm90_compile(fn, consts: dict, ptrs: dict, warps: int, stages: int, what: st
     `no_hint` (e.g. a row count). `loop_without_barrier`: also assert that no loop of the SASS
     (a backward branch's range) holds a BAR or a shared-memory access. `maxnreg`: the
     launch's register cap, as the kernel's launcher passes it."""
-    k, usage, sass = sm90_sass(fn, consts, ptrs, warps, stages, no_hint, maxnreg)
+    k, usage, sass = sm90_sass(fn, consts, ptrs, warps, stages, no_hint, maxnreg, dump_sass=loop_without_barrier)
     if loop_without_barrier:
         for body in _sass_loops(sass):
             bad = [i for i in body if i.split()[0].split(".")[0] in ("BAR", "LDS", "STS", "STSM", "LDSM")]
@@ -599,10 +599,12 @@ def sm90_compile(fn, consts: dict, ptrs: dict, warps: int, stages: int, what: st
 
 
 def sm90_sass(fn, consts: dict, ptrs: dict, warps: int, stages: int, no_hint: tuple[str, ...] = (),
-              maxnreg: int | None = None):
+              maxnreg: int | None = None, dump_sass: bool = True):
     """(compiled kernel, cuobjdump -res-usage text, SASS text) of `fn` compiled for sm_90 with
     Triton's bundled ptxas, no GPU needed; arguments as `sm90_compile`'s (which checks the
-    result; benchmarks/sass_loop.py counts its loops' instructions)."""
+    result; benchmarks/sass_loop.py counts its loops' instructions). `dump_sass=False` leaves
+    the SASS text empty: cuobjdump takes ~0.3-0.6 s per kernel to print it (-res-usage ~3 ms),
+    most of the compile tests' time when the kernels are in Triton's cache."""
     import subprocess as sp
     import tempfile
     import triton
@@ -623,7 +625,8 @@ def sm90_sass(fn, consts: dict, ptrs: dict, warps: int, stages: int, no_hint: tu
         f.write(k.asm["cubin"])
         f.flush()
         usage = sp.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-        sass = sp.run([cuobjdump, "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
+        sass = sp.run([cuobjdump, "--dump-sass", f.name], capture_output=True, text=True,
+                      check=True).stdout if dump_sass else ""
     return k, usage, sass
 
 
