@@ -85,9 +85,10 @@ def test_gpu_run_sections_dry_run_on_cpu(tmp_path):
 def test_gpu_run_section_over_its_limit_keeps_ferrum_figures_and_goes_on(tmp_path):
     """The latency section's vLLM run outlasts the section's limit: SIGINT ends it (no peer left),
     ferrum's own figures are on disk, the summary says so, and the next section runs."""
-    proc, out = _run(tmp_path, ["latency", "tests"], FAKE_PEER_SLEEP="600", LIMIT_latency="45")
+    # the limit is waited out in full: ferrum's part takes ~8 s on the idle 2-core box
+    proc, out = _run(tmp_path, ["latency", "tests"], FAKE_PEER_SLEEP="600", LIMIT_latency="30")
     summary = open(os.path.join(out, "summary.txt")).read()
-    assert "latency: TIMED OUT after 45 s" in summary, summary + proc.stdout + proc.stderr
+    assert "latency: TIMED OUT after 30 s" in summary, summary + proc.stdout + proc.stderr
     lat = json.load(open(os.path.join(out, "latency.json")))
     assert lat["partial"] and lat["peers"] == {} and lat["ferrum"]["decode_tok_s"] > 0
     assert "tests: exit 0" in summary    # pytest -m gpu: collected, all skipped on CPU
