@@ -1,6 +1,5 @@
 """GGUF loader: tiny GGUFs written here with gguf.GGUFWriter, and the real SmolLM2 Q4_1 GGUF
 checked tensor by tensor against Hugging Face transformers' own GGUF loader."""
-import os
 import shutil
 
 import numpy as np
@@ -211,28 +210,13 @@ def test_unsupported_quant_type_is_named(tmp_path, home):
 # ---------------------------------------------------------------- real SmolLM2 file
 
 @pytest.fixture(scope="module")
-def hf_reference(smollm2_gguf_path):
-    """(HF config, {HF name: float32 tensor}) from transformers' GGUF loader.
-    `load_gguf_checkpoint(..., return_tensors=True)` is what `from_pretrained(gguf_file=...)`
-    calls for the weights (from_pretrained itself additionally requires `accelerate`)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    folder, fname = os.path.split(smollm2_gguf_path)
-    config = AutoConfig.from_pretrained(folder, gguf_file=fname)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    parsed = load_gguf_checkpoint(smollm2_gguf_path, return_tensors=True, model_to_load=skeleton)
-    return config, parsed["tensors"]
-
-
-@pytest.fixture(scope="module")
 def smollm2(smollm2_gguf_path):
     """SmolLM2 with its weights dequantized from the file on each read (not the loader's cache)."""
     return load_gguf(smollm2_gguf_path, dequant_cache=False)
 
 
-def test_smollm2_config_matches_transformers(smollm2, hf_reference):
-    hf, c = hf_reference[0], smollm2.config
+def test_smollm2_config_matches_transformers(smollm2, smollm2_hf_reference):
+    hf, c = smollm2_hf_reference[0], smollm2.config
     assert c.architecture == "LlamaForCausalLM" and c.family == "llama"
     assert (c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (
         49152, 576, 1536, 30)
@@ -255,10 +239,10 @@ def test_smollm2_config_matches_transformers(smollm2, hf_reference):
 
 
 @pytest.mark.parametrize("dequant_cache", [False, True])
-def test_smollm2_every_tensor_equals_transformers(smollm2_gguf_path, hf_reference, dequant_cache):
+def test_smollm2_every_tensor_equals_transformers(smollm2_gguf_path, smollm2_hf_reference, dequant_cache):
     """Dequantized from the file, and read from the loader's float32 cache: bit-identical to
     transformers' GGUF loader."""
-    ref = hf_reference[1]
+    ref = smollm2_hf_reference[1]
     ws = load_gguf(smollm2_gguf_path, dequant_cache).weights()
     assert all((ws.get(n).dense is not None) == dequant_cache for n in ws.names())
     assert sorted(ws.names()) == sorted(ref) and len(ref) == 1 + 30 * 9 + 1
@@ -272,8 +256,8 @@ def test_smollm2_every_tensor_equals_transformers(smollm2_gguf_path, hf_referenc
     assert ref["model.layers.0.self_attn.q_proj.weight"].std() > 0.01
 
 
-def test_smollm2_tp_slices_read_only_their_rows(smollm2, hf_reference, monkeypatch):
-    ref, ws = hf_reference[1], smollm2.weights()
+def test_smollm2_tp_slices_read_only_their_rows(smollm2, smollm2_hf_reference, monkeypatch):
+    ref, ws = smollm2_hf_reference[1], smollm2.weights()
     rows_seen = []
     real = gguf_loader.dequantize
 
