@@ -24,19 +24,11 @@ def smollm2_tokenizer(smollm2_gguf_path):
 
 @pytest.fixture(scope="session")
 def smollm2_hf_reference(smollm2_gguf_path):
-    """(HF config, {HF name: float32 tensor}) of the SmolLM2 GGUF from transformers' GGUF loader.
-    `load_gguf_checkpoint(..., return_tensors=True)` is what `from_pretrained(gguf_file=...)`
-    calls for the weights (from_pretrained itself additionally requires `accelerate`). Session
-    scope: test_engine and test_gguf share it (one read of the file takes ~20 s on the CI box)."""
-    import os
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    folder, fname = os.path.split(smollm2_gguf_path)
-    config = AutoConfig.from_pretrained(folder, gguf_file=fname)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    parsed = load_gguf_checkpoint(smollm2_gguf_path, return_tensors=True, model_to_load=skeleton)
-    return config, parsed["tensors"]
+    """(HF config, {HF name: float32 tensor}) of the SmolLM2 GGUF from transformers' GGUF loader
+    (hf_gguf.py). Session scope: test_engine and test_gguf share it (each read of the file by
+    transformers took ~20 s on the CI box)."""
+    from hf_gguf import hf_gguf_reference
+    return hf_gguf_reference(smollm2_gguf_path)
 
 
 @pytest.fixture(scope="module")

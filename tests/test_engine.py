@@ -483,16 +483,9 @@ def test_smollm2_greedy_matches_hf(smol, smollm2_hf_reference):
     """SmolLM2 GGUF vs HF transformers loading the same GGUF (its GGUF loader's config and
     tensors, shared with test_gguf): prefill logits within 1e-3 and 32 greedy tokens identical,
     for 3 prompts (one through the chat template)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
+    from hf_gguf import hf_model_from
     from ferrum.interfaces import KvCacheHandle, PrefillInput
-    config, tensors = smollm2_hf_reference
-    with no_init_weights():   # every weight is overwritten below: skip the random init
-        hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    hf.tie_weights()          # (no_init_weights skips the tying from_config does)
-    missing, unexpected = hf.load_state_dict(tensors, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}   # tied to the embedding
-    assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    hf = hf_model_from(*smollm2_hf_reference)
     tok = smol.tokenizer
     prompts = [tok.apply_chat_template(CAPITAL), tok.encode("The three primary colors are"),
                tok.encode("def fibonacci(n):\n")]

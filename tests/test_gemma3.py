@@ -32,20 +32,9 @@ def gemma_path() -> str:
 def hf_gemma(gemma_path):
     """(HF Gemma3ForCausalLM in float32 with the GGUF's weights, {HF name: tensor}) from
     transformers' GGUF loader (`load_gguf_checkpoint`, what from_pretrained(gguf_file=) uses)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    folder, fname = os.path.split(gemma_path)
-    config = AutoConfig.from_pretrained(folder, gguf_file=fname)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    tensors = load_gguf_checkpoint(gemma_path, return_tensors=True, model_to_load=skeleton)["tensors"]
-    from transformers.initialization import no_init_weights
-    with no_init_weights():   # every weight is overwritten below: skip the random init
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    model.tie_weights()       # (no_init_weights skips the tying from_config does)
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}   # tied to the embedding
-    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    from hf_gguf import hf_gguf_reference, hf_model_from
+    config, tensors = hf_gguf_reference(gemma_path)
+    model = hf_model_from(config, tensors)
     return model, tensors
 
 
