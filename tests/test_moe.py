@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from test_triton_kernels import (HAS_CUDA, HAS_TRITON, _assert_close, _has_ptxas, _run_interpreted,
-                                 sm90_compile)
+                                 prefetched_checks, sm90_compile)
 
 HERE = os.path.abspath(__file__)
 
@@ -173,8 +173,15 @@ interp = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 
 @interp
 @pytest.mark.parametrize("check", ["check_moe_align", "check_moe_kernels"])
-def test_moe_kernel_in_interpreter(check):
-    _run_interpreted(check, path=HERE)
+def test_moe_kernel_in_interpreter(check, interpreted):
+    interpreted[check].result()
+
+
+@pytest.fixture(scope="module")
+def interpreted(request):
+    with prefetched_checks(request, lambda name: _run_interpreted(name, path=HERE),
+                           {"test_moe_kernel_in_interpreter": None}) as futures:
+        yield futures
 
 
 @pytest.mark.skipif(not _has_ptxas(), reason="needs triton with its bundled ptxas")

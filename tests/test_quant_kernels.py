@@ -337,8 +337,18 @@ gpu = [pytest.mark.gpu, pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason
 
 @interp
 @pytest.mark.parametrize("check", CHECKS)
-def test_kernel_in_interpreter(check):
-    print(_run_interpreted(check))
+def test_kernel_in_interpreter(check, interpreted):
+    print(interpreted[check].result())
+
+
+@pytest.fixture(scope="module")
+def interpreted(request):
+    from test_triton_kernels import prefetched_checks
+    with prefetched_checks(request, _run_interpreted, {
+            "test_kernel_in_interpreter": None,
+            "test_quantized_model_through_kernels_in_interpreter": "check_quantized_model_small",
+            "test_fp8_kv_attention_in_interpreter": "check_fp8_kv_attention"}) as futures:
+        yield futures
 
 
 def test_cpu_dispatch_is_the_dequantized_reference():
@@ -649,8 +659,8 @@ def check_quantized_models(device: str, steps: int = 3, cases=tuple(MODEL_CASES)
 
 
 @interp
-def test_quantized_model_through_kernels_in_interpreter():
-    print(_run_interpreted("check_quantized_model_small"))
+def test_quantized_model_through_kernels_in_interpreter(interpreted):
+    print(interpreted["check_quantized_model_small"].result())
 
 
 @pytest.mark.gpu
@@ -719,8 +729,8 @@ def check_fp8_kv_attention(device: str) -> None:
 
 
 @interp
-def test_fp8_kv_attention_in_interpreter():
-    print(_run_interpreted("check_fp8_kv_attention"))
+def test_fp8_kv_attention_in_interpreter(interpreted):
+    print(interpreted["check_fp8_kv_attention"].result())
 
 
 @pytest.mark.gpu

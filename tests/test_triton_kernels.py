@@ -9,11 +9,13 @@ other test modules are unaffected. The same `check_*` functions run in-process o
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -110,6 +112,21 @@ def _run_interpreted(name: str, interpret: bool = True, path: str = HERE) -> str
                        text=True, timeout=600)
     assert r.returncode == 0, f"{name} failed:\n{r.stdout}\n{r.stderr[-6000:]}"
     return r.stdout
+
+
+@contextlib.contextmanager
+def prefetched_checks(request, run, checks: dict):
+    """Starts `run(check)` for each selected test of `request.module` that `checks` names (test
+    function name -> check name, or None: its `check` parameter), two at a time, ahead of the
+    tests, which then wait for their own: each interpreter subprocess is single-threaded and
+    the CI box has 2 cores. Yields {check name: Future of run's result}."""
+    names = [checks[it.originalname] or it.callspec.params["check"] for it in request.session.items
+             if getattr(it, "module", None) is request.module and getattr(it, "originalname", None) in checks]
+    pool = ThreadPoolExecutor(2)
+    try:
+        yield {name: pool.submit(run, name) for name in dict.fromkeys(names)}
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 def _assert_close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
@@ -715,8 +732,14 @@ interp = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 @pytest.mark.parametrize("check", ["check_write_kv", "check_decode", "check_prefill", "check_attention_layer",
                                    "check_fused_ops", "check_gemv", "check_prefill_graph",
                                    "check_gumbel_sampler", "check_fp8_quant_rows"])
-def test_kernel_in_interpreter(check):
-    _run_interpreted(check)
+def test_kernel_in_interpreter(check, interpreted):
+    interpreted[check].result()
+
+
+@pytest.fixture(scope="module")
+def interpreted(request):
+    with prefetched_checks(request, _run_interpreted, {"test_kernel_in_interpreter": None}) as futures:
+        yield futures
 
 
 def _has_ptxas() -> bool:
