@@ -56,8 +56,10 @@ def _shim_fp8_rounding() -> None:
     interp._ferrum_fp8_shim = True
 
 
-def _run_interpreted(name: str) -> str:
-    env = dict(os.environ, TRITON_INTERPRET="1", FERRUM_FORCE_TRITON="1", OMP_NUM_THREADS="1")
+def _run_interpreted(name: str, interpret: bool = True) -> str:
+    """Run check `name` in a subprocess with TRITON_INTERPRET=1 (or 0: compile only) and
+    FERRUM_FORCE_TRITON=1."""
+    env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0", FERRUM_FORCE_TRITON="1", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     code = ("import importlib.util as u\n"
             f"s = u.spec_from_file_location('_ferrum_qk', {HERE!r}); m = u.module_from_spec(s)\n"
@@ -344,10 +346,13 @@ def test_kernel_in_interpreter(check, interpreted):
 @pytest.fixture(scope="module")
 def interpreted(request):
     from test_triton_kernels import prefetched_checks
-    with prefetched_checks(request, _run_interpreted, {
-            "test_kernel_in_interpreter": None,
-            "test_quantized_model_through_kernels_in_interpreter": "check_quantized_model_small",
-            "test_fp8_kv_attention_in_interpreter": "check_fp8_kv_attention"}) as futures:
+    checks = {"test_kernel_in_interpreter": None,
+              "test_quantized_model_through_kernels_in_interpreter": "check_quantized_model_small",
+              "test_fp8_kv_attention_in_interpreter": "check_fp8_kv_attention"}
+    if _has_ptxas():
+        checks["test_kernels_compile_for_sm90_without_spills"] = "check_sm90_compile"
+    with prefetched_checks(request, lambda name: _run_interpreted(name, interpret=name != "check_sm90_compile"),
+                           checks) as futures:
         yield futures
 
 
@@ -585,15 +590,8 @@ def _has_ptxas() -> bool:
 
 
 @pytest.mark.skipif(not _has_ptxas(), reason="needs triton with its bundled ptxas")
-def test_kernels_compile_for_sm90_without_spills():
-    env = dict(os.environ, TRITON_INTERPRET="0", FERRUM_FORCE_TRITON="1")
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    code = ("import importlib.util as u\n"
-            f"s = u.spec_from_file_location('_ferrum_qk', {HERE!r}); m = u.module_from_spec(s)\n"
-            "s.loader.exec_module(m); m.check_sm90_compile('cpu')\n")
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout + r.stderr[-6000:]
-    print(r.stdout)
+def test_kernels_compile_for_sm90_without_spills(interpreted):
+    print(interpreted["check_sm90_compile"].result())
 
 
 # ---------------------------------------------------------------------------------------------
