@@ -21,11 +21,27 @@ from test_models import _hf_logits, _run_executor
 
 pytestmark = pytest.mark.slow
 STEPS = 16
+PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
 def gemma_path() -> str:
     return pull("gemma3-270m", progress=False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cli_run(gemma_path):
+    """`ferrum run gemma3-270m --prompt` in a subprocess (test_gemma3_270m_by_name_llm_and_cli
+    reads its output), started before the other fixtures so that it runs while they read the
+    GGUF (transformers' parse is single-threaded Python, ~35 s on the CI box)."""
+    proc = subprocess.Popen([sys.executable, "-m", "ferrum.entrypoints.cli", "run", "gemma3-270m",
+                             "--prompt", PROMPT, "--raw", "--temperature", "0", "--max-tokens", str(STEPS),
+                             "--dtype", "float32", "--max-model-len", "256"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "2"})
+    yield proc
+    proc.kill()
+    proc.communicate()
 
 
 @pytest.fixture(scope="module")
@@ -76,11 +92,11 @@ def test_gemma3_270m_config_norms_and_greedy_match_hf(llm, hf_gemma):
     print(f"gemma3-270m: max abs logits diff vs HF {worst:.3e}")
 
 
-def test_gemma3_270m_by_name_llm_and_cli(llm, hf_gemma):
+def test_gemma3_270m_by_name_llm_and_cli(llm, hf_gemma, cli_run):
     """`LLM("gemma3-270m")` (text in, text out) and `ferrum run gemma3-270m --prompt` give HF's
     greedy continuation."""
     hf, _ = hf_gemma
-    prompt = "The capital of France is"
+    prompt = PROMPT
     sp = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
     out = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
     ids = llm.tokenizer.encode(prompt)
@@ -95,10 +111,6 @@ def test_gemma3_270m_by_name_llm_and_cli(llm, hf_gemma):
     cli_text = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=STEPS),
                             use_tqdm=False)[0].outputs[0].text
     assert text.startswith(cli_text)
-    r = subprocess.run([sys.executable, "-m", "ferrum.entrypoints.cli", "run", "gemma3-270m",
-                        "--prompt", prompt, "--raw", "--temperature", "0", "--max-tokens", str(STEPS),
-                        "--dtype", "float32", "--max-model-len", "256"],
-                       capture_output=True, text=True, timeout=900,
-                       env={**os.environ, "OMP_NUM_THREADS": "2"})
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.strip() == cli_text.strip()
+    out, err = cli_run.communicate(timeout=900)
+    assert cli_run.returncode == 0, err[-2000:]
+    assert out.strip() == cli_text.strip()
