@@ -10,6 +10,9 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,6 +65,22 @@ def _run(tmp, sections: list[str], **env) -> tuple[subprocess.CompletedProcess, 
     return proc, str(out)
 
 
+OVER_LIMIT = "test_gpu_run_section_over_its_limit_keeps_ferrum_figures_and_goes_on"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def over_limit_run(request, tmp_path_factory):
+    """(its folder, Future of `_run`'s result) of the over-limit test's run, started with the
+    module when that test is selected: most of that run waits out the section's limit, and the
+    other tests' runs use the cores meanwhile."""
+    if not any(getattr(it, "originalname", None) == OVER_LIMIT for it in request.session.items):
+        yield None
+        return
+    tmp = tmp_path_factory.mktemp("over_limit")
+    with ThreadPoolExecutor(1) as pool:
+        yield tmp, pool.submit(_run, tmp, ["latency", "tests"], FAKE_PEER_SLEEP="600", LIMIT_latency="45")
+
+
 def test_gpu_run_sections_dry_run_on_cpu(tmp_path):
     proc, out = _run(tmp_path, ["ttft", "tp2"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -82,13 +101,13 @@ def test_gpu_run_sections_dry_run_on_cpu(tmp_path):
     assert "== command:" in open(os.path.join(out, "tp2.log")).read()
 
 
-def test_gpu_run_section_over_its_limit_keeps_ferrum_figures_and_goes_on(tmp_path):
+def test_gpu_run_section_over_its_limit_keeps_ferrum_figures_and_goes_on(over_limit_run):
     """The latency section's vLLM run outlasts the section's limit: SIGINT ends it (no peer left),
     ferrum's own figures are on disk, the summary says so, and the next section runs."""
-    # the limit is waited out in full: ferrum's part takes ~8 s on the idle 2-core box
-    proc, out = _run(tmp_path, ["latency", "tests"], FAKE_PEER_SLEEP="600", LIMIT_latency="30")
+    tmp_path, run = over_limit_run   # (started by the fixture: LIMIT_latency 45, a peer that sleeps 600 s)
+    proc, out = run.result()
     summary = open(os.path.join(out, "summary.txt")).read()
-    assert "latency: TIMED OUT after 30 s" in summary, summary + proc.stdout + proc.stderr
+    assert "latency: TIMED OUT after 45 s" in summary, summary + proc.stdout + proc.stderr
     lat = json.load(open(os.path.join(out, "latency.json")))
     assert lat["partial"] and lat["peers"] == {} and lat["ferrum"]["decode_tok_s"] > 0
     assert "tests: exit 0" in summary    # pytest -m gpu: collected, all skipped on CPU
