@@ -526,3 +526,34 @@ def test_async_launches_no_step_for_sequences_that_length_finishes(folder, refer
     assert llm.engine.stats["overlapped_steps"] > 0
     wasted = sum(max(0, len(o.outputs[0].token_ids) - 1) for o in outs)   # decode steps needed
     assert llm.engine.stats["steps"] - 5 <= len(outs) + wasted + sum(1 for o in outs if o.outputs[0].finish_reason == "stop")
+
+
+def test_generate_from_threads_and_after_shutdown(folder):
+    """LLM.generate from several threads at once: each call gets its own prompts' tokens, as
+    alone (calls run one after another; before, each stepped the shared engine and took the
+    others' outputs, and steps failed on mixed batches). After shutdown (or leaving `with`),
+    generate raises EngineDeadError instead of returning empty "error" outputs; shutdown again
+    does nothing."""
+    import threading
+    from ferrum.errors import EngineDeadError
+    rng = random.Random(11)
+    prompts = [[[rng.randrange(2, VOCAB) for _ in range(rng.randrange(3, 20))] for _ in range(3)] for _ in range(4)]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with make_llm(folder) as llm:
+        want = [tokens(llm.generate(p, sp, use_tqdm=False)) for p in prompts]
+        got, errors = [None] * len(prompts), []
+
+        def work(i):
+            try:
+                got[i] = tokens(llm.generate(prompts[i], sp, use_tqdm=False))
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors and got == want
+    with pytest.raises(EngineDeadError):
+        llm.generate(prompts[0], sp, use_tqdm=False)
+    llm.shutdown()

@@ -3,13 +3,14 @@ All prompts go through the continuous-batching engine at once; a tqdm bar shows 
 from __future__ import annotations
 
 import numbers
+import threading
 import time
 
 from tqdm.auto import tqdm
 
 from ferrum.config import EngineConfig
 from ferrum.engine.llm_engine import LLMEngine
-from ferrum.errors import InvalidRequestError
+from ferrum.errors import EngineDeadError, InvalidRequestError
 from ferrum.entrypoints.chat_utils import PARALLEL_TOOL_CALLS, apply_tool_calls, prepare_chat
 from ferrum.outputs import RequestOutput
 from ferrum.sampling_params import SamplingParams
@@ -23,11 +24,15 @@ class LLM:
     kwargs: any engine option, named as its field in `ferrum/config.py` (the `ferrum run`
     flags without dashes): tensor_parallel_size, dtype, device, max_model_len, threads,
     kv_cache_memory ("2GiB" or bytes), ... An unknown name raises TypeError.
+    Calls from several threads run one after another (each call steps the engine until its
+    own requests finish); after `shutdown` they raise EngineDeadError.
     """
 
     def __init__(self, model: str = "smollm2", progress: bool = True, **kwargs):
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs), progress=progress)
         self.tokenizer = self.engine.tokenizer
+        self._lock = threading.Lock()   # one generate at a time steps the engine
+        self._closed = False
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -38,7 +43,7 @@ class LLM:
         batching). Raises InvalidRequestError when prompts are of another type (param
         "prompts" / "prompts[i]"), sampling_params is not a SamplingParams or a list of them
         with one per prompt, plus what `LLMEngine.add_request` raises (nothing is left queued
-        then)."""
+        then), and EngineDeadError after `shutdown`."""
         prompts = _prompt_list(prompts)
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(prompts):
@@ -54,20 +59,23 @@ class LLM:
                 where = f"sampling_params[{i}]" if isinstance(sampling_params, list) else "sampling_params"
                 raise InvalidRequestError(f"{where} must be a SamplingParams, got {type(sp).__name__}",
                                           param=where)
-        if not prompts:
-            return []
-        ids = []
-        try:
-            for p, sp in zip(prompts, params):
-                if isinstance(p, str):
-                    ids.append(self.engine.add_request(None, p, sp))
-                else:
-                    ids.append(self.engine.add_request(None, None, sp, prompt_token_ids=list(p)))
-        except Exception:
-            for rid in ids:
-                self.engine.abort_request(rid)
-            raise
-        return self._run(ids, use_tqdm)
+        with self._lock:
+            if self._closed:
+                raise EngineDeadError("this LLM was shut down; create a new one")
+            if not prompts:
+                return []
+            ids = []
+            try:
+                for p, sp in zip(prompts, params):
+                    if isinstance(p, str):
+                        ids.append(self.engine.add_request(None, p, sp))
+                    else:
+                        ids.append(self.engine.add_request(None, None, sp, prompt_token_ids=list(p)))
+            except Exception:
+                for rid in ids:
+                    self.engine.abort_request(rid)
+                raise
+            return self._run(ids, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
@@ -126,8 +134,12 @@ class LLM:
         return outs
 
     def shutdown(self) -> None:
-        """Stop the engine: worker ranks exit and device memory is freed."""
-        self.engine.shutdown()
+        """Stop the engine: worker ranks exit and device memory is freed (once; later calls
+        do nothing)."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self.engine.shutdown()
 
     def __enter__(self):
         return self
