@@ -325,6 +325,11 @@ def test_bench_counts_and_lengths_below_one_are_parse_errors(capsys):
         assert f"argument {flag}: expected a" in capsys.readouterr().err, (name, flag)
     with pytest.raises(SystemExit):
         subs["bench throughput"].parse_args(["--input-len", "0", "5"])
+    for flag in ("--input-len", "--output-len"):  # MIN > MAX: randrange's traceback after loading
+        with pytest.raises(SystemExit) as info:
+            subs["bench throughput"].parse_args([flag, "16", "8"])
+        assert info.value.code == 2 and "MIN (16) is larger than MAX (8)" in capsys.readouterr().err
+    assert subs["bench throughput"].parse_args(["--input-len", "8", "8"]).input_len == [8, 8]
 
 
 def test_run_without_seed_is_not_the_same_every_process():

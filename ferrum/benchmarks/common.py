@@ -26,6 +26,19 @@ def positive_int(text: str) -> int:
     return n
 
 
+def min_max_action():
+    """argparse action for `nargs=2` MIN MAX: an argparse error when MIN > MAX (a random
+    length in [MIN, MAX] would fail with a traceback after the model has loaded)."""
+    import argparse
+
+    class MinMax(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            if values[0] > values[1]:
+                parser.error(f"{option_string}: MIN ({values[0]}) is larger than MAX ({values[1]})")
+            setattr(namespace, self.dest, list(values))
+    return MinMax
+
+
 def positive_float(text: str) -> float:
     """argparse type: a finite number > 0."""
     import argparse
@@ -65,12 +78,8 @@ def random_prompts(n: int, lengths: list[int] | int, vocab_size: int, seed: int)
 
 def llm_from_config(config):
     """An offline `LLM` over an EngineConfig built from the CLI flags."""
-    from ferrum.engine.llm_engine import LLMEngine
     from ferrum.entrypoints.llm import LLM
-    llm = LLM.__new__(LLM)
-    llm.engine = LLMEngine(config, progress=False)
-    llm.tokenizer = llm.engine.tokenizer
-    return llm
+    return LLM.from_config(config)
 
 
 # ---- helpers of the GPU scripts in benchmarks/ (profile_decode.py, quant_bench.py) ---------------

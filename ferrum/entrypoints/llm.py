@@ -29,7 +29,17 @@ class LLM:
     """
 
     def __init__(self, model: str = "smollm2", progress: bool = True, **kwargs):
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs), progress=progress)
+        self._start(EngineConfig.from_kwargs(model=model, **kwargs), progress)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, progress: bool = False) -> "LLM":
+        """An LLM over a ready EngineConfig (`ferrum bench` builds one from its flags)."""
+        llm = cls.__new__(cls)
+        llm._start(config, progress)
+        return llm
+
+    def _start(self, config: EngineConfig, progress: bool) -> None:
+        self.engine = LLMEngine(config, progress=progress)
         self.tokenizer = self.engine.tokenizer
         self._lock = threading.Lock()   # one generate at a time steps the engine
         self._closed = False
