@@ -315,6 +315,10 @@ def test_bad_inputs(server):
     assert e["param"] == "seed"
     e = _err(_post(server, "/v1/completions", {**ok, "temperature": -1}), 400)
     assert e["param"] == "temperature"
+    # more prompts than the queue holds (--max-waiting, 4096 by default) can never all be admitted:
+    # a 400 naming the limit, not a 503 "retry later" (fresh-user run)
+    e = _err(_post(server, "/v1/completions", {**ok, "prompt": ["a"] * 4097}), 400)
+    assert e["param"] == "prompt" and "--max-waiting 4096" in e["message"]
     for path, body in [("/v1/completions", ok), ("/v1/chat/completions", {
             "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})]:
         e = _err(_post(server, path, {**body, "temperature": 2.5}), 400)   # OpenAI: [0, 2]

@@ -112,6 +112,11 @@ class AsyncLLMEngine:
         return self.engine.max_model_len
 
     @property
+    def max_waiting(self) -> int:
+        """Most queued requests (`--max-waiting`); more raise QueueFullError."""
+        return self.engine.config.scheduler.max_waiting
+
+    @property
     def vocab_size(self) -> int:
         """Token ids are in [0, vocab_size)."""
         return self.engine.vocab_size

@@ -180,7 +180,13 @@ class OpenAIServing:
 
     async def _start(self, request_id: str, prompts: list[_Prompt],
                      params: list[SamplingParams]) -> list[AsyncIterator[RequestOutput]]:
-        """Add one engine request per prompt; if one is refused, abort those already added."""
+        """Add one engine request per prompt; if one is refused, abort those already added.
+        More prompts than the queue holds could never all be admitted: InvalidRequestError
+        (400), not QueueFullError's 503 "retry later"."""
+        if len(prompts) > self.engine.max_waiting:
+            raise InvalidRequestError(f"{len(prompts)} prompts in one request exceed the server's queue "
+                                      f"limit (--max-waiting {self.engine.max_waiting}): send at most "
+                                      f"{self.engine.max_waiting} per request", param="prompt")
         streams = []
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
