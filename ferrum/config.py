@@ -522,7 +522,8 @@ class SchedulerConfig:
                                        "to what the KV pool holds when it holds less)",
                                        aliases=("--ctx-size",))
     enable_chunked_prefill: bool = option(True, "split long prompts over several steps")
-    max_waiting: int = option(4096, "most queued requests; more raise QueueFullError (HTTP 503)")
+    max_waiting: int = option(4096, "most queued requests of the server; more raise QueueFullError "
+                                 "(HTTP 503); offline batches queue all their prompts")
     async_scheduling: bool | None = option(
         None, "prepare and launch decode step n+1 while the device runs step n (default: on "
         "for CUDA, off for CPU, where it only delays each token by one step)")

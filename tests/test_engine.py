@@ -557,3 +557,14 @@ def test_generate_from_threads_and_after_shutdown(folder):
     with pytest.raises(EngineDeadError):
         llm.generate(prompts[0], sp, use_tqdm=False)
     llm.shutdown()
+
+
+def test_offline_batch_larger_than_the_queue_limit(folder):
+    """max_waiting is the server's back-pressure (QueueFullError, HTTP 503): an offline batch of
+    more prompts than it queues them all (it raised QueueFullError at prompt max_waiting + 1)."""
+    prompts = [[5 + i, 6, 7] for i in range(5)]
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with make_llm(folder) as llm:
+        want = tokens(llm.generate(prompts, sp, use_tqdm=False))
+    with make_llm(folder, max_waiting=2) as llm:
+        assert tokens(llm.generate(prompts, sp, use_tqdm=False)) == want

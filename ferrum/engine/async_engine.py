@@ -274,7 +274,7 @@ class AsyncLLMEngine:
         if kind == "add":
             _, args, stream, fut = cmd
             try:
-                self.engine.add_request(*args)
+                self.engine.add_request(*args, queue_limit=True)
             except Exception as e:  # bad request: the caller gets it, the engine goes on
                 _resolve(fut, e)
                 return

@@ -163,13 +163,15 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int] | None,
                     params: SamplingParams | None = None,
-                    prompt_token_ids: list[int] | None = None) -> str:
-        """Queue a request. `prompt` is text (tokenized here) or token ids.
+                    prompt_token_ids: list[int] | None = None, queue_limit: bool = False) -> str:
+        """Queue a request. `prompt` is text (tokenized here) or token ids. queue_limit: refuse
+        it when `max_waiting` requests wait (the server's back-pressure; an offline batch
+        queues every prompt it was given).
 
         Raises InvalidRequestError (empty prompt, token id out of range, duplicate id, a
         structured-outputs schema / regex / grammar that does not compile),
         PromptTooLongError (prompt >= max_model_len), OutOfKvCacheError (the request could
-        never fit in the KV pool), QueueFullError (too many waiting requests)."""
+        never fit in the KV pool), QueueFullError (queue_limit and too many waiting requests)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -201,7 +203,7 @@ class LLMEngine:
             raise OutOfKvCacheError(f"request needs {total} tokens of KV cache but the pool holds "
                                     f"{self.num_blocks * self.block_size}; lower max_tokens or "
                                     "raise --kv-cache-memory / --gpu-memory-utilization")
-        if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
+        if queue_limit and len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests are waiting "
                                  f"(limit {self.config.scheduler.max_waiting}); retry later")
         grammar = (self.structured.compile(params.structured_outputs)
