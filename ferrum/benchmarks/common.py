@@ -5,6 +5,7 @@ running a script's sections. (Where and how a run happened: `run_record`; the HF
 so that building the CLI parser does not load it.)"""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -16,7 +17,6 @@ from ferrum.benchmarks.run_record import record, write_json
 def positive_int(text: str) -> int:
     """argparse type: a whole number >= 1 (a zero count or length fails at parse time, not
     with a traceback after the model has loaded)."""
-    import argparse
     try:
         n = int(text)
     except ValueError:
@@ -26,22 +26,18 @@ def positive_int(text: str) -> int:
     return n
 
 
-def min_max_action():
+class MinMax(argparse.Action):
     """argparse action for `nargs=2` MIN MAX: an argparse error when MIN > MAX (a random
     length in [MIN, MAX] would fail with a traceback after the model has loaded)."""
-    import argparse
 
-    class MinMax(argparse.Action):
-        def __call__(self, parser, namespace, values, option_string=None):
-            if values[0] > values[1]:
-                parser.error(f"{option_string}: MIN ({values[0]}) is larger than MAX ({values[1]})")
-            setattr(namespace, self.dest, list(values))
-    return MinMax
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values[0] > values[1]:
+            parser.error(f"{option_string}: MIN ({values[0]}) is larger than MAX ({values[1]})")
+        setattr(namespace, self.dest, list(values))
 
 
 def positive_float(text: str) -> float:
     """argparse type: a finite number > 0."""
-    import argparse
     import math
     try:
         x = float(text)

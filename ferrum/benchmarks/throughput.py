@@ -37,7 +37,7 @@ import statistics
 import sys
 import time
 
-from ferrum.benchmarks.common import add_common_args, llm_from_config, min_max_action, positive_int, random_prompts
+from ferrum.benchmarks.common import MinMax, add_common_args, llm_from_config, positive_int, random_prompts
 from ferrum.benchmarks.run_record import record, setup_threads, write_json
 from ferrum.benchmarks.peers import add_peer_args, ratio, run_vllm
 from ferrum.benchmarks.step_log import StepLog, profile_kernels, profile_markdown
@@ -49,10 +49,10 @@ def add_parser(subparsers, add_engine_args) -> None:
     add_engine_args(p)
     p.add_argument("--num-prompts", type=positive_int, default=32, help="prompts in the batch")
     p.add_argument("--input-len", type=positive_int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"),
-                   action=min_max_action(),
+                   action=MinMax,
                    help="prompt lengths, uniform in [MIN, MAX]")
     p.add_argument("--output-len", type=positive_int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"),
-                   action=min_max_action(),
+                   action=MinMax,
                    help="output lengths, uniform in [MIN, MAX]")
     p.add_argument("--no-sequential", dest="sequential", action="store_false",
                    help="skip the one-at-a-time baseline")
