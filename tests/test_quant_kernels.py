@@ -225,7 +225,7 @@ def _q8_1(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(xb * inv).double() * d.double()).view(x.shape)
 
 
-Q8_X_TOL = 2e-2  # Q4_K Gluon GEMV vs the exact product: int8 x (measured <= 6.5e-3 on _gguf_raw weights)
+Q8_X_TOL = 2e-2  # Q4_K Gluon GEMV vs the exact product: int8 x (measured 3.8e-3 - 1.0e-2 here, <= 8.8e-3 on the GPU)
 
 
 def _check_q8(got, x, ref_w, bias, dtype, what):
