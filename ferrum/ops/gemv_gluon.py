@@ -447,7 +447,9 @@ if HAS_GLUON:
 # 128) / "q4_k", rows 1 or 4 (2-8 rows of x), or None where the Triton GEMV was faster; timed on
 # an H200 by `benchmarks/quant_bench.py kernels` and written here by
 # `benchmarks/paste_gemv_configs.py`. Shapes not listed take `default_config` (fp8, w4, q4_k)
-# or the Triton GEMV (bf16: it already streams near the roofline).
+# or the Triton GEMV (bf16: it already streams near the roofline). q4_k: timed on x from `q8_1`
+# (`KERNELS.q8_activation_kernel`, the default); its 4-row (4, 1, 1) keeps 16 bytes of stack at
+# `Q8_MAXNREG` and was still the fastest (h200-2026-12-02d).
 GLUON_GEMV_CONFIGS: dict[tuple[str, int, int, int], tuple[int, int, int] | None] = {
     ('bf16', 4096, 4096, 1): None,
     ('bf16', 4096, 14336, 1): (8, 8, 1),
@@ -464,12 +466,12 @@ GLUON_GEMV_CONFIGS: dict[tuple[str, int, int, int], tuple[int, int, int] | None]
     ('fp8', 28672, 4096, 4): (2, 1, 1),
     ('q4_k', 4096, 4096, 1): (8, 2, 1),
     ('q4_k', 4096, 4096, 4): (4, 1, 1),
-    ('q4_k', 4096, 14336, 1): (8, 1, 1),
+    ('q4_k', 4096, 14336, 1): (4, 1, 1),
     ('q4_k', 4096, 14336, 4): (4, 1, 1),
-    ('q4_k', 6144, 4096, 1): (8, 2, 1),
-    ('q4_k', 6144, 4096, 4): None,
-    ('q4_k', 28672, 4096, 1): (8, 2, 1),
-    ('q4_k', 28672, 4096, 4): None,
+    ('q4_k', 6144, 4096, 1): (4, 1, 1),
+    ('q4_k', 6144, 4096, 4): (4, 1, 1),
+    ('q4_k', 28672, 4096, 1): (4, 1, 1),
+    ('q4_k', 28672, 4096, 4): (4, 1, 1),
     ('w4', 4096, 4096, 1): (16, 4, 1),
     ('w4', 4096, 4096, 4): (4, 1, 1),
     ('w4', 4096, 14336, 1): (8, 2, 1),
