@@ -190,7 +190,7 @@ def _kernel_candidates(grid: str, M: int, N: int, K: int) -> dict[str, list[tupl
     # row only (cuBLAS takes more), 2+ rows with BLOCK_N at most its no-spill default
     from ferrum.ops import gemv_gluon
     grids = ((("bf16", (2, 4, 8), (2, 4, 8)), ("fp8", (2, 4, 8), (2, 4, 8)), ("w4", (4, 8, 16), (1, 2, 4)),
-              ("q4_k", (4, 8), (1, 2))) if M == 1 else
+              ("q4_k", (2, 4, 8), (1, 2))) if M == 1 else
              (("fp8", (1, 2), (1, 2, 4)), ("w4", (1, 2, 4), (1, 2, 4)), ("q4_k", (1, 2, 4), (1, 2))))
     for kind, bns, warps in grids:
         cfgs = [gemv_gluon.default_config(kind, N, K, M)]
