@@ -66,6 +66,35 @@ def test_messages_reach_the_template_as_hf_passes_them(smollm2_tokenizer):
     assert isinstance(chat.tool_parser, HermesToolParser) and chat.structured_outputs is None
 
 
+def test_history_arguments_that_are_not_a_json_object_stay_strings(smollm2_tokenizer):
+    """OpenAI accepts any string as a past call's arguments (a model's malformed JSON echoed
+    back): it reaches the template as sent; a JSON object becomes a dict."""
+    conv = [CONVERSATION[1], {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Par'}},
+        {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": "[1, 2]"}},
+        {"id": "c3", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]}]
+    args = [c["function"]["arguments"] for c in parse_messages(conv)[1]["tool_calls"]]
+    assert args == ['{"city": "Par', "[1, 2]", {"city": "Oslo"}]
+    chat = prepare_chat(smollm2_tokenizer, conv, tools=[WEATHER], chat_template=TOOLS_TEMPLATE)
+    text = smollm2_tokenizer.decode(chat.prompt_token_ids, skip_special_tokens=False)
+    assert 'get_weather "{\\"city\\": \\"Par"</call>' in text and 'get_weather {"city": "Oslo"}' in text
+
+
+def test_a_function_without_parameters_takes_an_empty_object():
+    """OpenAI: leaving `parameters` out declares a function without arguments, so under
+    tool_choice "required" or its name the grammar allows {} only (an open object let the
+    model write keys until max_tokens)."""
+    from ferrum.entrypoints.chat_utils import parse_tools, tool_choice_constraint
+    tools = parse_tools([{"type": "function", "function": {"name": "now"}}])
+    assert tools[0]["function"]["parameters"] == {"type": "object", "properties": {},
+                                                  "additionalProperties": False}
+    named = tool_choice_constraint(tools, {"type": "function", "function": {"name": "now"}})
+    assert json.loads(named.json) if isinstance(named.json, str) else named.json == tools[0]["function"]["parameters"]
+    req = tool_choice_constraint(tools, "required").json
+    req = json.loads(req) if isinstance(req, str) else req
+    assert req["items"]["anyOf"][0]["properties"]["parameters"]["additionalProperties"] is False
+
+
 def test_template_without_tools_gets_the_hermes_tool_prompt(smollm2_tokenizer):
     tok = smollm2_tokenizer
     conv = CONVERSATION + [{"role": "tool", "tool_call_id": "call_1", "content": "(second result)"}]
@@ -108,10 +137,8 @@ def test_template_without_tools_gets_the_hermes_tool_prompt(smollm2_tokenizer):
     ([{"role": "user", "content": "x", "tool_calls": []}], None, None),          # empty list is fine
     ([{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}],
      "messages[0].tool_calls", "only assistant"),
-    ([{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{bad"}}]}],
-     "messages[0].tool_calls[0].function.arguments", "not valid JSON"),
-    ([{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "[1]"}}]}],
-     "messages[0].tool_calls[0].function.arguments", "JSON object"),
+    ([{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": 5}}]}],
+     "messages[0].tool_calls[0].function.arguments", "must be a string"),
     ([{"role": "assistant", "tool_calls": [{"type": "custom", "function": {"name": "f"}}]}],
      "messages[0].tool_calls[0].type", "function"),
     ([{"role": "assistant", "tool_calls": [{"function": {}}]}], "messages[0].tool_calls[0]", "name"),

@@ -12,7 +12,8 @@ tool messages between; OpenAI refuses others); content as a string or a list of 
 newlines; image / audio / file parts are refused: ferrum's models take text only). Unknown
 keys inside a message are ignored, as vLLM does. Tool calls reach the chat template the way
 Hugging Face's `apply_chat_template(messages, tools=...)` expects them: `function.arguments`
-as a dict (transformers' chat-template docs; vLLM does the same), tools in OpenAI's
+as a dict (transformers' chat-template docs; vLLM does the same; a string that is not a JSON
+object stays a string, as OpenAI accepts it), tools in OpenAI's
 {"type": "function", "function": {...}} form.
 
 A template that never mentions `tools` (SmolLM2's, for one) gets ferrum's tool prompt instead:
@@ -78,18 +79,22 @@ def _content_text(content, where: str) -> str | None:
     return "\n".join(texts)
 
 
-def _arguments(value, where: str) -> dict:
-    """A past call's `function.arguments` (OpenAI sends a JSON string) as a dict."""
+def _arguments(value, where: str) -> dict | str:
+    """A past call's `function.arguments`: OpenAI sends a JSON string. A JSON object becomes a
+    dict (chat templates expect one); any other string stays as sent (OpenAI accepts it: a
+    model's malformed arguments echoed back in the history). Raises InvalidRequestError when it
+    is neither a string nor an object."""
     if value is None or value == "":
         return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise _bad(where, f"is not valid JSON: {e}") from e
-    if not isinstance(value, dict):
-        raise _bad(where, "must be a JSON object")
-    return value
+    if isinstance(value, dict):
+        return value
+    if not isinstance(value, str):
+        raise _bad(where, f"must be a string (the arguments as JSON), got {type(value).__name__}")
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        return value
+    return parsed if isinstance(parsed, dict) else value
 
 
 def _tool_calls(calls, where: str) -> list[dict]:
@@ -181,8 +186,8 @@ def parse_tools(tools) -> list[dict] | None:
             raise _bad(f"{where}.function.name", f"{name!r} is defined twice")
         seen.add(name)
         params = fn.get("parameters")
-        if params is None:
-            params = {"type": "object", "properties": {}}
+        if params is None:  # OpenAI: a function that takes no arguments (so the grammar closes it)
+            params = {"type": "object", "properties": {}, "additionalProperties": False}
         if not isinstance(params, dict):
             raise _bad(f"{where}.function.parameters", "must be a JSON schema object")
         if fn.get("description") is not None and not isinstance(fn["description"], str):
@@ -462,7 +467,8 @@ def _is_special_token(tokenizer, text: str) -> bool:
 def apply_tool_calls(parser: ToolParser | None, output) -> None:
     """Offline API: parse a CompletionOutput's text in place: `text` becomes the message
     content ("" for none), `tool_calls` the calls in OpenAI form (`ToolParser.extract`),
-    finish_reason "tool_calls" when there are calls and the model stopped by itself."""
+    finish_reason the parser's `calls_finish_reason` ("tool_calls"; "stop" for a forced named
+    function) when there are calls and the model stopped by itself."""
     if parser is None:
         return
     content, calls = parser.extract(output.text)
@@ -470,4 +476,4 @@ def apply_tool_calls(parser: ToolParser | None, output) -> None:
     if calls:
         output.tool_calls = [c.to_openai() for c in calls]
         if output.finish_reason == "stop":
-            output.finish_reason = "tool_calls"
+            output.finish_reason = parser.calls_finish_reason

@@ -147,6 +147,9 @@ class ToolParser(abc.ABC):
     markers: tuple[str, ...] = ()
     # True for output written under a grammar (see the module docstring): it is never content
     enforced = False
+    # finish_reason of a choice that stopped by itself with calls (OpenAI's; a forced named
+    # function gives "stop", NamedToolParser)
+    calls_finish_reason = "tool_calls"
     # ids OpenAI-style: "call_" + 24 random alphanumerics (Mistral overrides: 9 characters)
     id_length = 24
     id_prefix = "call_"

@@ -8,7 +8,9 @@ function): the grammar fixes the layout, so no markers are involved.
 Both are `enforced`: the output is never message content, and where the token limit cut it off
 (finish_reason "length") the unfinished call is left out: under "required" the array elements
 completed before it are the calls (a model may repeat a call until max_tokens when
-parallel_tool_calls allows several), under a named function there is then no call.
+parallel_tool_calls allows several), under a named function there is then no call. A
+choice with calls finishes "tool_calls" under "required" and "stop" under a named function, as
+OpenAI's chat completions do.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ class NamedToolParser(ToolParser):
     """name: the function tool_choice names."""
 
     enforced = True
+    calls_finish_reason = "stop"   # what OpenAI returns for a forced named function
 
     def __init__(self, name: str, max_calls: int | None = None):
         super().__init__(max_calls)

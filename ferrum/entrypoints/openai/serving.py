@@ -455,7 +455,7 @@ class OpenAIServing:
                         more_content, more_calls = streamer.finish()
                         content, calls = content + more_content, calls + more_calls
                         if streamer.called and finish_reason == "stop":
-                            finish_reason = "tool_calls"
+                            finish_reason = tool_parser.calls_finish_reason
                 if c.finished:
                     finished.add(c.index)
                     ntok += len(c.token_ids)
@@ -475,12 +475,13 @@ class OpenAIServing:
 def chat_message(tool_parser: ToolParser | None, text: str, finish_reason: str | None) -> dict:
     """{"message": {...}, "finish_reason": ...} of a finished chat choice: with a tool parser,
     the calls found in `text` go to message.tool_calls (content: the rest, or null; see
-    `ToolParser.extract`) and finish_reason "stop" becomes "tool_calls"."""
+    `ToolParser.extract`) and finish_reason "stop" becomes the parser's `calls_finish_reason`
+    ("tool_calls"; "stop" for a forced named function)."""
     message = {"role": "assistant", "content": text}
     if tool_parser is not None:
         content, calls = tool_parser.extract(text)
         message["content"] = content
         if calls:
             message["tool_calls"] = [call.to_openai() for call in calls]
-            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            finish_reason = tool_parser.calls_finish_reason if finish_reason == "stop" else finish_reason
     return {"message": message, "finish_reason": finish_reason}
