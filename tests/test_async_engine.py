@@ -163,6 +163,24 @@ def test_stop_ends_open_streams_and_new_requests_with_its_error(engine):
     assert engine.status()["error"] == "drain over"
 
 
+def test_stop_during_a_long_step_ends_streams_without_waiting_for_it(engine):
+    """A step that outlasts the server's drain margin (a long CPU prefill): stop(error) ends
+    the open streams at once, not when the step returns (uvicorn would have cut them by then)."""
+    gate, in_step = _hold_steps(engine)
+
+    async def go():
+        stream = await engine.add_request("long", None, greedy(50), prompt_token_ids=PROMPT)
+        await asyncio.to_thread(in_step.wait, 10)
+        engine.stop(ServerShuttingDownError("drain over"))
+        with pytest.raises(ServerShuttingDownError, match="drain over"):
+            await asyncio.wait_for(_collect(stream), 5)
+        assert not gate.is_set()          # the step is still running
+        gate.set()
+        with pytest.raises(ServerShuttingDownError, match="drain over"):
+            await engine.add_request("t", None, greedy(5), prompt_token_ids=PROMPT)
+    asyncio.run(go())
+
+
 def _client(app) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://ferrum")
 

@@ -13,7 +13,8 @@ every open stream raises EngineDeadError, and so does every later `add_request`;
 `status()["healthy"]` turns False with the reason in `status()["error"]` (the server answers
 /health 503 with it). A broken executor is also reported while the loop is idle.
 `stop(error)` ends the loop the same way on purpose (a server whose drain time ran out): every
-open stream and later `add_request` raise `error`.
+open stream raises `error` at once (not after the step running then, which may outlast the
+server's last seconds) and every later `add_request` raises it.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import logging
 import queue
 import threading
 import uuid
+import weakref
 from typing import AsyncIterator
 
 from ferrum.errors import EngineDeadError
@@ -93,6 +95,8 @@ class AsyncLLMEngine:
         self.engine = engine
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}    # touched by the engine thread only
+        self._open: weakref.WeakSet[_Stream] = weakref.WeakSet()   # streams handed out (asyncio side), for stop()
+        self._closed: EngineDeadError | None = None     # stop()'s error: refuses new requests at once
         self._lock = threading.Lock()             # orders "dead" against new commands
         self._dead: BaseException | None = None
         self._stopping: EngineDeadError | None = None   # set by a stop command: the loop ends with it
@@ -144,6 +148,7 @@ class AsyncLLMEngine:
         except asyncio.CancelledError:
             self.abort(request_id)  # it may have been added just before the cancel
             raise
+        self._open.add(stream)
         return self._iterate(stream)
 
     async def _iterate(self, stream: _Stream) -> AsyncIterator[RequestOutput]:
@@ -163,6 +168,7 @@ class AsyncLLMEngine:
                 if done:
                     return
         finally:
+            self._open.discard(stream)
             if not done:  # the consumer left early (disconnect, cancel): free the request
                 self.abort(stream.request_id)
 
@@ -178,6 +184,8 @@ class AsyncLLMEngine:
         with self._lock:
             if self._dead is not None:
                 raise self._dead_error()
+            if self._closed is not None and cmd[0] == "add":
+                raise type(self._closed)(str(self._closed))
             self._cmds.put(cmd)
 
     def _dead_error(self) -> EngineDeadError:
@@ -198,6 +206,8 @@ class AsyncLLMEngine:
         broken = self._executor_broken()   # the root cause, when the loop died of it
         if broken is None and self._dead is not None:
             broken = self._dead_error()
+        if broken is None and self._closed is not None:   # stopped; the step thread may still end its step
+            broken = self._closed
         status["healthy"] = broken is None
         if broken is not None:
             status["error"] = str(broken)
@@ -211,12 +221,16 @@ class AsyncLLMEngine:
 
     def stop(self, error: EngineDeadError | None = None) -> None:
         """Stop the step thread once the step running now ends, without waiting (thread-safe):
-        every open stream, and every later add_request, raises `error` (default
-        EngineDeadError "the engine was shut down"). A stopped or dead engine ignores it."""
-        try:
-            self._send(("stop", error or EngineDeadError("the engine was shut down")))
-        except EngineDeadError:
-            pass
+        every open stream raises `error` now (default EngineDeadError "the engine was shut
+        down"), every later add_request once the step ends. A stopped or dead engine ignores it."""
+        error = error or EngineDeadError("the engine was shut down")
+        with self._lock:
+            if self._dead is not None or self._closed is not None:
+                return
+            self._closed = error
+            self._cmds.put(("stop", error))
+        for stream in list(self._open):   # their requests cannot finish any more
+            stream.put(type(error)(str(error)))
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the step thread (open streams get EngineDeadError) and shut the engine down."""
