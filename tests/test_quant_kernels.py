@@ -332,7 +332,52 @@ def check_gluon_gemv(device: str, shapes=None) -> None:
             gg.w4_gemv(torch.randn(rows, 2048).to(torch.bfloat16).to(device), qw, s, z, 128, config=bad)
 
 
-CHECKS = ["check_fp8_gemv", "check_int4_gemv", "check_int4_gemv_configs", "check_int4_gemm", "check_gluon_gemv"]
+def check_q8_activations(device: str) -> None:
+    """The RMSNorm and SiLU-mul kernels' int8 copy of their output (ferrum/ops/q8_act.py) is
+    byte for byte what `q8_1` writes of that output, for 1-4 rows, with and without a masked
+    tail; none for 5 rows, a 3-D input or `q8_act.wanted` off; an in-place change of the output
+    drops it; the Q4_K GEMV reads the attached copy (a zero copy attached on purpose zeroes its
+    output) and gives the same output as from `q8_1`."""
+    from ferrum.ops import q8_act
+    from ferrum.ops.activation import silu_and_mul
+    from ferrum.ops.rms_norm import fused_add_rms_norm, rms_norm
+    gg = _gluon_kernels(device)
+    gen = torch.Generator().manual_seed(31)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=gen) * 3).to(torch.bfloat16).to(device)
+    saved, q8_act.wanted = q8_act.wanted, True
+    try:
+        for rows in (1, 3, 4):
+            for n in (96, 1024):   # 96: the kernels' 128-wide tile has a masked 32-value block
+                w = rand(n)
+                for what, out in (("rms_norm", rms_norm(rand(rows, n), w, 1e-5)),
+                                  ("fused_add_rms_norm", fused_add_rms_norm(rand(rows, n), rand(rows, n), w, 1e-5)[0]),
+                                  ("silu_and_mul", silu_and_mul(rand(rows, 2 * n)))):
+                    got = q8_act.attached(out)
+                    assert got is not None, f"{what} rows={rows} n={n}: no int8 copy"
+                    q, d = gg.q8_1(out)
+                    assert torch.equal(got[0], q) and torch.equal(got[1], d), f"{what} rows={rows} n={n}"
+        assert q8_act.attached(rms_norm(rand(5, 96), rand(96), 1e-5)) is None           # > 4 rows
+        assert q8_act.attached(rms_norm(rand(1, 3, 128), rand(128), 1e-5)) is None      # q / k norm's 3-D
+        out = rms_norm(rand(2, 96), rand(96), 1e-5)
+        out.mul_(2)
+        assert q8_act.attached(out) is None
+        call, _ = _gluon_case("q4_k", 16, 4096, gen, device, torch.bfloat16)
+        x = rms_norm(rand(2, 4096), rand(4096), 1e-5)
+        y = call(x, None, (4, 1, 1))
+        assert torch.equal(y, call(x.clone(), None, (4, 1, 1)))       # the clone has no copy: q8_1
+        q, d = q8_act.attached(x)
+        q8_act.attach(x, torch.zeros_like(q), d)
+        assert not call(x, None, (4, 1, 1)).any() and y.abs().max() > 0
+        q8_act.wanted = False
+        assert q8_act.attached(rms_norm(rand(1, 96), rand(96), 1e-5)) is None
+    finally:
+        q8_act.wanted = saved
+
+
+CHECKS = ["check_fp8_gemv", "check_int4_gemv", "check_int4_gemv_configs", "check_int4_gemm", "check_gluon_gemv",
+          "check_q8_activations"]
 interp = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUDA + triton")]
 

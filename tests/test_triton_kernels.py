@@ -701,12 +701,15 @@ def check_sm90_compile(device: str) -> None:
                                         USE_PDL=True),
               dict(k_ptr="*bf16", v_ptr="*bf16", kc_ptr=c, vc_ptr=c, slot_ptr="*i64", ks_ptr="*fp32", vs_ptr="*fp32"),
               4, 2, f"write_kv {c}")
-    build(rms_norm._add_rms_norm_kernel, dict(HAS_RES=True, BLOCK=8192, ROWS=1, USE_PDL=True),
-          dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", res_out_ptr="*bf16"), 8, 2, "rmsnorm")
-    build(rms_norm._add_rms_norm_kernel, dict(HAS_RES=False, BLOCK=128, ROWS=32, USE_PDL=True),
-          dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", res_out_ptr="*bf16"), 8, 2,
-          "rmsnorm q/k heads")
-    build(activation._silu_and_mul_kernel, dict(BLOCK=1024, USE_PDL=True), dict(x_ptr="*bf16", out_ptr="*bf16"), 4, 2, "silu_and_mul")
+    norm_ptrs = dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", res_out_ptr="*bf16",
+                     q_ptr="*i8", d_ptr="*fp32")
+    for q8 in (False, True):  # q8: the int8 copy for a Q4_K GEMV (ferrum/ops/q8_act.py)
+        build(rms_norm._add_rms_norm_kernel, dict(HAS_RES=True, BLOCK=8192, ROWS=1, Q8=q8, USE_PDL=True),
+              norm_ptrs, 8, 2, f"rmsnorm q8 {q8}")
+        build(activation._silu_and_mul_kernel, dict(BLOCK=1024, Q8=q8, USE_PDL=True),
+              dict(x_ptr="*bf16", out_ptr="*bf16", q_ptr="*i8", d_ptr="*fp32"), 4, 2, f"silu_and_mul q8 {q8}")
+    build(rms_norm._add_rms_norm_kernel, dict(HAS_RES=False, BLOCK=128, ROWS=32, Q8=False, USE_PDL=True),
+          norm_ptrs, 8, 2, "rmsnorm q/k heads")
     from ferrum.ops import gemv
     bn, bk, w, st = gemv.gemv_config(4096, 4096)
     build(gemv._gemv_kernel, dict(HAS_BIAS=False, EVEN=True, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=True),

@@ -58,6 +58,7 @@ from __future__ import annotations
 import torch
 
 from ferrum.config import KERNELS
+from ferrum.ops import q8_act
 from ferrum.ops.triton_utils import HAS_TRITON, is_sm90, next_pow2, pdl_ok, reduce_splits
 
 try:
@@ -643,8 +644,8 @@ def q4k_gemv(x: torch.Tensor, raw: torch.Tensor, bias: torch.Tensor | None = Non
     K = raw.shape[1] // 144 * 256
     bm, bn, warps, split, y, out, pdl = _prepare("q4_k", x, N, K, config,
                                                  raw.stride(1) == 1 and raw.stride(0) % 4 == 0)
-    if KERNELS.q8_activation_kernel:
-        q, d = q8_1(x)
+    if KERNELS.q8_activation_kernel:  # x's int8 copy from the kernel that wrote it, else q8_1's
+        q, d = q8_act.attached(x) or q8_1(x)
         xa, stride_xm, pairs, stride_dm = q.view(torch.int32), K // 4, False, K // 32
     else:
         (xa, stride_xm, pairs), d, stride_dm = _x_arg(x), x, 0

@@ -18,7 +18,9 @@ from torch import nn
 from ferrum.config import KERNELS
 from ferrum.errors import TensorParallelError, WeightLoadError
 from ferrum.layers.quantization.base import LinearMethod, QuantConfig, dequantized_on_cpu, shard_spec
+from ferrum.ops import gemv_gluon, q8_act
 from ferrum.ops import gguf as gguf_ops
+from ferrum.ops.triton_utils import is_sm90
 
 # `--quantization` names of random GGUF weights for dummy models -> GGML type
 DUMMY_TYPES = {"gguf_q4_0": gguf_ops.Q4_0, "gguf_q8_0": gguf_ops.Q8_0, "gguf_q4_k": gguf_ops.Q4_K,
@@ -125,6 +127,10 @@ class GGUFLinearMethod(LinearMethod):
             return
         delattr(layer, "weight")
         layer.segments = segments
+        t = segments[0][3]
+        if (KERNELS.q8_activation_kernel and KERNELS.q8_from_producers and t.is_cuda and is_sm90(t) and gemv_gluon.HAS_GLUON
+                and any(q == gguf_ops.Q4_K for _, _, q, _ in segments)):
+            q8_act.wanted = True   # its GEMV reads int8 x: the norms / SiLU-mul write it (ferrum.ops.q8_act)
 
     def apply(self, layer, x, bias):
         outs = [torch.nn.functional.linear(x, t) if q is None else gguf_ops.gguf_linear(x, t, q)
