@@ -13,8 +13,8 @@ peer driver (../shared/peers/vllm_bench.py), so the figures compare one to one:
   `--throughput-kv` KV cache dtype, and bf16 for the ratio.
 - big: Llama-3-70B with FP8 weights on one GPU, batch 1, 128 in / 128 out.
 - kernels: each 1-8 row GEMV (bf16, fp8, 4-bit g128, GGUF Q4_K / Q6_K / Q8_0; at one row also
-  the Gluon GEMVs gbf16 / gfp8 / gw4 / gq4_k of ferrum/ops/gemv_gluon.py, and gq4_kr: gq4_k with x
-  rounded to int8 in each GEMV program, `FERRUM_Q8_ACTIVATION_KERNEL=0`) on the four Llama-3-8B
+  the Gluon GEMVs gbf16 / gfp8 / gw4 / gq4_k of ferrum/ops/gemv_gluon.py; gq4_k's time includes
+  its x's `q8_1` launch) on the four Llama-3-8B
   matrices (and the LM head, bf16 kernels only) at 1 and 4 rows, every candidate config (GB/s
   of weight bytes read, CUDA graphs over weight copies larger than L2); prints the best configs
   as the dict literals `W4_GEMV_CONFIGS` / `GGUF_GEMV_CONFIGS` / `GLUON_GEMV_CONFIGS` (Gluon
@@ -133,9 +133,6 @@ LLAMA3_8B_MATRICES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672,
 SMALL_MATRICES = {"qkv": (48, 512), "down": (16, 1024)}  # --small: the interpreter smoke run
 OLD_W4_GBS = 770.0  # the int4 GEMV before the per-group factoring: 161 tok/s, 0.77 TB/s (issue 15)
 GLUON_BASE = {"gbf16": "bf16", "gfp8": "fp8", "gw4": "w4", "gq4_k": "gguf_12"}  # Gluon kernel -> Triton twin
-# variants of a Gluon GEMV timed beside it and not pasted into its table: gq4_kr = gq4_k with x
-# rounded in registers (KERNELS.q8_activation_kernel off) -> the Triton twin whose weights it reads
-VARIANT_BASE = {"gq4_kr": "gguf_12"}
 MAX_REL_ERR = 1e-2  # bf16 output: tests/test_quant_kernels.py's bound; a config above it is excluded
 L2_FLUSH_BYTES = 256 * 2**20  # > 4x the H200's L2: each timed call reads its weights from HBM
 
@@ -196,11 +193,10 @@ def _kernel_candidates(grid: str, M: int, N: int, K: int) -> dict[str, list[tupl
         cfgs = [gemv_gluon.default_config(kind, N, K, M)]
         cfgs += [(bn, w, sp) for bn in bns for w in warps for sp in (1, 2)]
         cands["g" + kind] = [c for c in cfgs if c is not None and gemv_gluon.fits(kind, N, K, c)]
-    cands["gq4_kr"] = cands["gq4_k"]
     for q in qtypes:
         cands[f"gguf_{q}"] = [gguf.gguf_gemv_config(q, N, K, M)] + gg
     if grid == "gluon":  # the Gluon grids against each Triton GEMV's current config only
-        cands = {k: v if k in GLUON_BASE or k in VARIANT_BASE else v[:1] for k, v in cands.items()}
+        cands = {k: v if k in GLUON_BASE else v[:1] for k, v in cands.items()}
     return {k: list(dict.fromkeys(v)) for k, v in cands.items()}
 
 
@@ -248,16 +244,6 @@ def _kernel_inputs(N: int, K: int, copies: int, device: str, gen):
     return w, ref, nbytes
 
 
-def _x_in_registers(fn):
-    """fn() with KERNELS.q8_activation_kernel off (the gq4_kr variant)."""
-    from ferrum.config import KERNELS
-    saved, KERNELS.q8_activation_kernel = KERNELS.q8_activation_kernel, False
-    try:
-        return fn()
-    finally:
-        KERNELS.q8_activation_kernel = saved
-
-
 def sec_kernels(args):
     """Every candidate config of each 1-8 row GEMV (bf16 reference, FP8, the 4-bit W4A16 GEMV
     with group 128, GGUF Q4_K / Q6_K / Q8_0) on the Llama-3-8B matrices at 1 and 4 rows: GB/s
@@ -285,8 +271,7 @@ def sec_kernels(args):
             "gbf16": lambda x, w, c: gemv_gluon.dense_gemv(x, w, config=c),
             "gfp8": lambda x, w, c: gemv_gluon.dense_gemv(x, *w, config=c),
             "gw4": lambda x, w, c: gemv_gluon.w4_gemv(x, *w, 128, config=c),
-            "gq4_k": lambda x, w, c: gemv_gluon.q4k_gemv(x, w, config=c),
-            "gq4_kr": lambda x, w, c: _x_in_registers(lambda: gemv_gluon.q4k_gemv(x, w, config=c))}
+            "gq4_k": lambda x, w, c: gemv_gluon.q4k_gemv(x, w, config=c)}
     for q in (gguf.Q4_K, gguf.Q6_K, gguf.Q8_0):
         call[f"gguf_{q}"] = lambda x, w, c, q=q: gguf.gguf_gemv(x, w, q, config=c)
     for name, (N, K) in matrices.items():
@@ -302,7 +287,7 @@ def sec_kernels(args):
                     continue
                 if name == "lm_head" and kern not in ("bf16", "gbf16"):  # the LM head stays bf16
                     continue
-                base = GLUON_BASE.get(kern, VARIANT_BASE.get(kern, kern))  # a Gluon kernel reads its Triton twin's weights
+                base = GLUON_BASE.get(kern, kern)  # a Gluon kernel reads its Triton twin's weights
                 ws = weights[base]
                 times = {}
                 for cfg in configs:
@@ -409,7 +394,7 @@ def main():
                    help="kernels: prefill rows at which the GGUF GEMM is timed against dequantize + cuBLAS")
     p.add_argument("--kernels", nargs="+", default=None,
                    help="kernels: only these (bf16 fp8 w4 gguf_12 gguf_14 gguf_8; Gluon: gbf16 gfp8 gw4 "
-                   "gq4_k, gq4_kr)")
+                   "gq4_k)")
     p.add_argument("--matrices", nargs="+", default=None, choices=list(LLAMA3_8B_MATRICES),
                    help="kernels: only these matrices")
     args = p.parse_args()

@@ -9,8 +9,8 @@ warp-instructions per KV byte (x 4.8 TB/s = the issue rate the loop needs at the
 bandwidth, against ~1.05 T/s: 132 SMs x 4 schedulers x ~1.98 GHz), with the most frequent
 opcodes. Llama-3-8B shapes (GQA group 4, head_dim 128, 16-token pages). `--gemv`: the same for
 the batch-1 Gluon GEMVs (ferrum/ops/gemv_gluon.py: bf16, FP8, 4-bit, Q4_K) at their default
-configs on Llama-3-8B's gate_up matrix, per weight byte, with the registers per thread (Q4_K
-also with x already int8: `--gemv` prints it as q4_k+q8). The compile helpers are the tests'
+configs on Llama-3-8B's gate_up matrix, per weight byte, with the registers per thread. The
+compile helpers are the tests'
 (tests/test_triton_kernels.py `sm90_sass`, `_sass_loops`).
 """
 from __future__ import annotations
@@ -55,16 +55,16 @@ def decode_loop(kv: str, block_n: int, splits: int, head_dim: int = 128) -> dict
             "top_opcodes": collections.Counter(i.split()[0] for i in body).most_common(12)}
 
 
-def gemv_loop(kind: str, N: int = 28672, K: int = 4096, q8: bool = False) -> dict:
+def gemv_loop(kind: str, N: int = 28672, K: int = 4096) -> dict:
     """Counts for the Gluon GEMV of `kind` (bf16 / fp8 / w4 / q4_k) over an [N, K] weight, one row
-    of bf16 x (q8: Q4_K with x already int8, `KERNELS.q8_activation_kernel`), at
-    `gemv_gluon.default_config`; also the registers per thread."""
+    of x (bf16; int8 for Q4_K, `gemv_gluon.q8_1`), at `gemv_gluon.default_config`; also the
+    registers per thread."""
     from ferrum.ops import gemv_gluon as gg
     bn, warps, split = gg.default_config(kind, N, K, 1)
     common = dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_C=32 * warps, HAS_BIAS=False, SPLIT_K=split, USE_PDL=True)
     y = "*bf16" if split == 1 else "*fp32"
     if kind == "q4_k":
-        fn, consts = gg._q4k_gemv_kernel, dict(common, X_PAIRS=not q8, X_Q8=q8)
+        fn, consts = gg._q4k_gemv_kernel, common
         ptrs = dict(x_ptr="*i32", d_ptr="*fp32", w_ptr="*i32", b_ptr="*bf16", y_ptr=y)
         chunk_bytes = 32 + 16 / 8 * 2  # 64 values: 32 quant bytes + their share of the 144-byte block's header
     elif kind == "w4":
@@ -76,14 +76,14 @@ def gemv_loop(kind: str, N: int = 28672, K: int = 4096, q8: bool = False) -> dic
         ptrs = dict(x_ptr="*bf16", w_ptr="*fp8e4nv" if kind == "fp8" else "*bf16", s_ptr="*fp32", b_ptr="*bf16",
                     y_ptr=y)
         chunk_bytes = 16
-    _, res, sass = sm90_sass(fn, consts, ptrs, warps, 1, no_hint=("M",), maxnreg=gg.Q8_MAXNREG if q8 else None)
+    _, res, sass = sm90_sass(fn, consts, ptrs, warps, 1, no_hint=("M",), maxnreg=gg.Q8_MAXNREG if kind == "q4_k" else None)
     body = max(_sass_loops(sass), key=len)
     # one iteration: BLOCK_N rows x BLOCK_C chunks per program, one chunk per thread
     tile_bytes = bn * 32 * warps * chunk_bytes
     per_byte = len(body) * warps / tile_bytes
     values = bn * 32 * warps * gg.ELEMENTS[kind]
     regs = re.search(r"REG:(\d+)", str(res))
-    return {"kind": kind + ("+q8" if q8 else ""), "config": (bn, warps, split), "loop_instructions": len(body),
+    return {"kind": kind, "config": (bn, warps, split), "loop_instructions": len(body),
             "registers": int(regs.group(1)) if regs else None,
             "per_value_per_thread": len(body) * 32 * warps / values, "warp_instr_per_byte": per_byte,
             "issue_share_at_spec_bw": per_byte * SPEC_BW / ISSUE_RATE,
@@ -98,8 +98,8 @@ def main():
     p.add_argument("--gemv", action="store_true", help="the Gluon GEMVs instead of the decode attention")
     args = p.parse_args()
     if args.gemv:
-        for kind, q8 in (("bf16", False), ("fp8", False), ("w4", False), ("q4_k", False), ("q4_k", True)):
-            r = gemv_loop(kind, q8=q8)
+        for kind in ("bf16", "fp8", "w4", "q4_k"):
+            r = gemv_loop(kind)
             print(f"gemv {r['kind']} {r['config']}, {r['registers']} registers: {r['loop_instructions']} instructions per loop, "
                   f"{r['per_value_per_thread']:.2f} per weight value, {r['warp_instr_per_byte']:.3f} warp-instructions "
                   f"per weight byte = {r['issue_share_at_spec_bw']:.0%} of the issue rate at 4.8 TB/s; {r['top_opcodes']}")

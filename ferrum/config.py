@@ -581,13 +581,9 @@ class KernelConfig:
                               "the shapes its tuning table lists) through the Gluon GEMVs "
                               "(ferrum/ops/gemv_gluon.py; CUDA sm_90+) instead of the Triton ones",
                               env="FERRUM_GLUON_GEMV")
-    q8_activation_kernel: bool = option(
-        True, "the Q4_K Gluon GEMV takes x rounded to int8 by a kernel of its own (llama.cpp's "
-        "quantize_q8_1; off: each GEMV program rounds its x chunk in registers, 1.5-2.1x slower "
-        "on an H200)", env="FERRUM_Q8_ACTIVATION_KERNEL")
     q8_from_producers: bool = option(
-        True, "with --q8-activation-kernel, the RMSNorm and SiLU-mul kernels before a Q4_K GEMV "
-        "also write its int8 x (ferrum/ops/q8_act.py): one q8_1 launch fewer per GEMV input",
+        True, "the RMSNorm and SiLU-mul kernels before a Q4_K Gluon GEMV also write the int8 x it "
+        "reads (ferrum/ops/q8_act.py): one q8_1 launch fewer per GEMV input",
         env="FERRUM_Q8_FROM_PRODUCERS")
     pdl: bool = option(True, "programmatic dependent launch of the decode kernels (CUDA sm_90+)",
                        env="FERRUM_PDL")

@@ -49,15 +49,6 @@ class _Shim:
             for i in range(4):  # byte i of a (unsigned) times byte i of b (signed)
                 out += ((a >> (8 * i)) & 0xFF) * ((b << (24 - 8 * i)) >> 24)
             return out
-        if asm.startswith("prmt.b32"):
-            a, b = args
-            sel = int(asm.split(",")[-1].rstrip(";"), 0)
-            out = tl.zeros(a.shape, tl.int32)
-            for i in range(4):  # result byte i = byte (sel nibble i) of b:a
-                j = (sel >> (4 * i)) & 7
-                src = a if j < 4 else b
-                out |= ((src >> (8 * (j % 4))) & 0xFF) << (8 * i)
-            return out
         return None
 
     @staticmethod

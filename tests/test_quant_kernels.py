@@ -245,7 +245,6 @@ def check_gluon_gemv(device: str, shapes=None) -> None:
     row counts that are and are not powers of two; with `shapes` (GPU) at each shape's own
     config for 1, 2, 4 and 8 rows where one exists. A config that does not tile the weight is a
     ValueError."""
-    from ferrum.config import KERNELS
     from ferrum.ops import fp8, gguf, int4
     gg = _gluon_kernels(device)
     gen = torch.Generator().manual_seed(21)
@@ -268,19 +267,13 @@ def check_gluon_gemv(device: str, shapes=None) -> None:
         b = torch.randn(N, generator=gen).to(dtype)
         for bias in ((None, b) if i % 2 == 0 else (b,)):
             ref = torch.nn.functional.linear(x.double(), ref_w, None if bias is None else bias.double())
-            # Q4_K: x rounded to int8 in the GEMV, then by the q8_1 kernel (KERNELS.q8_activation_kernel)
-            for q8 in ((False, True) if kind == "q4_k" else (False,)):
-                saved, KERNELS.q8_activation_kernel = KERNELS.q8_activation_kernel, q8
-                try:
-                    got = call(x.to(device), None if bias is None else bias.to(device), cfg)
-                finally:
-                    KERNELS.q8_activation_kernel = saved
-                assert got.shape == (M, N) and got.dtype == dtype
-                what = f"gluon {kind} gemv {dtype} M={M} N={N} K={K} config={cfg} bias={bias is not None} q8 {q8}"
-                if kind == "q4_k":  # x in int8, as llama.cpp's MMVQ
-                    _check_q8(got, x, ref_w, bias, dtype, what)
-                else:
-                    _check(got, ref, dtype, what)
+            got = call(x.to(device), None if bias is None else bias.to(device), cfg)
+            assert got.shape == (M, N) and got.dtype == dtype
+            what = f"gluon {kind} gemv {dtype} M={M} N={N} K={K} config={cfg} bias={bias is not None}"
+            if kind == "q4_k":  # x in int8 (q8_1), as llama.cpp's MMVQ
+                _check_q8(got, x, ref_w, bias, dtype, what)
+            else:
+                _check(got, ref, dtype, what)
     if shapes is not None:  # the linears' dispatch on the GPU: Gluon where the table says so
         N, K = shapes[0]
         for M in (1, 4, 6):
@@ -595,12 +588,11 @@ def check_sm90_compile(device: str) -> None:
             bn, w, split = cfg
             common = dict(BLOCK_M=rows, BLOCK_N=bn, BLOCK_C=32 * w, HAS_BIAS=False, SPLIT_K=split, USE_PDL=True)
             y = "*bf16" if split == 1 else "*fp32"
-            if kind == "q4_k":  # x rounded in the GEMV, and x from `q8_1` (at the launcher's register cap)
-                for q8 in (False, True):
-                    sm90_compile(gg._q4k_gemv_kernel, dict(common, X_PAIRS=not q8, X_Q8=q8),
-                                 dict(x_ptr="*i32", d_ptr="*fp32", w_ptr="*i32", b_ptr="*bf16", y_ptr=y), w, 1,
-                                 f"gluon q4_k gemv {n}x{k} {cfg} rows {rows} q8 {q8}", no_hint=("M",),
-                                 loop_without_barrier=True, maxnreg=gg.Q8_MAXNREG if q8 else None)
+            if kind == "q4_k":  # at the launcher's register cap
+                sm90_compile(gg._q4k_gemv_kernel, common,
+                             dict(x_ptr="*i32", d_ptr="*fp32", w_ptr="*i32", b_ptr="*bf16", y_ptr=y), w, 1,
+                             f"gluon q4_k gemv {n}x{k} {cfg} rows {rows}", no_hint=("M",),
+                             loop_without_barrier=True, maxnreg=gg.Q8_MAXNREG)
             elif kind == "w4":
                 sm90_compile(gg._w4_gemv_kernel, dict(common, GROUP=128, X_PAIRS=True),
                              dict(x_ptr="*i32", qw_ptr="*i32", s_ptr="*fp16", z_ptr="*fp16", b_ptr="*fp16", y_ptr=y),

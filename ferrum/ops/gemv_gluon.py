@@ -30,18 +30,18 @@ for all rows: per nibble one LOP3 and one FFMA, plus half a shift. The offsets (
 cost float32 mantissa bits in the cancellation: ~3e-5 relative error per output in a float32
 emulation (p = 8 would save two shifts per word but cost ~1e-3, near bf16's own rounding).
 
-Q4_K (`_q4k_gemv_kernel`) works in integers, as llama.cpp's MMVQ (vec_dot_q4_K_q8_1): each
-thread quantizes the x of its chunk to int8 per 32-value sub-block (d = max |x| / 127, rounding
-by a float magic number, bytes packed by PRMT; quantize_q8_1's scheme, in registers, so x
-costs no extra launch), masks each word's low and high nibbles (one LOP3 each; the high ones
+Q4_K (`_q4k_gemv_kernel`) works in integers, as llama.cpp's MMVQ (vec_dot_q4_K_q8_1): x comes
+rounded to int8 per 32-value sub-block (d = max |x| / 127, llama.cpp's quantize_q8_1: `q8_1`,
+or the RMSNorm / SiLU-mul kernel that wrote x, ferrum/ops/q8_act.py), so a chunk's x is two
+32-byte loads; the kernel masks each word's low and high nibbles (one LOP3 each; the high ones
 stay at bits 4..7, 16 q, undone in the scale) and sums q xq by dp4a, four products per
 instruction. Per sub-block y += d sc dx sum(q xq) - dmin m dx sum(xq), the 16-byte block header
-(d, dmin, eight 6-bit scale / min pairs) decoded per row and chunk. In sm_90 SASS that is ~2
-instructions per weight value instead of ~3.9 for the float32 path above (the x quantization,
-repeated in every program, is a third of them: `benchmarks/sass_loop.py --gemv`). x's int8
-rounding adds ~0.5% of the largest output on random Q4_K weights (tests: vs the exact product
-within 2e-2; vs the same int8 x within bf16's bound); llama.cpp and vLLM's GGUF kernels round
-x the same way.
+(d, dmin, eight 6-bit scale / min pairs) decoded per row and chunk. In sm_90 SASS that is ~1.5
+instructions per weight value instead of ~3.9 for the float32 path above (`benchmarks/sass_loop.py
+--gemv`); rounding x in every program instead took a third more and ~240 registers per thread,
+1.5-2.1x slower on an H200 (benchmarks/results/h200-2026-12-02d). x's int8 rounding adds ~0.5%
+of the largest output on random Q4_K weights (tests: vs the exact product within 2e-2; vs the
+same int8 x within bf16's bound); llama.cpp and vLLM's GGUF kernels round x the same way.
 
 Constraints (else the Triton GEMVs run): N % BLOCK_N == 0, K a multiple of one tile (E * 32 *
 num_warps elements; 256 * num_warps features for 4-bit, 2048 * num_warps for Q4_K), 4-bit
@@ -66,6 +66,7 @@ try:
     import triton.language as tl
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from ferrum.ops.q8_act import q8_round
     from ferrum.ops.triton_utils import pdl_start
     HAS_GLUON = HAS_TRITON
 except ImportError:  # pragma: no cover - triton < 3.5
@@ -271,33 +272,6 @@ if HAS_GLUON:
                                          is_pure=True, pack=1)
 
     @gluon.jit
-    def _prmt(a, b, SEL: gl.constexpr):
-        """PTX prmt.b32: byte i of the result is byte SEL's nibble i of (b:a) (0-3: a, 4-7: b)."""
-        return gl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {SEL};", "=r,r,r", [a, b], dtype=gl.int32,
-                                         is_pure=True, pack=1)
-
-    @gluon.jit
-    def _q8_word(x0, x1, x2, x3, inv):
-        """int32 words whose byte b is round(x_b inv) as a signed byte (|x_b inv| <= 127), for
-        float32 tensors x_b: x_b inv + 1.5 * 2^23 rounds to nearest even and leaves the integer in
-        the float's low mantissa bits (two's complement in its low byte), one FFMA per value
-        where a float->int conversion would take the quarter-rate pipe."""
-        b0 = (x0 * inv + 12582912.0).to(gl.int32, bitcast=True)
-        b1 = (x1 * inv + 12582912.0).to(gl.int32, bitcast=True)
-        b2 = (x2 * inv + 12582912.0).to(gl.int32, bitcast=True)
-        b3 = (x3 * inv + 12582912.0).to(gl.int32, bitcast=True)
-        return _prmt(_prmt(b0, b1, 0x0040), _prmt(b2, b3, 0x0040), 0x5410)  # the low bytes, in order
-
-    @gluon.jit
-    def _q8_scale(x0, x1, x2, x3):
-        """(d, 1 / d) with d = max |x| / 127 over the 32 values x_b[..., w] (b = 0..3, w the last,
-        in-register axis of [BLOCK_M, BLOCK_C, 8] tensors), as [BLOCK_M, BLOCK_C]; d = 0 (and
-        1 / d = 0) for an all-zero sub-block. llama.cpp's quantize_q8_1."""
-        amax = gl.max(gl.maximum(gl.maximum(gl.abs(x0), gl.abs(x1)), gl.maximum(gl.abs(x2), gl.abs(x3))), axis=2)
-        d = amax * (1.0 / 127.0)
-        return d, gl.where(amax > 0, 1.0 / gl.where(amax > 0, d, 1.0), 0.0)
-
-    @gluon.jit
     def _q4k_scale_min(h1, h2, h3, k):
         """llama.cpp get_scale_min_k4 for the two sub-blocks 2k, 2k + 1 of group k (a tensor of
         0..3) from the scale bytes q[0..11] of a Q4_K header held as int32 words h1 = q[0..3],
@@ -316,8 +290,7 @@ if HAS_GLUON:
     @triton.jit
     def _q8_1_kernel(x_ptr, q_ptr, d_ptr, K, stride_xm, BLOCKS: tl.constexpr, USE_PDL: tl.constexpr):
         """Row pid 0, 32-value blocks pid 1 * BLOCKS .. of x [M, K] (K % 32 == 0) -> q [M, K] int8
-        = round(x / d) and d [M, K / 32] float32 = max |x| / 127 per block, rounded as
-        `_q8_word` does (the magic number: round to nearest even)."""
+        = round(x / d) and d [M, K / 32] float32 = max |x| / 127 per block (`q8_act.q8_round`)."""
         if USE_PDL:
             pdl_start()
         row = tl.program_id(0)
@@ -325,12 +298,9 @@ if HAS_GLUON:
         offs = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]
         ok = blocks < K // 32
         x = tl.load(x_ptr + row * stride_xm + offs, mask=ok[:, None], other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=1)
-        d = amax * (1.0 / 127.0)
-        inv = tl.where(amax > 0, 1.0 / tl.where(amax > 0, d, 1.0), 0.0)   # as `_q8_scale`: the same bytes
-        q = ((x * inv[:, None] + 12582912.0).to(tl.int32, bitcast=True) & 0xFF).to(tl.int8)
-        tl.store(q_ptr + row * K + offs, q, mask=ok[:, None])
-        tl.store(d_ptr + row * (K // 32) + blocks, d, mask=ok)
+        q, d = q8_round(tl.reshape(x, (1, BLOCKS, 32)))
+        tl.store(q_ptr + row * K + offs, tl.reshape(q, (BLOCKS, 32)), mask=ok[:, None])
+        tl.store(d_ptr + row * (K // 32) + blocks, tl.reshape(d, (BLOCKS,)), mask=ok)
 
     @gluon.jit
     def _q4k_header(hp):
@@ -341,20 +311,17 @@ if HAS_GLUON:
     @gluon.jit
     def _q4k_gemv_kernel(x_ptr, d_ptr, w_ptr, b_ptr, y_ptr, M, N, K, C_SPLIT, stride_xm, stride_dm, stride_wn,
                          stride_ym, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_C: gl.constexpr,
-                         X_PAIRS: gl.constexpr, X_Q8: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr,
-                         USE_PDL: gl.constexpr):
+                         HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, USE_PDL: gl.constexpr):
         """GGUF Q4_K (ferrum/ops/gguf.py has the block layout) GEMV for M (<= BLOCK_M) rows of x.
         w_ptr: the raw rows viewed as int32 (a 144-byte super-block is 36 words: d | dmin, 3
         words of 6-bit scales, 32 words of quants). A thread's chunk t is the 32 quant bytes of
         group c = t % 4 of super-block t // 4: byte l holds element 64 c + l (low nibble,
-        sub-block 2c) and 64 c + 32 + l (high nibble, sub-block 2c + 1). x is quantized to int8
-        per sub-block in registers (`_q8_scale`, `_q8_word`: word w of a sub-block holds its
-        elements 4w..4w+3, as the weight's bytes), and per sub-block
-        y += d sc dx sum(q xq) - dmin m sum(x), the integer sum by dp4a (llama.cpp's
-        vec_dot_q4_K_q8_1). Program (pid_n, pid_k): rows pid_n * BLOCK_N .., chunks
-        pid_k * C_SPLIT .. (a multiple of BLOCK_C). X_PAIRS as `_w4_gemv_kernel`'s. X_Q8: x is
-        already int8 (`q8_1`: x_ptr its bytes as int32 words [M, K / 4], d_ptr its float32
-        scales [M, K / 32]; strides in those elements), so a chunk's x is two 32-byte loads."""
+        sub-block 2c) and 64 c + 32 + l (high nibble, sub-block 2c + 1). x is int8 per sub-block
+        (`q8_1`: x_ptr its bytes as int32 words [M, K / 4], word w of a sub-block holding its
+        elements 4w..4w+3 as the weight's bytes; d_ptr its float32 scales dx [M, K / 32];
+        strides in those elements), and per sub-block y += d sc dx sum(q xq) - dmin m dx sum(xq),
+        the integer sums by dp4a (llama.cpp's vec_dot_q4_K_q8_1). Program (pid_n, pid_k): rows
+        pid_n * BLOCK_N .., chunks pid_k * C_SPLIT .. (a multiple of BLOCK_C)."""
         L4: gl.constexpr = _tile_layout(BLOCK_M, 8, gl.num_warps())
         LW: gl.constexpr = gl.SliceLayout(0, L4)                      # [BLOCK_N, BLOCK_C, 8] words
         LX: gl.constexpr = gl.SliceLayout(1, L4)                      # [BLOCK_M, BLOCK_C, 8] x
@@ -372,17 +339,13 @@ if HAS_GLUON:
         offs_c = gl.expand_dims(gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, LNC)), 0)   # [1, BLOCK_C]
         h_ptrs = w_ptr + offs_nc_n.to(gl.int64) * stride_wn + 36 * (offs_c // 4)          # headers, [BN, BC]
         grp = offs_c % 4                                     # group in its super-block: sub-blocks 2 grp, 2 grp + 1
-        # x of byte 0 of each word: element 64 t + 4 w (bf16 pairs: int32 index 32 t + 2 w)
+        # x word w of sub-block 2t (int32 index 16 t + w) and 2t + 1 (16 t + 8 + w); their scales 2t, 2t + 1
         offs_m = _lead(0, BLOCK_M, LX)
         cwx = gl.expand_dims(_chunk_offsets(BLOCK_C, 8, LX), 0)
-        if X_Q8:  # word w of sub-block 2t (16 t + w) and 2t + 1 (16 t + 8 + w); their scales 2t, 2t + 1
-            x_lo = x_ptr + offs_m * stride_xm + cwx + 8 * (cwx // 8)
-            d_rows = gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LMC)), 1)
-            d_ptrs = d_ptr + d_rows * stride_dm + 2 * gl.expand_dims(gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, LMC)), 0)
-            d_mask = d_rows < M
-        else:
-            x_lo = x_ptr + offs_m * stride_xm + gl.where(X_PAIRS, 32 * (cwx // 8) + 2 * (cwx % 8),
-                                                         64 * (cwx // 8) + 4 * (cwx % 8))
+        x_lo = x_ptr + offs_m * stride_xm + cwx + 8 * (cwx // 8)
+        d_rows = gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LMC)), 1)
+        d_ptrs = d_ptr + d_rows * stride_dm + 2 * gl.expand_dims(gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, LMC)), 0)
+        d_mask = d_rows < M
         t_start = pid_k * C_SPLIT
         t_end = gl.minimum(t_start + C_SPLIT, K // 64)
         acc = gl.zeros([BLOCK_M, BLOCK_N, BLOCK_C], gl.float32, layout=LMNC)
@@ -394,34 +357,10 @@ if HAS_GLUON:
         if USE_PDL:
             _pdl_start()
         for t0 in range(t_start, t_end, BLOCK_C):
-            if X_Q8:
-                xq_lo = _x_tile(x_lo + 16 * t0, offs_m, M, BLOCK_M)                # [BLOCK_M, BLOCK_C, 8]
-                xq_hi = _x_tile(x_lo + (16 * t0 + 8), offs_m, M, BLOCK_M)
-                dx_lo = gl.expand_dims(gl.load(d_ptrs + 2 * t0, mask=d_mask, other=0.0), 1)   # [BLOCK_M, 1, BLOCK_C]
-                dx_hi = gl.expand_dims(gl.load(d_ptrs + (2 * t0 + 1), mask=d_mask, other=0.0), 1)
-            else:
-                # x elements 4w + b (low sub-block) and 32 + 4w + b (high), b = 0..3, as float32
-                if X_PAIRS:  # x[e], x[e + 1] (e even) as one int32 of two bf16
-                    l0, l1 = _bf16_pair(_x_tile(x_lo + 32 * t0, offs_m, M, BLOCK_M))
-                    l2, l3 = _bf16_pair(_x_tile(x_lo + (32 * t0 + 1), offs_m, M, BLOCK_M))
-                    u0, u1 = _bf16_pair(_x_tile(x_lo + (32 * t0 + 16), offs_m, M, BLOCK_M))
-                    u2, u3 = _bf16_pair(_x_tile(x_lo + (32 * t0 + 17), offs_m, M, BLOCK_M))
-                else:
-                    xp = x_lo + 64 * t0
-                    l0 = _x_tile(xp, offs_m, M, BLOCK_M).to(gl.float32)
-                    l1 = _x_tile(xp + 1, offs_m, M, BLOCK_M).to(gl.float32)
-                    l2 = _x_tile(xp + 2, offs_m, M, BLOCK_M).to(gl.float32)
-                    l3 = _x_tile(xp + 3, offs_m, M, BLOCK_M).to(gl.float32)
-                    u0 = _x_tile(xp + 32, offs_m, M, BLOCK_M).to(gl.float32)
-                    u1 = _x_tile(xp + 33, offs_m, M, BLOCK_M).to(gl.float32)
-                    u2 = _x_tile(xp + 34, offs_m, M, BLOCK_M).to(gl.float32)
-                    u3 = _x_tile(xp + 35, offs_m, M, BLOCK_M).to(gl.float32)
-                d_lo, inv_lo = _q8_scale(l0, l1, l2, l3)
-                d_hi, inv_hi = _q8_scale(u0, u1, u2, u3)
-                xq_lo = _q8_word(l0, l1, l2, l3, gl.expand_dims(inv_lo, 2))    # [BLOCK_M, BLOCK_C, 8]
-                xq_hi = _q8_word(u0, u1, u2, u3, gl.expand_dims(inv_hi, 2))
-                dx_lo = gl.expand_dims(gl.convert_layout(d_lo, LMC, assert_trivial=True), 1)
-                dx_hi = gl.expand_dims(gl.convert_layout(d_hi, LMC, assert_trivial=True), 1)
+            xq_lo = _x_tile(x_lo + 16 * t0, offs_m, M, BLOCK_M)                # [BLOCK_M, BLOCK_C, 8]
+            xq_hi = _x_tile(x_lo + (16 * t0 + 8), offs_m, M, BLOCK_M)
+            dx_lo = gl.expand_dims(gl.load(d_ptrs + 2 * t0, mask=d_mask, other=0.0), 1)   # [BLOCK_M, 1, BLOCK_C]
+            dx_hi = gl.expand_dims(gl.load(d_ptrs + (2 * t0 + 1), mask=d_mask, other=0.0), 1)
             # sum(x) of the min term from the int8 values too: dp4a with bytes of 1
             s_lo = dx_lo * gl.expand_dims(gl.convert_layout(gl.sum(_dp4a(ones, xq_lo), axis=2), LMC,
                                                             assert_trivial=True), 1).to(gl.float32)
@@ -449,7 +388,7 @@ if HAS_GLUON:
 # an H200 by `benchmarks/quant_bench.py kernels` and written here by
 # `benchmarks/paste_gemv_configs.py`. Shapes not listed take `default_config` (fp8, w4, q4_k)
 # or the Triton GEMV (bf16: it already streams near the roofline). q4_k: timed on x from `q8_1`
-# (`KERNELS.q8_activation_kernel`, the default); its 4-row (4, 1, 1) keeps 16 bytes of stack at
+# (since 558bbed); its 4-row (4, 1, 1) keeps 16 bytes of stack at
 # `Q8_MAXNREG` and was still the fastest (h200-2026-12-02d).
 GLUON_GEMV_CONFIGS: dict[tuple[str, int, int, int], tuple[int, int, int] | None] = {
     ('bf16', 4096, 4096, 1): None,
@@ -617,8 +556,8 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
 
 
 Q8_BLOCKS = 32  # 32-value blocks per program of `q8_1` (1,024 values)
-# Register cap of the Q4_K GEMV on int8 x: ptxas takes ~250 per thread (2 warps per scheduler)
-# where 168 (3) hold the loop without spills at the default configs (tests' sm_90 compile)
+# Register cap of the Q4_K GEMV: ptxas takes ~250 per thread (2 warps per scheduler) where 168
+# (3) hold the loop without spills at the default configs (tests' sm_90 compile)
 Q8_MAXNREG = 168
 
 
@@ -644,15 +583,10 @@ def q4k_gemv(x: torch.Tensor, raw: torch.Tensor, bias: torch.Tensor | None = Non
     K = raw.shape[1] // 144 * 256
     bm, bn, warps, split, y, out, pdl = _prepare("q4_k", x, N, K, config,
                                                  raw.stride(1) == 1 and raw.stride(0) % 4 == 0)
-    if KERNELS.q8_activation_kernel:  # x's int8 copy from the kernel that wrote it, else q8_1's
-        q, d = q8_act.attached(x) or q8_1(x)
-        xa, stride_xm, pairs, stride_dm = q.view(torch.int32), K // 4, False, K // 32
-    else:
-        (xa, stride_xm, pairs), d, stride_dm = _x_arg(x), x, 0
+    q, d = q8_act.attached(x) or q8_1(x)   # x's int8 copy from the kernel that wrote it, else q8_1's
     _q4k_gemv_kernel[(N // bn, split)](
-        xa, d, raw.view(torch.int32), bias if bias is not None else x, out, x.shape[0], N, K, K // 64 // split,
-        stride_xm, stride_dm, raw.stride(0) // 4, y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_C=32 * warps,
-        X_PAIRS=pairs, X_Q8=KERNELS.q8_activation_kernel, HAS_BIAS=bias is not None and split == 1, SPLIT_K=split,
-        USE_PDL=pdl, num_warps=warps, launch_pdl=pdl,
-        **({"maxnreg": Q8_MAXNREG} if KERNELS.q8_activation_kernel and x.is_cuda else {}))
+        q.view(torch.int32), d, raw.view(torch.int32), bias if bias is not None else x, out, x.shape[0], N, K,
+        K // 64 // split, K // 4, K // 32, raw.stride(0) // 4, y.stride(0), BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_C=32 * warps, HAS_BIAS=bias is not None and split == 1, SPLIT_K=split, USE_PDL=pdl, num_warps=warps,
+        launch_pdl=pdl, **({"maxnreg": Q8_MAXNREG} if x.is_cuda else {}))
     return y if split == 1 else reduce_splits(out, y, bias, pdl)

@@ -8,7 +8,7 @@ and attach it to the output tensor; `q4k_gemv` takes it from there (`attached`) 
 `q8_1` only for inputs without one (o_proj's). The bytes are q8_1's: the same rounding.
 
 `wanted` is set by the GGUF linear method once a Q4_K layer runs on CUDA with
-`KERNELS.q8_activation_kernel` and `KERNELS.q8_from_producers`, and cleared when the next model
+`KERNELS.q8_from_producers`, and cleared when the next model
 loads (`ferrum.loader.model_loader.process_weights_after_loading`): a model without one pays
 nothing. The attached copy is
 keyed to the tensor object and its version counter, so an in-place change of the tensor after
