@@ -110,6 +110,8 @@ def test_completion_stream_equals_non_stream(client):
     assert text == full
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    # OpenAI: with include_usage every other chunk carries "usage": null
+    assert all("usage" in c.model_fields_set and c.usage is None for c in chunks[:-1])
 
 
 def test_chat_greedy_matches_offline_stream_and_usage(client, offline, tok):
@@ -130,6 +132,7 @@ def test_chat_greedy_matches_offline_stream_and_usage(client, offline, tok):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
     assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+    assert all("usage" in c.model_fields_set and c.usage is None for c in chunks[:-1])
 
 
 def test_stop_strings_cut_the_text(client):
@@ -459,8 +462,9 @@ def test_wrong_values_of_the_nullable_fields_stay_400s(server):
     assert e["param"] == "service_tier"
     e = _err(_post(server, "/v1/completions", {"model": MODEL, "prompt": None}), 400)   # required
     assert e["param"] == "prompt"
-    e = _err(_post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": None}), 400)
-    assert e["param"] == "best_of"                                                   # not implemented
+    for best_of in (None, 1):                                   # OpenAI's default: a no-op
+        r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "best_of": best_of})
+        assert r.status_code == 200, r.text
     for tier in ("auto", "default"):
         r = _post(server, "/v1/chat/completions", {**chat, "store": False, "service_tier": tier,
                                                    "metadata": {"k": "v"}})
@@ -643,11 +647,14 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 def _joined_tool_calls(chunks) -> tuple[str, list[tuple[str, str]], str | None]:
     """Streamed chat chunks -> (content, [(name, arguments)], last finish_reason), checking
-    that each call's id, type and name come first and only arguments follow."""
+    that each call's id, type and name come first and only arguments follow, and that a chunk
+    has one entry per call index (OpenAI's form: clients read delta.tool_calls[i] as call i)."""
     content, calls, reason = "", {}, None
     for ch in chunks:
         for c in ch.choices:
             content += c.delta.content or ""
+            indexes = [d.index for d in c.delta.tool_calls or []]
+            assert len(indexes) == len(set(indexes)), indexes
             for d in c.delta.tool_calls or []:
                 if d.id is not None:
                     assert d.index == len(calls) and d.type == "function" and d.function.name

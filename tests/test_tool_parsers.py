@@ -85,11 +85,12 @@ def stream(parser, text: str, sizes) -> tuple[str, list[tuple[str, str]], bool]:
     for piece in pieces + [None]:
         c, deltas = streamer.feed(piece) if piece is not None else streamer.finish()
         content += c
+        indexes = [d["index"] for d in deltas]
+        assert len(indexes) == len(set(indexes)), deltas     # one entry per call in a delta
         for d in deltas:
             if "id" in d:
                 assert d["index"] == len(calls) and d["type"] == "function"
-                assert d["function"]["arguments"] == ""
-                calls[d["index"]] = [d["function"]["name"], ""]
+                calls[d["index"]] = [d["function"]["name"], d["function"]["arguments"]]
             else:
                 calls[d["index"]][1] += d["function"]["arguments"]
     return content, [tuple(v) for _, v in sorted(calls.items())], streamer.called

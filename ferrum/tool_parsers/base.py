@@ -189,13 +189,27 @@ class ToolParser(abc.ABC):
         return s
 
 
+def merge_call_deltas(deltas: list[dict]) -> list[dict]:
+    """Tool-call deltas with one entry per call index (a call's start and its first arguments
+    in one entry, as OpenAI streams them; clients that read `delta.tool_calls[i]` as call i
+    would drop the rest). Returns new dicts; the order of indexes is kept."""
+    out: list[dict] = []
+    for d in deltas:
+        if out and out[-1]["index"] == d["index"]:
+            fn = out[-1].setdefault("function", {})
+            fn["arguments"] = fn.get("arguments", "") + (d.get("function") or {}).get("arguments", "")
+        else:
+            out.append({**d, "function": dict(d.get("function") or {})})
+    return out
+
+
 class ToolCallStreamer:
     """Turns a growing output into OpenAI chat-completion deltas for one choice.
 
     feed(delta_text) -> (content delta, [tool-call deltas]); finish() -> the same for what is
     left once the output is complete. A tool-call delta is {"index", "id", "type", "function":
-    {"name", "arguments": ""}} when a call's name is known, then {"index", "function":
-    {"arguments": fragment}} as its arguments grow. `called` tells whether any call was sent
+    {"name", "arguments": the first fragment or ""}} when a call's name is known, then {"index",
+    "function": {"arguments": fragment}} as its arguments grow, one entry per index in a delta. `called` tells whether any call was sent
     (finish_reason "tool_calls"). If the output turns out malformed after a call was sent, the
     rest is sent as content (the stream then differs from the non-streamed answer, which is all
     content); an enforced call that the token limit cut off was streamed as far as it got,
@@ -214,12 +228,12 @@ class ToolCallStreamer:
         s = self.parser._scan(self.text, final=False)
         if s.malformed:
             return "", []
-        return self._content(s.content), self._calls(s.calls)
+        return self._content(s.content), merge_call_deltas(self._calls(s.calls))
 
     def finish(self) -> tuple[str, list[dict]]:
         content, calls = self.parser.extract(self.text)
         parts = [PartialCall(c.name, c.arguments, True) for c in calls]
-        return self._content(content or ""), self._calls(parts)
+        return self._content(content or ""), merge_call_deltas(self._calls(parts))
 
     def _content(self, content: str) -> str:
         if len(content) <= self.content_sent:

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible API (pydantic 2) and their mapping to SamplingParams.
 
 Every model forbids unknown fields (`extra="forbid"`): a field ferrum does not implement
-(`best_of`, `suffix`, ...) is answered with HTTP 400 naming it, never silently ignored; and
+(`suffix`, `best_of` above 1, ...) is answered with HTTP 400 naming it, never silently ignored; and
 every model is strict, so a value of the wrong JSON type (`"max_tokens": "5"`, `"stream": 1`,
 `"temperature": true`) is a 400 naming its field, not coerced. A JSON null for a field that has
 a default means that default, as an absent field does (OpenAI marks its optional fields
@@ -153,6 +153,8 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int = SamplingParams.max_tokens
     logprobs: int | None = None
     echo: bool = False
+    # OpenAI's default, a no-op; more candidates per choice are not implemented (vLLM V1 neither)
+    best_of: Literal[1] | None = None
 
     @property
     def echo_only(self) -> bool:

@@ -30,7 +30,7 @@ from ferrum.errors import (FerrumError, InvalidRequestError, ModelNotFoundError,
 from ferrum.metrics import Metrics
 from ferrum.outputs import RequestOutput
 from ferrum.sampling_params import SamplingParams
-from ferrum.tool_parsers import ToolCallStreamer, ToolParser
+from ferrum.tool_parsers import ToolCallStreamer, ToolParser, merge_call_deltas
 
 
 class ClientDisconnectedError(FerrumError):
@@ -315,11 +315,13 @@ class OpenAIServing:
 
         fingerprint = self.system_fingerprint
 
+        usage = {"usage": None} if req.include_usage else {}   # OpenAI: null on all but the last chunk
+
         def chunk(index, text, logprobs=None, finish_reason=None):
             return _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                          "system_fingerprint": fingerprint,
                          "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                      "finish_reason": finish_reason}]})
+                                      "finish_reason": finish_reason}], **usage})
 
         n = req.n
         sent_tokens: dict[int, int] = {}     # choice index -> tokens already streamed
@@ -414,12 +416,13 @@ class OpenAIServing:
 
         fingerprint = self.system_fingerprint
 
+        usage = {"usage": None} if req.include_usage else {}   # OpenAI: null on all but the last chunk
+
         def chunk(index, delta, logprobs=None, finish_reason=None):
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                          "model": model, "system_fingerprint": fingerprint,
-                         "choices": [{"index": index, "delta": delta,
-                                                      "logprobs": logprobs,
-                                                      "finish_reason": finish_reason}]})
+                         "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                      "finish_reason": finish_reason}], **usage})
 
         for j in range(req.n):  # the role comes first, as OpenAI sends it
             yield chunk(j, {"role": "assistant", "content": ""})
@@ -453,7 +456,7 @@ class OpenAIServing:
                     content, calls = streamer.feed(c.delta_text)
                     if c.finished:
                         more_content, more_calls = streamer.finish()
-                        content, calls = content + more_content, calls + more_calls
+                        content, calls = content + more_content, merge_call_deltas(calls + more_calls)
                         if streamer.called and finish_reason == "stop":
                             finish_reason = tool_parser.calls_finish_reason
                 if c.finished:
