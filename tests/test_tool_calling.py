@@ -81,6 +81,32 @@ def test_readme_required_example_gives_its_documented_answer(smol):
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
 
 
+def test_readme_json_schema_example_gives_valid_json(smol):
+    """README's response_format curl body as written: a finished answer (finish_reason stop)
+    whose content validates against the schema (an unbounded integer let SmolLM2 write digits
+    until max_tokens)."""
+    import pathlib
+    import re
+    import httpx
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    bodies = [json.loads(b) for b in re.findall(r"-d '(\{.*?\})'", readme, re.S)]
+    (body,) = [b for b in bodies if "response_format" in b]
+    r = httpx.post(str(smol.base_url) + "chat/completions", json=body, timeout=600)
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    assert choice["finish_reason"] == "stop", choice
+    jsonschema.validate(json.loads(choice["message"]["content"]), body["response_format"]["json_schema"]["schema"])
+    # the Python snippet beside it: the SDK's parse with README's City model
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str
+        population: int = Field(ge=0, le=100_000_000)
+    parsed = smol.chat.completions.parse(model="smollm2", response_format=City, max_tokens=64, temperature=0,
+                                         messages=body["messages"]).choices[0].message.parsed
+    assert isinstance(parsed, City) and parsed.name
+
+
 def test_required_cut_off_by_max_tokens_returns_the_finished_calls(smol, smollm2_gguf_path):
     """With parallel calls allowed (the default) SmolLM2 repeats its call until max_tokens: the
     calls completed by then come back as tool_calls (content null, finish_reason length), in
