@@ -64,6 +64,7 @@ def test_messages_reach_the_template_as_hf_passes_them(smollm2_tokenizer):
     assert tok.decode(chat.prompt_token_ids, skip_special_tokens=False) == expected
     assert 'get_weather {"city": "Paris"}' in expected          # a dict, not a JSON string
     assert isinstance(chat.tool_parser, HermesToolParser) and chat.structured_outputs is None
+    assert chat.tool_parser.names == {"get_weather"}     # a call of another function stays content
 
 
 def test_history_arguments_that_are_not_a_json_object_stay_strings(smollm2_tokenizer):

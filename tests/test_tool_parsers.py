@@ -44,6 +44,10 @@ MALFORMED = [
     (HermesToolParser(), 'text <tool_call>\n{"name": "a", "arguments": {"x": 1}\n</tool_call>'),  # unbalanced
     (HermesToolParser(), '<tool_call>\n{"name": 7, "arguments": {}}\n</tool_call>'),              # name not a string
     (HermesToolParser(), '<tool_call>\n{"arguments": {}}\n</tool_call>'),                          # no name
+    # a function the request did not declare (OpenAI never returns one), also after a declared one
+    (HermesToolParser(names={"a"}), '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n'
+                                    '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'),
+    (MistralToolParser(names={"get_weather"}), '[TOOL_CALLS][{"name": "b", "arguments": {}}]'),
     (HermesToolParser(), '<tool_call>\nnot json\n</tool_call>'),
     (HermesToolParser(), '<tool_call>{"name": "a", "arguments": [1]}</tool_call>'),               # not an object
     (HermesToolParser(), '<tool_call>{"name": "a", "arguments": {}} trailing</tool_call>'),

@@ -451,7 +451,7 @@ def prepare_chat(tokenizer, messages, *, tools=None, tool_choice=None,
     elif isinstance(choice, dict):
         parser = NamedToolParser(choice["function"]["name"], max_calls)
     elif choice == "auto" and fmt is None:
-        parser = tool_parser_class(tool_parser, template)(max_calls)
+        parser = tool_parser_class(tool_parser, template)(max_calls, {t["function"]["name"] for t in tools or []})
         if any(_is_special_token(tokenizer, m) for m in parser.markers):
             skip = False
     return ChatPrompt(ids, constraint or fmt, parser, skip)

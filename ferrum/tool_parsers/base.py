@@ -141,7 +141,8 @@ class ToolParser(abc.ABC):
     output, held back while streaming) and implement `scan`.
 
     max_calls: at most this many calls are returned (1 for parallel_tool_calls=false), the
-    rest of the output is dropped; None for no limit.
+    rest of the output is dropped; None for no limit. names: the declared function names; output
+    calling another function is malformed (all content); None accepts any name.
     """
 
     markers: tuple[str, ...] = ()
@@ -154,8 +155,9 @@ class ToolParser(abc.ABC):
     id_length = 24
     id_prefix = "call_"
 
-    def __init__(self, max_calls: int | None = None):
+    def __init__(self, max_calls: int | None = None, names: set[str] | None = None):
         self.max_calls = max_calls
+        self.names = names   # the declared functions (tool_choice "auto"): a call of another is malformed
 
     @abc.abstractmethod
     def scan(self, text: str, final: bool) -> Scan:
@@ -184,6 +186,8 @@ class ToolParser(abc.ABC):
             s = self.scan(text, final)
         except (NotJson, ValueError):
             return Scan(content="", in_calls=True, malformed=True)
+        if self.names is not None and any(c.name is not None and c.name not in self.names for c in s.calls):
+            return Scan(content="", in_calls=True, malformed=True)   # OpenAI never returns an undeclared function
         if self.max_calls is not None:
             s.calls = s.calls[:self.max_calls]
         return s
