@@ -426,8 +426,10 @@ ELEMENTS = {"bf16": 8, "fp8": 16, "w4": 32, "q4_k": 64}  # K elements per thread
 MAX_ROWS = 8  # rows of x a launch takes (ferrum.ops.fp8.MAX_GEMV_ROWS)
 # BLOCK_N per BLOCK_M (2 or 4 rows of x) of `default_config`: the largest that compiles for sm_90
 # without spills at 2 warps (x's registers grow with the rows: 8 rows spill for FP8, 4-bit and
-# Q4_K, which then keep their Triton GEMV); bf16 has no entry (cuBLAS takes 2+ rows)
-ROWS_BLOCK_N = {"fp8": {2: 2, 4: 1}, "w4": {2: 4, 4: 2}, "q4_k": {2: 4, 4: 1}}
+# Q4_K, which then keep their Triton GEMV; Q4_K at its `Q8_MAXNREG` cap); bf16 has no entry
+# (cuBLAS takes 2+ rows). Q4_K 4 rows: (2, 2, 1) read 1.4-1.6x what (1, 2, 1) did on the H200
+# (h200-2026-12-02d run 1)
+ROWS_BLOCK_N = {"fp8": {2: 2, 4: 1}, "w4": {2: 4, 4: 2}, "q4_k": {2: 4, 4: 2}}
 TUNED_ROWS = 4  # most rows `gemv_config` gives a config for (the table's row keys are 1 and 4)
 
 
