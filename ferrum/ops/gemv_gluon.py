@@ -39,7 +39,7 @@ instruction. Per sub-block y += d sc dx sum(q xq) - dmin m dx sum(xq), the 16-by
 (d, dmin, eight 6-bit scale / min pairs) decoded per row and chunk. In sm_90 SASS that is ~1.5
 instructions per weight value instead of ~3.9 for the float32 path above (`benchmarks/sass_loop.py
 --gemv`); rounding x in every program instead took a third more and ~240 registers per thread,
-1.5-2.1x slower on an H200 (benchmarks/results/h200-2026-12-02d). x's int8 rounding adds ~0.5%
+and ran slower on every matrix on the H200 (benchmarks/results/README.md). x's int8 rounding adds ~0.5%
 of the largest output on random Q4_K weights (tests: vs the exact product within 2e-2; vs the
 same int8 x within bf16's bound); llama.cpp and vLLM's GGUF kernels round x the same way.
 
@@ -427,8 +427,8 @@ MAX_ROWS = 8  # rows of x a launch takes (ferrum.ops.fp8.MAX_GEMV_ROWS)
 # BLOCK_N per BLOCK_M (2 or 4 rows of x) of `default_config`: the largest that compiles for sm_90
 # without spills at 2 warps (x's registers grow with the rows: 8 rows spill for FP8, 4-bit and
 # Q4_K, which then keep their Triton GEMV; Q4_K at its `Q8_MAXNREG` cap); bf16 has no entry
-# (cuBLAS takes 2+ rows). Q4_K 4 rows: (2, 2, 1) read 1.4-1.6x what (1, 2, 1) did on the H200
-# (h200-2026-12-02d run 1)
+# (cuBLAS takes 2+ rows). Q4_K 4 rows: (2, 2, 1) beat (1, 2, 1) on every matrix of the H200
+# sweep (benchmarks/results/README.md)
 ROWS_BLOCK_N = {"fp8": {2: 2, 4: 1}, "w4": {2: 4, 4: 2}, "q4_k": {2: 4, 4: 2}}
 TUNED_ROWS = 4  # most rows `gemv_config` gives a config for (the table's row keys are 1 and 4)
 
