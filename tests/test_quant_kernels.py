@@ -330,7 +330,8 @@ def check_q8_activations(device: str) -> None:
     byte for byte what `q8_1` writes of that output, for 1-4 rows, with and without a masked
     tail; none for 5 rows, a 3-D input or `q8_act.wanted` off; an in-place change of the output
     drops it; the Q4_K GEMV reads the attached copy (a zero copy attached on purpose zeroes its
-    output) and gives the same output as from `q8_1`."""
+    output) and gives the same output as from `q8_1`; and under inference mode (the model
+    runner's), whose tensors keep no version counter."""
     from ferrum.ops import q8_act
     from ferrum.ops.activation import silu_and_mul
     from ferrum.ops.rms_norm import fused_add_rms_norm, rms_norm
@@ -363,6 +364,12 @@ def check_q8_activations(device: str) -> None:
         q, d = q8_act.attached(x)
         q8_act.attach(x, torch.zeros_like(q), d)
         assert not call(x, None, (4, 1, 1)).any() and y.abs().max() > 0
+        with torch.inference_mode():   # the model runner's forwards: tensors without a version counter
+            out = silu_and_mul(rand(1, 2 * 4096))
+            q, d = gg.q8_1(out)
+            got = q8_act.attached(out)
+            assert got is not None and torch.equal(got[0], q) and torch.equal(got[1], d)
+            call(out, None, (4, 1, 1))
         q8_act.wanted = False
         assert q8_act.attached(rms_norm(rand(1, 96), rand(96), 1e-5)) is None
     finally:

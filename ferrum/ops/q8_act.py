@@ -10,9 +10,10 @@ and attach it to the output tensor; `q4k_gemv` takes it from there (`attached`) 
 `wanted` is set by the GGUF linear method once a Q4_K layer runs on CUDA with
 `KERNELS.q8_from_producers`, and cleared when the next model
 loads (`ferrum.loader.model_loader.process_weights_after_loading`): a model without one pays
-nothing. The attached copy is
-keyed to the tensor object and its version counter, so an in-place change of the tensor after
-it was written, or a reshaped view, falls back to `q8_1`.
+nothing. The attached copy is keyed to the tensor object (a reshaped view falls back to `q8_1`)
+and, where torch keeps one, its version counter (an in-place change drops it). Inference-mode
+tensors, which the model runner's forwards make, keep no version counter: there the copy holds
+as long as the tensor, which ferrum's models never change in place.
 """
 from __future__ import annotations
 
@@ -52,15 +53,23 @@ def buffers(rows: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
             torch.empty(rows, n // 32, dtype=torch.float32, device=device))
 
 
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:    # an inference tensor: no version counter
+        return None
+
+
 def attach(t: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """Record (q, d) as t's int8 copy (valid while t is not modified in place); returns t."""
-    t._ferrum_q8 = (q, d, t._version)
+    t._ferrum_q8 = (q, d, _version(t))
     return t
 
 
 def attached(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(q, d) written with x by `attach`, or None (none, or x changed in place since)."""
+    """(q, d) written with x by `attach`, or None (none, or x changed in place since where
+    torch tracks it)."""
     rec = getattr(x, "_ferrum_q8", None)
-    if rec is None or rec[2] != x._version:
+    if rec is None or rec[2] != _version(x):
         return None
     return rec[0], rec[1]
