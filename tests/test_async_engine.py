@@ -171,9 +171,17 @@ def test_stop_during_a_long_step_ends_streams_without_waiting_for_it(engine):
     async def go():
         stream = await engine.add_request("long", None, greedy(50), prompt_token_ids=PROMPT)
         await asyncio.to_thread(in_step.wait, 10)
+        # a request that arrives during the step: its add waits in the command queue
+        late = asyncio.create_task(engine.add_request("late", None, greedy(5), prompt_token_ids=PROMPT))
+        for _ in range(500):
+            if engine._cmds.qsize():
+                break
+            await asyncio.sleep(0.01)
         engine.stop(ServerShuttingDownError("drain over"))
         with pytest.raises(ServerShuttingDownError, match="drain over"):
             await asyncio.wait_for(_collect(stream), 5)
+        with pytest.raises(ServerShuttingDownError, match="drain over"):
+            await asyncio.wait_for(late, 5)
         assert not gate.is_set()          # the step is still running
         gate.set()
         with pytest.raises(ServerShuttingDownError, match="drain over"):

@@ -465,6 +465,9 @@ def test_wrong_values_of_the_nullable_fields_stay_400s(server):
     for best_of in (None, 1):                                   # OpenAI's default: a no-op
         r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "best_of": best_of})
         assert r.status_code == 200, r.text
+    for bad in ({"best_of": True}, {"best_of": 1.0}, {"best_of": 1, "n": 2}):   # strict type; best_of >= n
+        e = _err(_post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, **bad}), 400)
+        assert e["param"] == "best_of", (bad, e)
     for tier in ("auto", "default"):
         r = _post(server, "/v1/chat/completions", {**chat, "store": False, "service_tier": tier,
                                                    "metadata": {"k": "v"}})

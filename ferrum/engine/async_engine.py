@@ -95,7 +95,10 @@ class AsyncLLMEngine:
         self.engine = engine
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}    # touched by the engine thread only
-        self._open: weakref.WeakSet[_Stream] = weakref.WeakSet()   # streams handed out (asyncio side), for stop()
+        # asyncio side, for stop(): streams of requests sent to the engine thread, and the futures
+        # of adds it has not taken yet (queued behind a long step)
+        self._open: weakref.WeakSet[_Stream] = weakref.WeakSet()
+        self._pending: set[asyncio.Future] = set()
         self._closed: EngineDeadError | None = None     # stop()'s error: refuses new requests at once
         self._lock = threading.Lock()             # orders "dead" against new commands
         self._dead: BaseException | None = None
@@ -143,12 +146,15 @@ class AsyncLLMEngine:
         stream = _Stream(request_id, loop)
         accepted = loop.create_future()
         self._send(("add", (request_id, prompt, params, prompt_token_ids), stream, accepted))
+        self._open.add(stream)
+        self._pending.add(accepted)
         try:
             await accepted
         except asyncio.CancelledError:
             self.abort(request_id)  # it may have been added just before the cancel
             raise
-        self._open.add(stream)
+        finally:
+            self._pending.discard(accepted)
         return self._iterate(stream)
 
     async def _iterate(self, stream: _Stream) -> AsyncIterator[RequestOutput]:
@@ -221,14 +227,17 @@ class AsyncLLMEngine:
 
     def stop(self, error: EngineDeadError | None = None) -> None:
         """Stop the step thread once the step running now ends, without waiting (thread-safe):
-        every open stream raises `error` now (default EngineDeadError "the engine was shut
-        down"), every later add_request once the step ends. A stopped or dead engine ignores it."""
+        every open stream and every add_request still waiting for the engine thread raise
+        `error` now (default EngineDeadError "the engine was shut down"), every later
+        add_request at once. A stopped or dead engine ignores it."""
         error = error or EngineDeadError("the engine was shut down")
         with self._lock:
             if self._dead is not None or self._closed is not None:
                 return
             self._closed = error
             self._cmds.put(("stop", error))
+        for fut in list(self._pending):   # adds still queued behind the running step
+            _resolve(fut, type(error)(str(error)))
         for stream in list(self._open):   # their requests cannot finish any more
             stream.put(type(error)(str(error)))
 

@@ -153,8 +153,8 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int = SamplingParams.max_tokens
     logprobs: int | None = None
     echo: bool = False
-    # OpenAI's default, a no-op; more candidates per choice are not implemented (vLLM V1 neither)
-    best_of: Literal[1] | None = None
+    # 1 (OpenAI's default) is a no-op; more candidates per choice are not implemented (vLLM V1 neither)
+    best_of: int | None = None
 
     @property
     def echo_only(self) -> bool:
@@ -165,6 +165,11 @@ class CompletionRequest(_SamplingFields):
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
                                       param="logprobs")
+        if self.best_of is not None and self.best_of != 1:
+            raise InvalidRequestError(f"best_of {self.best_of} is not supported (only 1, the default: "
+                                      "use n for several choices)", param="best_of")
+        if self.best_of == 1 and self.n > 1:
+            raise InvalidRequestError(f"best_of (1) must be at least n ({self.n})", param="best_of")
         params = self._params(max_tokens, self.logprobs)
         if self.echo and self.logprobs is not None:
             params.prompt_logprobs = self.logprobs

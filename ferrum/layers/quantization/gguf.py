@@ -128,7 +128,7 @@ class GGUFLinearMethod(LinearMethod):
         delattr(layer, "weight")
         layer.segments = segments
         t = segments[0][3]
-        if (KERNELS.q8_from_producers and t.is_cuda and is_sm90(t) and gemv_gluon.HAS_GLUON
+        if (KERNELS.q8_from_producers and KERNELS.gluon_gemv and t.is_cuda and is_sm90(t) and gemv_gluon.HAS_GLUON
                 and any(q == gguf_ops.Q4_K for _, _, q, _ in segments)):
             q8_act.wanted = True   # its GEMV reads int8 x: the norms / SiLU-mul write it (ferrum.ops.q8_act)
 
