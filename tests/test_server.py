@@ -308,6 +308,9 @@ def test_bad_inputs(server):
     ok = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
     e = _err(_post(server, "/v1/completions", content=b'{"model": "tiny", "prompt": '), 400)
     assert "JSON" in e["message"] and e["type"] == "invalid_request_error"
+    for body in (b'{"model": "tiny", "prompt": "\xff\xfe"}', b"[" * 100_000 + b"]" * 100_000):
+        e = _err(_post(server, "/v1/completions", content=body), 400)   # not UTF-8; too deep for json
+        assert "UTF-8" in e["message"] and e["type"] == "invalid_request_error", e
     e = _err(_post(server, "/v1/completions", {**ok, "best_of": 2}), 400)
     assert e["param"] == "best_of" and "best_of" in e["message"]
     e = _err(_post(server, "/v1/chat/completions", {"model": MODEL, "messages": [

@@ -244,7 +244,11 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | Non
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(e.detail), kind, e.status_code), status_code=e.status_code,
+        detail = str(e.detail)
+        if e.status_code == 400 and detail == "There was an error parsing the body":
+            # FastAPI's text for a body json.loads fails on other than by a JSONDecodeError
+            detail = "request body is not JSON that can be read: not valid UTF-8, or nested too deep"
+        return JSONResponse(error_body(detail, kind, e.status_code), status_code=e.status_code,
                             headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
