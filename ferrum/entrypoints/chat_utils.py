@@ -467,13 +467,11 @@ def _is_special_token(tokenizer, text: str) -> bool:
 def apply_tool_calls(parser: ToolParser | None, output) -> None:
     """Offline API: parse a CompletionOutput's text in place: `text` becomes the message
     content ("" for none), `tool_calls` the calls in OpenAI form (`ToolParser.extract`),
-    finish_reason the parser's `calls_finish_reason` ("tool_calls"; "stop" for a forced named
-    function) when there are calls and the model stopped by itself."""
+    finish_reason as `ToolParser.finish_reason` gives it."""
     if parser is None:
         return
     content, calls = parser.extract(output.text)
     output.text = content or ""
     if calls:
         output.tool_calls = [c.to_openai() for c in calls]
-        if output.finish_reason == "stop":
-            output.finish_reason = parser.calls_finish_reason
+        output.finish_reason = parser.finish_reason(output.finish_reason, called=True)

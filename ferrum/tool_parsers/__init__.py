@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from ferrum.errors import InvalidRequestError
-from ferrum.tool_parsers.base import ToolCall, ToolCallStreamer, ToolParser, merge_call_deltas
+from ferrum.tool_parsers.base import ToolCall, ToolCallStreamer, ToolParser
 from ferrum.tool_parsers.constrained import NamedToolParser, RequiredToolParser
 from ferrum.tool_parsers.hermes import HermesToolParser
 from ferrum.tool_parsers.llama3_json import Llama3JsonToolParser
@@ -46,4 +46,4 @@ def tool_parser_class(name: str, chat_template: str | None = None) -> type[ToolP
 
 
 __all__ = ["TOOL_PARSERS", "NamedToolParser", "RequiredToolParser", "ToolCall", "ToolCallStreamer",
-           "ToolParser", "detect_tool_parser", "merge_call_deltas", "tool_parser_class"]
+           "ToolParser", "detect_tool_parser", "tool_parser_class"]

@@ -164,6 +164,11 @@ class ToolParser(abc.ABC):
         """The calls in `text` (the output so far; `final`: it is complete), each family's
         format read by its subclass."""
 
+    def finish_reason(self, reason: str | None, called: bool) -> str | None:
+        """A choice's finish_reason: `calls_finish_reason` when it sent calls and stopped by
+        itself ("stop"), else `reason` as it is ("length" stays, with or without calls)."""
+        return self.calls_finish_reason if called and reason == "stop" else reason
+
     def new_call_id(self) -> str:
         alphabet = string.ascii_letters + string.digits
         return self.id_prefix + "".join(secrets.choice(alphabet) for _ in range(self.id_length))
@@ -193,27 +198,15 @@ class ToolParser(abc.ABC):
         return s
 
 
-def merge_call_deltas(deltas: list[dict]) -> list[dict]:
-    """Tool-call deltas with one entry per call index (a call's start and its first arguments
-    in one entry, as OpenAI streams them; clients that read `delta.tool_calls[i]` as call i
-    would drop the rest). Returns new dicts; the order of indexes is kept."""
-    out: list[dict] = []
-    for d in deltas:
-        if out and out[-1]["index"] == d["index"]:
-            fn = out[-1].setdefault("function", {})
-            fn["arguments"] = fn.get("arguments", "") + (d.get("function") or {}).get("arguments", "")
-        else:
-            out.append({**d, "function": dict(d.get("function") or {})})
-    return out
-
-
 class ToolCallStreamer:
     """Turns a growing output into OpenAI chat-completion deltas for one choice.
 
-    feed(delta_text) -> (content delta, [tool-call deltas]); finish() -> the same for what is
-    left once the output is complete. A tool-call delta is {"index", "id", "type", "function":
-    {"name", "arguments": the first fragment or ""}} when a call's name is known, then {"index",
-    "function": {"arguments": fragment}} as its arguments grow, one entry per index in a delta. `called` tells whether any call was sent
+    feed(delta_text, final) -> (content delta, [tool-call deltas]); `final`: the output is
+    complete (what is left is sent; `finish()` is the same with no more text). A tool-call delta
+    is {"index", "id", "type", "function": {"name", "arguments": what is known}} when a call's
+    name is known, then {"index", "function": {"arguments": fragment}} as its arguments grow;
+    one entry per call index in a delta (OpenAI's form: clients read delta.tool_calls[i] as call
+    i). `called` tells whether any call was sent
     (finish_reason "tool_calls"). If the output turns out malformed after a call was sent, the
     rest is sent as content (the stream then differs from the non-streamed answer, which is all
     content); an enforced call that the token limit cut off was streamed as far as it got,
@@ -227,17 +220,19 @@ class ToolCallStreamer:
         self.sent: list[list] = []      # per call: [id, arguments chars sent]
         self.called = False
 
-    def feed(self, delta: str) -> tuple[str, list[dict]]:
+    def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict]]:
         self.text += delta
+        if final:
+            return self.finish()
         s = self.parser._scan(self.text, final=False)
         if s.malformed:
             return "", []
-        return self._content(s.content), merge_call_deltas(self._calls(s.calls))
+        return self._content(s.content), self._calls(s.calls)
 
     def finish(self) -> tuple[str, list[dict]]:
         content, calls = self.parser.extract(self.text)
         parts = [PartialCall(c.name, c.arguments, True) for c in calls]
-        return self._content(content or ""), merge_call_deltas(self._calls(parts))
+        return self._content(content or ""), self._calls(parts)
 
     def _content(self, content: str) -> str:
         if len(content) <= self.content_sent:
@@ -251,7 +246,8 @@ class ToolCallStreamer:
         for k, c in enumerate(calls):
             if c.name is None:
                 break                    # calls are sent in order, each once its name is known
-            if k == len(self.sent):
+            new = k == len(self.sent)
+            if new:
                 call_id = self.parser.new_call_id()
                 self.sent.append([call_id, 0])
                 self.called = True
@@ -261,6 +257,10 @@ class ToolCallStreamer:
                 continue
             done = self.sent[k][1]
             if len(c.arguments) > done:
-                out.append({"index": k, "function": {"arguments": c.arguments[done:]}})
+                fragment = c.arguments[done:]
+                if new:   # in the call's first entry: one entry per index
+                    out[-1]["function"]["arguments"] = fragment
+                else:
+                    out.append({"index": k, "function": {"arguments": fragment}})
                 self.sent[k][1] = len(c.arguments)
         return out

@@ -449,10 +449,7 @@ class _ResponseState:
             calls = [{"index": k, **call.to_openai()} for k, call in enumerate(found)]
             content = content or ""
         else:
-            content, calls = self.streamer.feed(text)
-            if c.finished:
-                more_content, more_calls = self.streamer.finish()
-                content, calls = content + more_content, calls + more_calls
+            content, calls = self.streamer.feed(text, final=c.finished)
         self.add_text(content)
         for delta in calls:
             self.add_call_delta(delta)

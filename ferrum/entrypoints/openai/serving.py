@@ -30,7 +30,7 @@ from ferrum.errors import (FerrumError, InvalidRequestError, ModelNotFoundError,
 from ferrum.metrics import Metrics
 from ferrum.outputs import RequestOutput
 from ferrum.sampling_params import SamplingParams
-from ferrum.tool_parsers import ToolCallStreamer, ToolParser, merge_call_deltas
+from ferrum.tool_parsers import ToolCallStreamer, ToolParser
 
 
 class ClientDisconnectedError(FerrumError):
@@ -453,12 +453,9 @@ class OpenAIServing:
                 finish_reason = c.finish_reason
                 streamer = streamers.get(c.index)
                 if streamer is not None:
-                    content, calls = streamer.feed(c.delta_text)
+                    content, calls = streamer.feed(c.delta_text, final=c.finished)
                     if c.finished:
-                        more_content, more_calls = streamer.finish()
-                        content, calls = content + more_content, merge_call_deltas(calls + more_calls)
-                        if streamer.called and finish_reason == "stop":
-                            finish_reason = tool_parser.calls_finish_reason
+                        finish_reason = tool_parser.finish_reason(finish_reason, streamer.called)
                 if c.finished:
                     finished.add(c.index)
                     ntok += len(c.token_ids)
@@ -478,13 +475,12 @@ class OpenAIServing:
 def chat_message(tool_parser: ToolParser | None, text: str, finish_reason: str | None) -> dict:
     """{"message": {...}, "finish_reason": ...} of a finished chat choice: with a tool parser,
     the calls found in `text` go to message.tool_calls (content: the rest, or null; see
-    `ToolParser.extract`) and finish_reason "stop" becomes the parser's `calls_finish_reason`
-    ("tool_calls"; "stop" for a forced named function)."""
+    `ToolParser.extract`) and the finish_reason is `ToolParser.finish_reason`'s."""
     message = {"role": "assistant", "content": text}
     if tool_parser is not None:
         content, calls = tool_parser.extract(text)
         message["content"] = content
         if calls:
             message["tool_calls"] = [call.to_openai() for call in calls]
-            finish_reason = tool_parser.calls_finish_reason if finish_reason == "stop" else finish_reason
+            finish_reason = tool_parser.finish_reason(finish_reason, called=True)
     return {"message": message, "finish_reason": finish_reason}
