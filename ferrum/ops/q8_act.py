@@ -35,7 +35,9 @@ if HAS_TRITON:
         kernel does (x / d + 1.5 * 2^23: round to nearest even, the integer in the low byte)."""
         amax = tl.max(tl.abs(x), axis=2)
         d = amax * (1.0 / 127.0)
-        inv = tl.where(amax > 0, 1.0 / tl.where(amax > 0, d, 1.0), 0.0)
+        # 1 / d correctly rounded (div_rn; `/` may take the approximate reciprocal on the GPU), as
+        # llama.cpp's and the tests' float32 reference
+        inv = tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), tl.where(amax > 0, d, 1.0)), 0.0)
         q = ((x * inv[:, :, None] + 12582912.0).to(tl.int32, bitcast=True) & 0xFF).to(tl.int8)
         return q, d
 
