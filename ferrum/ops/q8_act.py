@@ -31,8 +31,9 @@ if HAS_TRITON:
     @triton.jit
     def q8_round(x):
         """x float32 [A, B, 32] -> (q int8 [A, B, 32] = round(x / d), d float32 [A, B] =
-        max |x| / 127 per 32 values; d = 0 and q = 0 for all zeros), rounded as `q8_1`'s
-        kernel does (x / d + 1.5 * 2^23: round to nearest even, the integer in the low byte)."""
+        max |x| / 127 per 32 values; d = 0 and q = 0 for all zeros): llama.cpp's quantize_q8_1,
+        the one rounding of `gemv_gluon.q8_1` and the producers (x / d + 1.5 * 2^23: round to
+        nearest even, the integer in the low byte)."""
         amax = tl.max(tl.abs(x), axis=2)
         d = amax * (1.0 / 127.0)
         # 1 / d correctly rounded (div_rn; `/` may take the approximate reciprocal on the GPU), as
