@@ -9,12 +9,14 @@ events (median of 20 after warm-up) and reported as us per call and the KV bytes
 second (the kernel's useful traffic: B x context x 8 heads x 128 x 2 (K, V) x 2 bytes, over
 the 4.35 TB/s roofline; 1 byte with --kv-dtype fp8). The current defaults (`_decode_config`,
 `num_decode_splits`) are the baseline row. --prefill-cases also times the prefill kernel
-(`tune_prefill`). `--default-only` times just the baseline row (an A/B of two kernel versions run
-one after the other). Writes tune_attention.json (tune_attention_fp8.json; `--tag T` appends _T).
+(`tune_prefill`); --prefill-sdpa times it against the scaled_dot_product_attention path of
+prompts without cached context (`time_prefill_sdpa`). `--default-only` times just the baseline
+row (an A/B of two kernel versions run one after the other). Writes tune_attention.json (tune_attention_fp8.json; `--tag T` appends _T).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
 import sys
@@ -60,6 +62,59 @@ def _time(fn, iters=20):
     return sorted(ts)[len(ts) // 2]
 
 
+def _prefill_inputs(B: int, L: int, gen):
+    """q [B*L, H, D], the paged cache, this step's k / v [B*L, HKV, D] (the cache's rows, as
+    write_kv left them), metadata, and the causal FLOPs 2 x 2 x H x D x L^2 / 2 per sequence."""
+    M = -(-L // PAGE)
+    kv = torch.randn(2, B * M + 1, PAGE, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    bt = (torch.randperm(B * M, device="cuda", generator=gen) + 1).view(B, M)
+    k, v = (kv[i][bt].reshape(B, M * PAGE, HKV, D)[:, :L].reshape(B * L, HKV, D) for i in (0, 1))
+    q = torch.randn(B * L, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    cu = torch.arange(0, B * L + 1, L, device="cuda")
+    md = AttentionMetadata(is_prefill=True, slot_mapping=torch.empty(0, device="cuda"), block_tables=bt,
+                           seq_lens=torch.full((B,), L, dtype=torch.int32, device="cuda"), max_seq_len=L,
+                           query_lens=[L] * B, context_lens=[0] * B, cu_seqlens_q=cu)
+    return q, kv, k, v, md, B * 2 * 2 * H * D * L * L / 2
+
+
+def time_prefill_sdpa(cases: str, gen) -> dict:
+    """For cases "BxL" (B prompts of L tokens, no cached context): `prefill_attention` through
+    the Triton kernel (KERNELS.sdpa_prefill_min_tokens 0) and through its
+    scaled_dot_product_attention path with torch's choice of backend and with each backend
+    forced (`torch.nn.attention.sdpa_kernel`); us per call, TFLOP/s, max |diff| vs the kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from ferrum.config import KERNELS
+    saved = KERNELS.sdpa_prefill_min_tokens
+    out = {}
+    forced = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+              "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    try:
+        for case in cases.split(","):
+            B, L = map(int, case.split("x"))
+            q, kv, k, v, md, flops = _prefill_inputs(B, L, gen)
+            KERNELS.sdpa_prefill_min_tokens = 0
+            ref = tb.prefill_attention(q, kv, md, D ** -0.5, k, v)
+            rows = {}
+            for name in ("triton", "sdpa", *forced):
+                KERNELS.sdpa_prefill_min_tokens = 0 if name == "triton" else 1
+                def run():
+                    with sdpa_kernel([forced[name]]) if name in forced else contextlib.nullcontext():
+                        return tb.prefill_attention(q, kv, md, D ** -0.5, k, v)
+                try:
+                    err = (run().float() - ref.float()).abs().max().item()
+                    us = _time(run, iters=10)
+                except Exception as e:  # a backend that does not take these inputs
+                    rows[name] = {"error": str(e).splitlines()[0][:200]}
+                    continue
+                rows[name] = {"us": us, "tflops": flops / us / 1e6, "max_abs_diff_vs_triton": err}
+            out[case] = rows
+            print("prefill sdpa", case,
+                  {n: round(r["us"], 1) if "us" in r else r["error"][:60] for n, r in rows.items()}, flush=True)
+    finally:
+        KERNELS.sdpa_prefill_min_tokens = saved
+    return out
+
+
 def tune_prefill(cases: str, gen, small: bool = False) -> dict:
     """Time `prefill_attention` over (BLOCK_M, BLOCK_N, num_warps, num_stages, launch order
     `PREFILL_HEAVY_FIRST`) for cases "BxL" (B sequences of L new tokens, no cached context),
@@ -69,15 +124,7 @@ def tune_prefill(cases: str, gen, small: bool = False) -> dict:
     scale = D ** -0.5
     for case in cases.split(","):
         B, L = map(int, case.split("x"))
-        M = -(-L // PAGE)
-        kv = torch.randn(2, B * M + 1, PAGE, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-        bt = (torch.randperm(B * M, device="cuda", generator=gen) + 1).view(B, M)
-        q = torch.randn(B * L, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-        cu = torch.arange(0, B * L + 1, L, device="cuda")
-        md = AttentionMetadata(is_prefill=True, slot_mapping=torch.empty(0, device="cuda"), block_tables=bt,
-                               seq_lens=torch.full((B,), L, dtype=torch.int32, device="cuda"), max_seq_len=L,
-                               query_lens=[L] * B, context_lens=[0] * B, cu_seqlens_q=cu)
-        flops = B * 2 * 2 * H * D * L * L / 2
+        q, kv, _, _, md, flops = _prefill_inputs(B, L, gen)
 
         def run():
             return tb.prefill_attention(q, kv, md, scale, None, None)
@@ -122,6 +169,9 @@ def main():
     p.add_argument("--tag", default="", help="suffix of the JSON's name (tune_attention[_fp8][_TAG].json)")
     p.add_argument("--prefill-cases", default="",
                    help="also time prefill_attention for these BxL cases (e.g. 1x7500,16x1024)")
+    p.add_argument("--prefill-sdpa", default="",
+                   help="time the prefill kernel against the scaled_dot_product_attention path "
+                   "(each SDPA backend) for these BxL cases (time_prefill_sdpa)")
     args = p.parse_args()
     fp8 = args.kv_dtype == "fp8"
     one = torch.ones(1, device="cuda")
@@ -161,6 +211,8 @@ def main():
               flush=True)
     if args.prefill_cases:
         res["prefill"] = tune_prefill(args.prefill_cases, gen, args.small_grid)
+    if args.prefill_sdpa:
+        res["prefill_sdpa"] = time_prefill_sdpa(args.prefill_sdpa, gen)
     os.makedirs(args.out, exist_ok=True)
     import json
     name = "tune_attention" + ("_fp8" if fp8 else "") + (f"_{args.tag}" if args.tag else "")

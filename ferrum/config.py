@@ -582,9 +582,14 @@ class KernelConfig:
                               "(ferrum/ops/gemv_gluon.py; CUDA sm_90+) instead of the Triton ones",
                               env="FERRUM_GLUON_GEMV")
     q8_from_producers: bool = option(
-        True, "the RMSNorm and SiLU-mul kernels before a Q4_K Gluon GEMV also write the int8 x it "
-        "reads (ferrum/ops/q8_act.py): one q8_1 launch fewer per GEMV input",
+        True, "the RMSNorm, decode-attention merge and SiLU-mul kernels before a Q4_K Gluon GEMV "
+        "also write the int8 x it reads (ferrum/ops/q8_act.py): one q8_1 launch fewer per GEMV input",
         env="FERRUM_Q8_FROM_PRODUCERS")
+    sdpa_prefill_min_tokens: int = option(
+        1024, "CUDA prefill steps whose prompts have no cached context and each at least this "
+        "many tokens attend through torch's scaled_dot_product_attention "
+        "(FlashAttention / cuDNN kernels) instead of the Triton prefill kernel (16-bit KV cache, "
+        "no sliding window, eager steps); 0: never", env="FERRUM_SDPA_PREFILL_MIN_TOKENS")
     pdl: bool = option(True, "programmatic dependent launch of the decode kernels (CUDA sm_90+)",
                        env="FERRUM_PDL")
     cpu_blas_gemv: bool = option(True, "CPU float32 linears through numpy's OpenBLAS (one "
@@ -601,6 +606,12 @@ class KernelConfig:
                                     env="FERRUM_DISABLE_SYMM_MEM")
     force_triton: bool = option(False, "run the Triton kernels on CPU tensors too (tests, with "
                                 "TRITON_INTERPRET=1)", env="FERRUM_FORCE_TRITON", cli=False)
+
+    def __post_init__(self):
+        v = self.sdpa_prefill_min_tokens
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ConfigError(f"sdpa_prefill_min_tokens must be a whole number >= 0, got {v!r}",
+                              param="sdpa_prefill_min_tokens")
 
 
 KERNELS = KernelConfig()

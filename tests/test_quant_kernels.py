@@ -330,8 +330,8 @@ def check_q8_activations(device: str) -> None:
     byte for byte what `q8_1` writes of that output, for 1-4 rows, with and without a masked
     tail; none for 5 rows, a 3-D input or `q8_act.wanted` off; an in-place change of the output
     drops it; the Q4_K GEMV reads the attached copy (a zero copy attached on purpose zeroes its
-    output) and gives the same output as from `q8_1`; and under inference mode (the model
-    runner's), whose tensors keep no version counter."""
+    output) and gives the same output as from `q8_1`; under inference mode (the model
+    runner's), whose tensors keep no version counter; and the decode attention's (below)."""
     from ferrum.ops import q8_act
     from ferrum.ops.activation import silu_and_mul
     from ferrum.ops.rms_norm import fused_add_rms_norm, rms_norm
@@ -370,10 +370,44 @@ def check_q8_activations(device: str) -> None:
             got = q8_act.attached(out)
             assert got is not None and torch.equal(got[0], q) and torch.equal(got[1], d)
             call(out, None, (4, 1, 1))
+        _check_q8_decode_attention(device, rand, gg)
         q8_act.wanted = False
         assert q8_act.attached(rms_norm(rand(1, 96), rand(96), 1e-5)) is None
     finally:
         q8_act.wanted = saved
+
+
+def _check_q8_decode_attention(device, rand, gg) -> None:
+    """The decode attention's merge kernel writes its output's int8 copy (q8_1's bytes) for 1-4
+    rows, and the Attention layer moves it onto the [T, H * D] view o_proj gets; none with one
+    split (no merge kernel) or 5 rows."""
+    from ferrum.forward_context import AttentionMetadata, forward_context
+    from ferrum.layers.attention import Attention
+    from ferrum.ops import attention_triton, q8_act
+    H, Hkv, page, NB = 8, 2, 16, 12
+    for D in (64, 128):
+        cache = rand(2, NB, page, Hkv, D)
+        for rows, splits in ((1, 4), (3, 2), (4, 3), (5, 2), (2, 1)):
+            bt = torch.arange(rows * 2, device=device).view(rows, 2) % NB
+            md = AttentionMetadata(is_prefill=False, slot_mapping=torch.empty(0, device=device), block_tables=bt,
+                                   seq_lens=torch.tensor([5 + 7 * r for r in range(rows)], device=device),
+                                   max_seq_len=32)
+            out = attention_triton.decode_attention(rand(rows, H, D), cache, md, D ** -0.5, num_splits=splits)
+            got = q8_act.attached(out)
+            if rows > 4 or splits == 1:
+                assert got is None, f"decode rows={rows} splits={splits}: int8 copy"
+                continue
+            q, d = gg.q8_1(out.view(rows, H * D))
+            assert got is not None and torch.equal(got[0], q) and torch.equal(got[1], d), f"decode D={D} rows={rows}"
+    layer = Attention(H, Hkv, 128, 128 ** -0.5)
+    layer.kv_cache = rand(2, NB, page, Hkv, 128)
+    md = AttentionMetadata(is_prefill=False, slot_mapping=torch.tensor([40], device=device),
+                           block_tables=torch.tensor([[3, 4, 5]], device=device),
+                           seq_lens=torch.tensor([41], device=device), max_seq_len=48)
+    with forward_context(md, attention_triton):
+        o = layer(rand(1, H * 128), rand(1, Hkv * 128), rand(1, Hkv * 128))
+    got, ref = q8_act.attached(o), gg.q8_1(o)
+    assert o.shape == (1, H * 128) and got is not None and torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
 
 
 CHECKS = ["check_fp8_gemv", "check_int4_gemv", "check_int4_gemv_configs", "check_int4_gemm", "check_gluon_gemv",

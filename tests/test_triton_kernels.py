@@ -251,7 +251,10 @@ def check_decode(device: str) -> None:
 def _prefill_case(device, dtype, H, Hkv, D, page, ctx_lens, q_lens, gen, impl="triton", blocks=(None, None),
                   heavy_first=True):
     """impl "triton": `attention_triton.prefill_attention` with the given tile sizes and launch
-    order (`PREFILL_HEAVY_FIRST`); "torch": the torch backend (SDPA) on the same inputs."""
+    order (`PREFILL_HEAVY_FIRST`); "sdpa": the same function with every prompt long enough for
+    its scaled_dot_product_attention path (`KERNELS.sdpa_prefill_min_tokens` 1; no cached
+    context, else it still runs the kernel); "torch": the torch backend (SDPA) on the same inputs."""
+    from ferrum.config import KERNELS
     from ferrum.ops import attention_torch, attention_triton as tb
     seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
     cache, bt, clean = _paged_cache(seq_lens, Hkv, D, page, dtype, device, gen)
@@ -267,14 +270,16 @@ def _prefill_case(device, dtype, H, Hkv, D, page, ctx_lens, q_lens, gen, impl="t
     md = _md(True, slots.to(device), bt, torch.tensor(seq_lens, dtype=torch.int32, device=device),
              query_lens=list(q_lens), context_lens=list(ctx_lens), cu=cu.to(device))
     ref = torch.cat(_ref_attention(list(q.split(q_lens)), clean, bt, seq_lens, [p.tolist() for p in pos], D ** -0.5))
-    saved = tb.PREFILL_BLOCK_M, tb.PREFILL_BLOCK_N, tb.PREFILL_HEAVY_FIRST
+    saved = tb.PREFILL_BLOCK_M, tb.PREFILL_BLOCK_N, tb.PREFILL_HEAVY_FIRST, KERNELS.sdpa_prefill_min_tokens
     tb.PREFILL_BLOCK_M, tb.PREFILL_BLOCK_N = blocks
     tb.PREFILL_HEAVY_FIRST = heavy_first
+    KERNELS.sdpa_prefill_min_tokens = 1 if impl == "sdpa" else 0
+    assert tb._sdpa_prefill_ok(q, cache, md, k, None) == (impl == "sdpa" and not any(ctx_lens))
     try:
-        backend = tb if impl == "triton" else attention_torch
+        backend = attention_torch if impl == "torch" else tb
         out = backend.prefill_attention(q, cache, md, D ** -0.5, k, v)
     finally:
-        tb.PREFILL_BLOCK_M, tb.PREFILL_BLOCK_N, tb.PREFILL_HEAVY_FIRST = saved
+        tb.PREFILL_BLOCK_M, tb.PREFILL_BLOCK_N, tb.PREFILL_HEAVY_FIRST, KERNELS.sdpa_prefill_min_tokens = saved
     assert out.shape == q.shape and out.dtype == q.dtype
     _assert_close(out, ref, dtype, f"prefill[{impl}] {dtype} H={H} Hkv={Hkv} D={D} page={page} "
                                    f"ctx={ctx_lens} q={q_lens} blocks={blocks}")
@@ -292,6 +297,10 @@ def check_prefill(device: str) -> None:
     # the torch backend with the same inputs (SDPA: flash path for ctx == 0, gather + mask otherwise)
     _prefill_case(device, f32, 4, 1, 64, 16, ctx, ql, gen, impl="torch")
     _prefill_case(device, bf16, 6, 2, 128, 8, [0, 21], [19, 12], gen, impl="torch")
+    # long prompts without cached context: scaled_dot_product_attention per sequence (GQA, MHA)
+    _prefill_case(device, bf16, 8, 2, 128, 16, [0, 0, 0], [40, 1, 17], gen, impl="sdpa")
+    _prefill_case(device, f32, 3, 3, 64, 8, [0], [21], gen, impl="sdpa")
+    _prefill_case(device, bf16, 6, 2, 128, 8, [0, 21], [19, 12], gen, impl="sdpa")  # context: the kernel
 
 
 def check_attention_layer(device: str) -> None:
@@ -694,8 +703,10 @@ def check_sm90_compile(device: str) -> None:
                   dict(q_ptr=t, kc_ptr=c, vc_ptr=c, o_ptr=t, bt_ptr="*i64", seqlen_ptr="*i32", cu_q_ptr="*i64",
                        ks_ptr="*fp32", vs_ptr="*fp32"),
                   w, st, f"prefill {dtype} D={D} fp8_kv={fp8} windowed={windowed}")
-    build(tb._decode_merge_kernel, dict(NUM_SPLITS=5, SPLITS_PAD=8, HEAD_DIM=128, USE_PDL=True),
-          dict(o_part_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16"), 4, 2, "decode merge")
+    for q8 in (False, True):
+        build(tb._decode_merge_kernel, dict(NUM_SPLITS=5, SPLITS_PAD=8, HEAD_DIM=128, Q8=q8, USE_PDL=True),
+              dict(o_part_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", q8_ptr="*i8", d8_ptr="*fp32"), 4, 2,
+              f"decode merge q8 {q8}")
     for c in ("*bf16", "*fp8e4nv"):
         build(tb._write_kv_kernel, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, FP8=c != "*bf16",
                                         USE_PDL=True),

@@ -8,6 +8,7 @@ from torch import nn
 
 from ferrum.errors import WeightLoadError
 from ferrum.forward_context import get_forward_context
+from ferrum.ops import q8_act
 
 
 class Attention(nn.Module):
@@ -58,4 +59,6 @@ class Attention(nn.Module):
             o = backend.prefill_attention(q, self.kv_cache, attn_metadata, self.scale, k, v, **kw)
         else:
             o = backend.decode_attention(q, self.kv_cache, attn_metadata, self.scale, **kw)
-        return o.reshape(T, self.num_heads * self.head_dim)
+        out = o.reshape(T, self.num_heads * self.head_dim)
+        q8 = q8_act.attached(o)  # the int8 copy a Q4_K o_proj reads, moved onto the reshaped view
+        return q8_act.attach(out, *q8) if q8 is not None else out

@@ -21,7 +21,10 @@ FP8 decode loop issue-bound (benchmarks/sass_loop.py counts its sm_90 instructio
   LightLLM / SGLang / vLLM (`triton_decode_attention.py`), written anew here.
 - `prefill_attention`: a varlen FlashAttention-2 style kernel, one launch for all sequences,
   grid (query blocks, sequences, heads), K/V read through the block table with the causal offset
-  of cached context (query j of a chunk sits at position context_len + j).
+  of cached context (query j of a chunk sits at position context_len + j). Long prompts with no
+  cached context (`KERNELS.sdpa_prefill_min_tokens`) go to torch's scaled_dot_product_attention
+  on this step's K/V instead, one call per sequence: its FlashAttention / cuDNN kernels are
+  faster there than ours, which gathers pages.
 
 Sliding window (`sliding_window` W, Mistral / Gemma 3 local layers): a query at position p sees
 keys p - W < k <= p. Decode walks only the last W positions (the splits share them out);
@@ -31,13 +34,18 @@ position before a window is read, so table entries of released blocks (-1) are n
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from ferrum.config import KERNELS
 from ferrum.forward_context import AttentionMetadata
+from ferrum.ops import q8_act
 from ferrum.ops.triton_utils import HAS_TRITON, last_dim_contiguous, next_pow2, pdl_ok, pdl_start
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from ferrum.ops.q8_act import q8_round
 
 # ---- tuning knobs (module-level so a benchmark can sweep them; all static => graph safe) ----
 # None = the defaults of _decode_config / _prefill_config, picked from offline sm_90 compiles
@@ -274,16 +282,18 @@ if HAS_TRITON:
             tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
 
     @triton.jit
-    def _decode_merge_kernel(o_part_ptr, lse_ptr, out_ptr,
+    def _decode_merge_kernel(o_part_ptr, lse_ptr, out_ptr, q8_ptr, d8_ptr,
                              stride_pb, stride_ph, stride_ps,
                              stride_lb, stride_lh,
                              stride_ob, stride_oh,
                              NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                             USE_PDL: tl.constexpr):
+                             Q8: tl.constexpr, USE_PDL: tl.constexpr):
         if USE_PDL:  # see triton_utils.py, PDL
             pdl_start()
         # out = sum_s w_s * o_s / sum_s w_s, w_s = 2^(lse_s - max lse). Empty splits have
         # lse = -inf (w = 0); if all are empty (seq_len 0) the output is 0, not NaN.
+        # Q8: also the output as int8 q [B, H * D] and float32 d [B, H * D / 32]
+        # (q8_act.q8_round of the rounded output; D % 32 == 0), o_proj's Q4_K GEMV input.
         b = tl.program_id(0)
         h = tl.program_id(1)
         offs_s = tl.arange(0, SPLITS_PAD)
@@ -296,9 +306,13 @@ if HAS_TRITON:
         denom = tl.sum(w, 0)
         o = tl.load(o_part_ptr + b.to(tl.int64) * stride_pb + h * stride_ph
                     + offs_s[:, None] * stride_ps + offs_d[None, :], mask=s_mask[:, None], other=0.0)
-        out = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
-        tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
-                 out.to(out_ptr.dtype.element_ty))
+        out = (tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out)
+        if Q8:
+            q8, d8 = q8_round(tl.reshape(out.to(tl.float32), (1, HEAD_DIM // 32, 32)))
+            row = b.to(tl.int64) * tl.num_programs(1) + h   # [B, H * D] rows of D / 32 blocks
+            tl.store(q8_ptr + row * HEAD_DIM + offs_d, tl.reshape(q8, (HEAD_DIM,)))
+            tl.store(d8_ptr + row * (HEAD_DIM // 32) + tl.arange(0, HEAD_DIM // 32), tl.reshape(d8, (HEAD_DIM // 32,)))
 
 
 def _decode_config(head_dim: int, dtype: torch.dtype, num_splits: int, fp8: bool = False) -> tuple[int, int, int]:
@@ -384,12 +398,14 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Att
         q, kc, vc, bt, attn_metadata.seq_lens, o_part, lse, *scales, *args,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         scale * _LOG2E, window, DIRECT_OUT=False, USE_PDL=pdl, launch_pdl=pdl, **common)
+    # o_proj's Q4_K GEMV reads the output as int8 (ferrum.ops.q8_act): written here with it
+    q8 = q8_act.buffers(B, H * D, q.device) if D % 32 == 0 and q8_act.wants(out.view(B, H * D)) else None
     _decode_merge_kernel[(B, H)](
-        o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        o_part, lse, out, *(q8 or (out, out)), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-        NUM_SPLITS=S, SPLITS_PAD=next_pow2(S), HEAD_DIM=D, USE_PDL=pdl,
+        NUM_SPLITS=S, SPLITS_PAD=next_pow2(S), HEAD_DIM=D, Q8=q8 is not None, USE_PDL=pdl,
         num_warps=4 if D >= 128 else 2, launch_pdl=pdl)
-    return out
+    return q8_act.attach(out, *q8) if q8 is not None else out
 
 
 # =============================================================================================
@@ -505,8 +521,10 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: At
     _, _, page, hkv, _ = kv_cache.shape
     assert H % hkv == 0 and D & (D - 1) == 0 and D >= 16, (q.shape, kv_cache.shape)
     assert kv_cache.is_contiguous(), "kv_cache must be contiguous"
-    out = torch.empty_like(q)
     B = len(attn_metadata.query_lens)
+    if T > 0 and B > 0 and _sdpa_prefill_ok(q, kv_cache, attn_metadata, k, sliding_window):
+        return _prefill_sdpa(q, k, v, attn_metadata.query_lens, scale)
+    out = torch.empty_like(q)
     if T == 0 or B == 0:
         return out
     q = last_dim_contiguous(q)
@@ -529,4 +547,41 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: At
         GROUP=H // hkv, HEAD_DIM=D, PAGE=page, BLOCK_M=bm, BLOCK_N=bn,
         DOT_PREC=_dot_precision(q.dtype), FP8=fp8, HEAVY_FIRST=PREFILL_HEAVY_FIRST,
         WINDOWED=bool(sliding_window), num_warps=warps, num_stages=stages)
+    return out
+
+
+def _sdpa_prefill_ok(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
+                     k: torch.Tensor | None, sliding_window: int | None) -> bool:
+    """Whether this prefill step takes `_prefill_sdpa`: no sequence has cached context (so
+    this step's K/V are all its keys), every prompt has at least
+    `KERNELS.sdpa_prefill_min_tokens` tokens (0: never; many short prompts take the one
+    varlen kernel launch instead of a call each), the cache holds q's dtype (an FP8
+    cache's rounded K/V are what decode will read, so prefill reads them too), no sliding
+    window, the fresh K/V are given, and no CUDA graph is being captured (the prefill graphs
+    replay one bucket for chunks with and without context)."""
+    least = KERNELS.sdpa_prefill_min_tokens
+    ctx = attn_metadata.context_lens
+    return (least > 0 and k is not None and k.shape[0] == q.shape[0] and not sliding_window
+            and kv_cache.dtype == q.dtype and ctx is not None and not any(ctx)
+            and min(attn_metadata.query_lens) >= least
+            and not (q.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+
+def _prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_lens: list[int],
+                  scale: float) -> torch.Tensor:
+    """Causal attention of prompts with no cached context through
+    F.scaled_dot_product_attention, one call per sequence (GQA by enable_gqa: K/V are not
+    repeated). q: [T, H, D], k / v: [T, Hkv, D] (this step's, in q's dtype), query_lens: the
+    sequences' token counts in order (sum T). Returns [T, H, D] in q's dtype."""
+    out = torch.empty_like(q)
+    gqa = q.shape[1] != k.shape[1]
+    start = 0
+    for n in query_lens:
+        end = start + n
+        # [n, H, D] -> [1, H, n, D] views; the kernels take strided heads
+        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1)[None], k[start:end].transpose(0, 1)[None],
+                                           v[start:end].transpose(0, 1)[None], is_causal=True, scale=scale,
+                                           enable_gqa=gqa)
+        out[start:end] = o[0].transpose(0, 1)
+        start = end
     return out

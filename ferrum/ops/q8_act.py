@@ -2,10 +2,12 @@
 
 The Q4_K Gluon GEMV reads x as int8 per 32 values (llama.cpp's q8_1 without its sums,
 `gemv_gluon.q8_1`). A decode step would launch `q8_1` before each such GEMV (4 per layer);
-instead the RMSNorm before qkv / gate_up (`ferrum.ops.rms_norm`) and the SiLU-mul before
-down_proj (`ferrum.ops.activation`) also write that int8 copy of their output when `wanted`,
-and attach it to the output tensor; `q4k_gemv` takes it from there (`attached`) and launches
-`q8_1` only for inputs without one (o_proj's). The bytes are q8_1's: the same rounding.
+instead the RMSNorm before qkv / gate_up (`ferrum.ops.rms_norm`), the decode attention's merge
+kernel before o_proj (`ferrum.ops.attention_triton`) and the SiLU-mul before down_proj
+(`ferrum.ops.activation`) also write that int8 copy of their output when `wanted`, and attach
+it to the output tensor; `q4k_gemv` takes it from there (`attached`) and launches `q8_1` only
+for inputs without one (a prefill's, or decode attention in one split). The bytes are q8_1's:
+the same rounding.
 
 `wanted` is set by the GGUF linear method once a Q4_K layer runs on CUDA with
 `KERNELS.q8_from_producers`, and cleared when the next model
