@@ -91,6 +91,34 @@ def test_logits_match_hf(tiny, eager, dtype):
         assert diff <= 2 * hf_diff, f"bfloat16 eager={eager}: {diff:.3e} > 2x HF bf16's {hf_diff:.3e}"
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_long_prompt_sdpa_prefill_matches_hf(tiny, dtype, monkeypatch):
+    """A 900-token prompt prefilled eagerly through scaled_dot_product_attention
+    (`sdpa_prefill_min_tokens` 512; sliding-window models keep the Triton kernel) + 12
+    teacher-forced decode steps against HF float32, with test_logits_match_hf's bounds."""
+    from ferrum.ops import attention_triton
+    calls = []
+    real = attention_triton._prefill_sdpa
+    monkeypatch.setattr(attention_triton, "_prefill_sdpa", lambda *a: calls.append(1) or real(*a))
+    prompt = torch.randint(2, 512, (900,), generator=torch.Generator().manual_seed(1)).tolist()
+    steps = 12
+    ref, ref_tokens, hf_bf16 = _hf_greedy_logits(tiny, prompt, steps)
+    with LLM(tiny, progress=False, dtype=dtype, device="cuda", enforce_eager=True, max_num_seqs=4,
+             max_model_len=1024, sdpa_prefill_min_tokens=512) as llm:
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0].token_ids
+        got = _teacher_forced_logits(llm, prompt, ref_tokens)
+    windowed = "swa" in tiny or "gemma3" in tiny
+    assert bool(calls) != windowed, f"SDPA prefill calls: {len(calls)}"
+    diff, hf_diff = (got - ref).abs().max().item(), (hf_bf16 - ref).abs().max().item()
+    print(f"[gpu] {tiny.split('/')[-1]} {dtype} 900-token prompt, SDPA prefill {len(calls)} calls: "
+          f"max|diff| vs HF fp32 = {diff:.3e} (HF bf16: {hf_diff:.3e})")
+    if dtype == "float32":
+        assert out == ref_tokens and diff < 1e-3, diff
+    else:
+        assert diff <= 2 * hf_diff, f"{diff:.3e} > 2x HF bf16's {hf_diff:.3e}"
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_tp2_equals_tp1_fp32(tiny):
     prompts = _prompts(8)

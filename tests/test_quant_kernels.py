@@ -388,10 +388,10 @@ def _check_q8_decode_attention(device, rand, gg) -> None:
     for D in (64, 128):
         cache = rand(2, NB, page, Hkv, D)
         for rows, splits in ((1, 4), (3, 2), (4, 3), (5, 2), (2, 1)):
-            bt = torch.arange(rows * 2, device=device).view(rows, 2) % NB
+            bt = torch.arange(rows * 3, device=device).view(rows, 3) % NB   # 48 slots per row
             md = AttentionMetadata(is_prefill=False, slot_mapping=torch.empty(0, device=device), block_tables=bt,
                                    seq_lens=torch.tensor([5 + 7 * r for r in range(rows)], device=device),
-                                   max_seq_len=32)
+                                   max_seq_len=48)
             out = attention_triton.decode_attention(rand(rows, H, D), cache, md, D ** -0.5, num_splits=splits)
             got = q8_act.attached(out)
             if rows > 4 or splits == 1:
