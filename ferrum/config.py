@@ -522,6 +522,11 @@ class SchedulerConfig:
                                        "to what the KV pool holds when it holds less)",
                                        aliases=("--ctx-size",))
     enable_chunked_prefill: bool = option(True, "split long prompts over several steps")
+    long_prefill_token_threshold: int | None = option(
+        None, "with chunked prefill, compute at most this many tokens of one prompt per step, so "
+        "the running decodes and shorter prompts share the steps of a long one instead of waiting "
+        "for all its chunks (vLLM's flag of that name; fewer tokens per step cost a long prompt's "
+        "own time to first token; default: the whole step budget)")
     max_waiting: int = option(4096, "most queued requests of the server; more raise QueueFullError "
                                  "(HTTP 503); offline batches queue all their prompts")
     async_scheduling: bool | None = option(
@@ -529,7 +534,8 @@ class SchedulerConfig:
         "for CUDA, off for CPU, where it only delays each token by one step)")
 
     def __post_init__(self):
-        check_positive(self, ("max_num_seqs", "max_num_batched_tokens", "max_waiting"))
+        check_positive(self, ("max_num_seqs", "max_num_batched_tokens", "max_waiting",
+                              "long_prefill_token_threshold"))
 
 
 @dataclass

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ferrum import LLM, SamplingParams
-from ferrum.errors import (CacheConfigError, InvalidRequestError, ModelNotFoundError,
+from ferrum.errors import (CacheConfigError, ConfigError, InvalidRequestError, ModelNotFoundError,
                            OutOfKvCacheError, PromptTooLongError)
 from tiny_models import make_tiny_model
 
@@ -70,6 +70,8 @@ class Watch:
             self.max_tokens_seen = max(self.max_tokens_seen, n)
             if cfg.enable_chunked_prefill:
                 assert n <= cfg.max_num_batched_tokens, f"{n} tokens > budget {cfg.max_num_batched_tokens}"
+                cap = cfg.long_prefill_token_threshold
+                assert cap is None or all(c.num_tokens <= cap for c in out.prefills), "chunk above the threshold"
             else:  # whole prompts only; only the step's first prefill may exceed the budget
                 for c in out.prefills:
                     assert c.num_tokens == c.seq.num_uncomputed, "a prompt was chunked with chunking off"
@@ -130,10 +132,44 @@ BATCH_CONFIGS = {
     "chunked-budget-16-no-prefix": dict(max_num_batched_tokens=16, enable_prefix_caching=False),
     "no-chunk-budget-32-block-8": dict(enable_chunked_prefill=False, max_num_batched_tokens=32, block_size=8),
     "max-seqs-5": dict(max_num_seqs=5, max_num_batched_tokens=40, block_size=8),
+    "long-prefill-threshold-8": dict(max_num_batched_tokens=40, long_prefill_token_threshold=8),
     # async scheduling (default on CUDA): step n+1 launched before step n's tokens are read
     "async": dict(async_scheduling=True),
     "async-max-seqs-5": dict(max_num_seqs=5, max_num_batched_tokens=40, block_size=8, async_scheduling=True),
 }
+
+
+def test_long_prefill_threshold_lets_others_share_the_steps():
+    """A 200-token prompt queued before a 5-token one, budget 64: whole-budget chunks keep the
+    short prompt waiting for the long one's 4 chunks; with long_prefill_token_threshold 16 both
+    run in the first step, and a running decode keeps its token in every step."""
+    from ferrum.config import SchedulerConfig
+    from ferrum.engine.block_manager import BlockManager
+    from ferrum.engine.scheduler import Scheduler
+    from ferrum.engine.sequence import Request, Sequence
+
+    def first_steps(threshold):
+        sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, long_prefill_token_threshold=threshold),
+                          BlockManager(64, 16, enable_prefix_caching=False), 512)
+        sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        for i, n in enumerate((200, 5)):
+            req = Request(str(i), None, list(range(2, 2 + n)), sp)
+            seq = Sequence(str(i), req, 0)
+            req.seqs.append(seq)
+            sched.add(seq)
+        steps = []
+        for _ in range(3):
+            out = sched.schedule()
+            steps.append(([(c.seq.seq_id, c.num_tokens) for c in out.prefills], len(out.decodes)))
+            for c in out.decodes + out.prefills:
+                c.seq.num_computed_tokens += c.num_tokens
+                if c.seq.num_computed_tokens == c.seq.num_tokens:
+                    c.seq.token_ids.append(5)
+        return steps
+    assert first_steps(None) == [([("0", 64)], 0), ([("0", 64)], 0), ([("0", 64)], 0)]
+    assert first_steps(16) == [([("0", 16), ("1", 5)], 0), ([("0", 16)], 1), ([("0", 16)], 1)]
+    with pytest.raises(ConfigError):
+        SchedulerConfig(long_prefill_token_threshold=0)
 
 
 @pytest.mark.parametrize("cfg", list(BATCH_CONFIGS))

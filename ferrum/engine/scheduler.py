@@ -1,7 +1,8 @@
 """Iteration-level scheduler (Orca, Yu et al. 2022; vLLM): each step takes running decodes
 first (so inter-token latency stays flat), then continues chunked prefills, then admits
 waiting sequences, within a token budget (`max_num_batched_tokens`) and a cap on running
-sequences (`max_num_seqs`). When blocks run out it preempts by recompute: the
+sequences (`max_num_seqs`); `long_prefill_token_threshold` caps one prompt's chunk per step.
+When blocks run out it preempts by recompute: the
 latest-arrived running sequence gives up its blocks and goes back to the front of the queue.
 
 Admission keeps room for what is admitted to finish: a waiting sequence is admitted beside
@@ -238,10 +239,11 @@ class Scheduler:
         return self._room_for(seq, cached, n, self._running_growth()) is not None
 
     def _chunk(self, remaining: int, budget: int, first: bool) -> int:
-        """Tokens to compute now. Without chunked prefill a prompt goes whole, and may exceed
+        """Tokens to compute now: with chunked prefill what the budget and
+        `long_prefill_token_threshold` allow. Without it a prompt goes whole, and may exceed
         the budget only when it is the step's first prefill (else it waits for a step)."""
         if self.config.enable_chunked_prefill:
-            return min(remaining, budget)
+            return min(remaining, budget, self.config.long_prefill_token_threshold or budget)
         if remaining <= budget or first:
             return remaining
         return 0
