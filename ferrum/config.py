@@ -526,7 +526,7 @@ class SchedulerConfig:
         None, "with chunked prefill, compute at most this many tokens of one prompt per step, so "
         "the running decodes and shorter prompts share the steps of a long one instead of waiting "
         "for all its chunks (vLLM's flag of that name; fewer tokens per step cost a long prompt's "
-        "own time to first token; default: the whole step budget)")
+        "own time to first token) (default: the whole step budget)")
     max_waiting: int = option(4096, "most queued requests of the server; more raise QueueFullError "
                                  "(HTTP 503); offline batches queue all their prompts")
     async_scheduling: bool | None = option(
