@@ -557,6 +557,14 @@ class ParallelConfig:
         check_positive(self, ("tensor_parallel_size",), ("step_timeout_s", "startup_timeout_s"))
 
 
+def parse_count(text: str) -> int:
+    """A whole number >= 0 from text. Raises ValueError."""
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"expected a whole number >= 0, got {text!r}")
+    return value
+
+
 def parse_gemv_config(text: str) -> tuple[int, int, int, int]:
     """`"BN,BK,warps,stages"` -> four ints (the Triton GEMV's block shape). Raises ValueError."""
     try:
@@ -592,10 +600,11 @@ class KernelConfig:
         "also write the int8 x it reads (ferrum/ops/q8_act.py): one q8_1 launch fewer per GEMV input",
         env="FERRUM_Q8_FROM_PRODUCERS")
     sdpa_prefill_min_tokens: int = option(
-        1024, "CUDA prefill steps whose prompts have no cached context and each at least this "
-        "many tokens attend through torch's scaled_dot_product_attention "
-        "(FlashAttention / cuDNN kernels) instead of the Triton prefill kernel (16-bit KV cache, "
-        "no sliding window, eager steps); 0: never", env="FERRUM_SDPA_PREFILL_MIN_TOKENS")
+        2048, "CUDA prefill: a prompt chunk of at least this many tokens without cached context "
+        "attends through torch's scaled_dot_product_attention (cuDNN / FlashAttention kernels) "
+        "instead of the Triton prefill kernel (16-bit model and KV cache, layers without a sliding "
+        "window, eager steps: a prefill CUDA graph keeps the kernel); 0: never",
+        env="FERRUM_SDPA_PREFILL_MIN_TOKENS", parse=parse_count)
     pdl: bool = option(True, "programmatic dependent launch of the decode kernels (CUDA sm_90+)",
                        env="FERRUM_PDL")
     cpu_blas_gemv: bool = option(True, "CPU float32 linears through numpy's OpenBLAS (one "

@@ -30,6 +30,9 @@ class AttentionMetadata:
         others (`ferrum.ops.attention_torch`): a dict by sliding window (None: full attention).
     csr_plan: the same for the torch backend's batched decode (`attention_torch._csr_plan`),
         a dict by (heads, KV heads, sliding window).
+    prefill_plan: filled by the Triton backend's first layer of an eager prefill step: which
+        sequences take scaled_dot_product_attention (`attention_triton._prefill_plan`), a dict
+        by sliding window.
     """
 
     is_prefill: bool
@@ -42,6 +45,7 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor | None = None
     decode_plan: dict | None = None
     csr_plan: dict | None = None
+    prefill_plan: dict | None = None
 
 
 @dataclass

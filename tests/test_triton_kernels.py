@@ -249,11 +249,12 @@ def check_decode(device: str) -> None:
 
 
 def _prefill_case(device, dtype, H, Hkv, D, page, ctx_lens, q_lens, gen, impl="triton", blocks=(None, None),
-                  heavy_first=True):
+                  heavy_first=True, sdpa_min=0, pad=None):
     """impl "triton": `attention_triton.prefill_attention` with the given tile sizes and launch
-    order (`PREFILL_HEAVY_FIRST`); "sdpa": the same function with every prompt long enough for
-    its scaled_dot_product_attention path (`KERNELS.sdpa_prefill_min_tokens` 1; no cached
-    context, else it still runs the kernel); "torch": the torch backend (SDPA) on the same inputs."""
+    order (`PREFILL_HEAVY_FIRST`) and `KERNELS.sdpa_prefill_min_tokens` = sdpa_min (chunks of
+    that many tokens without context take scaled_dot_product_attention, padded to multiples
+    of `pad` (`SDPA_LEN_MULTIPLE`), the kernel the others); "torch": the torch backend (SDPA)
+    on the same inputs. With sdpa_min, each sequence's output also equals its output alone."""
     from ferrum.config import KERNELS
     from ferrum.ops import attention_torch, attention_triton as tb
     seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
@@ -270,16 +271,28 @@ def _prefill_case(device, dtype, H, Hkv, D, page, ctx_lens, q_lens, gen, impl="t
     md = _md(True, slots.to(device), bt, torch.tensor(seq_lens, dtype=torch.int32, device=device),
              query_lens=list(q_lens), context_lens=list(ctx_lens), cu=cu.to(device))
     ref = torch.cat(_ref_attention(list(q.split(q_lens)), clean, bt, seq_lens, [p.tolist() for p in pos], D ** -0.5))
-    saved = tb.PREFILL_BLOCK_M, tb.PREFILL_BLOCK_N, tb.PREFILL_HEAVY_FIRST, KERNELS.sdpa_prefill_min_tokens
+    saved = (tb.PREFILL_BLOCK_M, tb.PREFILL_BLOCK_N, tb.PREFILL_HEAVY_FIRST, KERNELS.sdpa_prefill_min_tokens,
+             tb.SDPA_LEN_MULTIPLE)
     tb.PREFILL_BLOCK_M, tb.PREFILL_BLOCK_N = blocks
     tb.PREFILL_HEAVY_FIRST = heavy_first
-    KERNELS.sdpa_prefill_min_tokens = 1 if impl == "sdpa" else 0
-    assert tb._sdpa_prefill_ok(q, cache, md, k, None) == (impl == "sdpa" and not any(ctx_lens))
+    KERNELS.sdpa_prefill_min_tokens = sdpa_min
+    tb.SDPA_LEN_MULTIPLE = pad or tb.SDPA_LEN_MULTIPLE
+    sixteen = dtype in (torch.bfloat16, torch.float16)   # float32 keeps the kernel
+    want = [b for b, (c, n) in enumerate(zip(ctx_lens, q_lens)) if c == 0 and n >= sdpa_min] if sdpa_min and sixteen else []
+    assert tb._sdpa_sequences(q, cache, md, k, None) == want
     try:
         backend = attention_torch if impl == "torch" else tb
         out = backend.prefill_attention(q, cache, md, D ** -0.5, k, v)
+        if sdpa_min:   # a sequence's rows do not depend on the batch it is in
+            for b, (c, n) in enumerate(zip(ctx_lens, q_lens)):
+                r = slice(int(cu[b]), int(cu[b + 1]))
+                one = _md(True, slots[r].to(device), bt[b:b + 1], md.seq_lens[b:b + 1], query_lens=[n],
+                          context_lens=[c], cu=torch.tensor([0, n], device=device))
+                alone = tb.prefill_attention(q[r], cache, one, D ** -0.5, k[r], v[r])
+                assert torch.equal(alone, out[r]), f"sequence {b} differs alone ({'sdpa' if b in want else 'kernel'})"
     finally:
-        tb.PREFILL_BLOCK_M, tb.PREFILL_BLOCK_N, tb.PREFILL_HEAVY_FIRST, KERNELS.sdpa_prefill_min_tokens = saved
+        (tb.PREFILL_BLOCK_M, tb.PREFILL_BLOCK_N, tb.PREFILL_HEAVY_FIRST, KERNELS.sdpa_prefill_min_tokens,
+         tb.SDPA_LEN_MULTIPLE) = saved
     assert out.shape == q.shape and out.dtype == q.dtype
     _assert_close(out, ref, dtype, f"prefill[{impl}] {dtype} H={H} Hkv={Hkv} D={D} page={page} "
                                    f"ctx={ctx_lens} q={q_lens} blocks={blocks}")
@@ -297,10 +310,12 @@ def check_prefill(device: str) -> None:
     # the torch backend with the same inputs (SDPA: flash path for ctx == 0, gather + mask otherwise)
     _prefill_case(device, f32, 4, 1, 64, 16, ctx, ql, gen, impl="torch")
     _prefill_case(device, bf16, 6, 2, 128, 8, [0, 21], [19, 12], gen, impl="torch")
-    # long prompts without cached context: scaled_dot_product_attention per sequence (GQA, MHA)
-    _prefill_case(device, bf16, 8, 2, 128, 16, [0, 0, 0], [40, 1, 17], gen, impl="sdpa")
-    _prefill_case(device, f32, 3, 3, 64, 8, [0], [21], gen, impl="sdpa")
-    _prefill_case(device, bf16, 6, 2, 128, 8, [0, 21], [19, 12], gen, impl="sdpa")  # context: the kernel
+    # chunks without cached context of >= sdpa_min tokens: scaled_dot_product_attention per
+    # sequence (padded to the multiple), the kernel's SUBSET grid for the others
+    _prefill_case(device, bf16, 8, 2, 128, 16, [0, 0, 0], [40, 1, 17], gen, sdpa_min=1)          # GQA, all SDPA
+    _prefill_case(device, bf16, 4, 4, 64, 8, [0, 37, 0, 50], [16, 5, 17, 1], gen, sdpa_min=16, pad=8)  # MHA, mixed
+    _prefill_case(device, bf16, 6, 2, 128, 8, [0, 21, 0], [19, 12, 18], gen, sdpa_min=19)  # 19: SDPA, 18: kernel
+    _prefill_case(device, f32, 4, 1, 64, 16, ctx, ql, gen, sdpa_min=1)    # float32: all through the kernel
 
 
 def check_attention_layer(device: str) -> None:
@@ -701,7 +716,7 @@ def check_sm90_compile(device: str) -> None:
                        DOT_PREC=tb._dot_precision(dtype), FP8=fp8, HEAVY_FIRST=tb.PREFILL_HEAVY_FIRST,
                        WINDOWED=windowed),
                   dict(q_ptr=t, kc_ptr=c, vc_ptr=c, o_ptr=t, bt_ptr="*i64", seqlen_ptr="*i32", cu_q_ptr="*i64",
-                       ks_ptr="*fp32", vs_ptr="*fp32"),
+                       ks_ptr="*fp32", vs_ptr="*fp32", seq_idx_ptr="*i32"),
                   w, st, f"prefill {dtype} D={D} fp8_kv={fp8} windowed={windowed}")
     for q8 in (False, True):
         build(tb._decode_merge_kernel, dict(NUM_SPLITS=5, SPLITS_PAD=8, HEAD_DIM=128, Q8=q8, USE_PDL=True),
@@ -768,6 +783,35 @@ def test_kernels_compile_for_sm90_without_spills():
     """Catches compile errors and register spills of the default tile configurations on a
     machine without a GPU (subprocess: no interpreter, no CUDA needed)."""
     print(_run_interpreted("check_sm90_compile", interpret=False))
+
+
+def test_sdpa_prefill_gate():
+    """`attention_triton._sdpa_sequences`: chunks without cached context of at least
+    sdpa_prefill_min_tokens, and none for 0, float32, an FP8 cache, a sliding window, no fresh
+    K/V or no context list (a prefill graph's capture)."""
+    from ferrum.config import KERNELS
+    from ferrum.forward_context import AttentionMetadata
+    from ferrum.ops import attention_triton as tb
+    q, k = torch.zeros(60, 4, 16, dtype=torch.bfloat16), torch.zeros(60, 2, 16, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 8, 16, 2, 16, dtype=torch.bfloat16)
+
+    def md(ctx):
+        return AttentionMetadata(is_prefill=True, slot_mapping=torch.empty(0), block_tables=torch.zeros(3, 2),
+                                 seq_lens=torch.zeros(3), max_seq_len=32, query_lens=[20, 19, 21], context_lens=ctx)
+    saved = KERNELS.sdpa_prefill_min_tokens
+    try:
+        KERNELS.sdpa_prefill_min_tokens = 20
+        assert tb._sdpa_sequences(q, cache, md([0, 0, 0]), k, None) == [0, 2]
+        assert tb._sdpa_sequences(q, cache, md([0, 0, 5]), k, None) == [0]
+        assert tb._sdpa_sequences(q, cache, md(None), k, None) == []
+        assert tb._sdpa_sequences(q, cache, md([0, 0, 0]), k, 64) == []
+        assert tb._sdpa_sequences(q, cache, md([0, 0, 0]), None, None) == []
+        assert tb._sdpa_sequences(q, cache.to(torch.float8_e4m3fn), md([0, 0, 0]), k, None) == []
+        assert tb._sdpa_sequences(q.float(), cache.float(), md([0, 0, 0]), k.float(), None) == []
+        KERNELS.sdpa_prefill_min_tokens = 0
+        assert tb._sdpa_sequences(q, cache, md([0, 0, 0]), k, None) == []
+    finally:
+        KERNELS.sdpa_prefill_min_tokens = saved
 
 
 def test_ops_run_torch_code_on_cpu():

@@ -21,10 +21,11 @@ FP8 decode loop issue-bound (benchmarks/sass_loop.py counts its sm_90 instructio
   LightLLM / SGLang / vLLM (`triton_decode_attention.py`), written anew here.
 - `prefill_attention`: a varlen FlashAttention-2 style kernel, one launch for all sequences,
   grid (query blocks, sequences, heads), K/V read through the block table with the causal offset
-  of cached context (query j of a chunk sits at position context_len + j). Long prompts with no
-  cached context (`KERNELS.sdpa_prefill_min_tokens`) go to torch's scaled_dot_product_attention
-  on this step's K/V instead, one call per sequence: its FlashAttention / cuDNN kernels are
-  faster there than ours, which gathers pages.
+  of cached context (query j of a chunk sits at position context_len + j). Each long prompt
+  with no cached context (`KERNELS.sdpa_prefill_min_tokens`) goes to torch's
+  scaled_dot_product_attention on this step's K/V instead, one call per sequence (its cuDNN /
+  FlashAttention kernels are faster there than ours, which gathers pages); the kernel's grid
+  then covers the other sequences only.
 
 Sliding window (`sliding_window` W, Mistral / Gemma 3 local layers): a query at position p sees
 keys p - W < k <= p. Decode walks only the last W positions (the splits share them out);
@@ -399,7 +400,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Att
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         scale * _LOG2E, window, DIRECT_OUT=False, USE_PDL=pdl, launch_pdl=pdl, **common)
     # o_proj's Q4_K GEMV reads the output as int8 (ferrum.ops.q8_act): written here with it
-    q8 = q8_act.buffers(B, H * D, q.device) if D % 32 == 0 and q8_act.wants(out.view(B, H * D)) else None
+    q8 = (q8_act.buffers(B, H * D, q.device)
+          if q8_act.wanted and D % 32 == 0 and out.is_contiguous() and q8_act.wants(out.view(B, H * D)) else None)
     _decode_merge_kernel[(B, H)](
         o_part, lse, out, *(q8 or (out, out)), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
@@ -414,14 +416,14 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Att
 if HAS_TRITON:
     @triton.jit
     def _prefill_kernel(
-            q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, seqlen_ptr, cu_q_ptr, ks_ptr, vs_ptr,
+            q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, seqlen_ptr, cu_q_ptr, ks_ptr, vs_ptr, seq_idx_ptr,
             stride_qt, stride_qh, stride_ot, stride_oh,
             stride_cblk, stride_cslot, stride_ch,
             stride_btb,
             qk_scale, window,
             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, FP8: tl.constexpr,
-            HEAVY_FIRST: tl.constexpr, WINDOWED: tl.constexpr = False):
+            HEAVY_FIRST: tl.constexpr, WINDOWED: tl.constexpr = False, SUBSET: tl.constexpr = False):
         if HEAVY_FIRST:  # grid (H, B, query blocks): every head of the last block first
             h = tl.program_id(0)
             b = tl.program_id(1)
@@ -430,6 +432,8 @@ if HAS_TRITON:
             pid_m = tl.program_id(0)
             b = tl.program_id(1)
             h = tl.program_id(2)
+        if SUBSET:       # the grid covers the sequences seq_idx lists (the others took SDPA)
+            b = tl.load(seq_idx_ptr + b).to(tl.int32)
         q_start = tl.load(cu_q_ptr + b).to(tl.int32)
         q_len = tl.load(cu_q_ptr + b + 1).to(tl.int32) - q_start
         m0 = pid_m * BLOCK_M
@@ -513,75 +517,119 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: At
     (write_kv runs first). From
     attn_metadata: query_lens / context_lens (lists), seq_lens [B] (= context + query lens,
     device), block_tables [B, M], cu_seqlens_q [B+1] (device; built from query_lens when
-    None). k, v: [T, Hkv, D] fresh K/V, unused here (the torch backend reads them; both
-    backends take the same arguments). Returns [T, H, D] in q's dtype.
+    None). k, v: [T, Hkv, D] this step's K/V: what the sequences `_sdpa_sequences` picks
+    attend over (scaled_dot_product_attention, `_prefill_sdpa`); the others go through the
+    kernel, which reads the cache. Returns [T, H, D] in q's dtype.
     Query j of a sequence sits at position context_len + j and sees keys 0..context_len + j.
     """
     T, H, D = q.shape
     _, _, page, hkv, _ = kv_cache.shape
     assert H % hkv == 0 and D & (D - 1) == 0 and D >= 16, (q.shape, kv_cache.shape)
     assert kv_cache.is_contiguous(), "kv_cache must be contiguous"
-    B = len(attn_metadata.query_lens)
-    if T > 0 and B > 0 and _sdpa_prefill_ok(q, kv_cache, attn_metadata, k, sliding_window):
-        return _prefill_sdpa(q, k, v, attn_metadata.query_lens, scale)
     out = torch.empty_like(q)
+    B = len(attn_metadata.query_lens)
     if T == 0 or B == 0:
         return out
+    lens = attn_metadata.query_lens
+    sdpa, seq_idx, max_rest = _prefill_plan(q, kv_cache, attn_metadata, k, sliding_window)
+    if sdpa:
+        starts = _starts(lens)
+        for b in sdpa:
+            _prefill_sdpa(q, k, v, out, starts[b], lens[b], scale)
+        if len(sdpa) == B:
+            return out
     q = last_dim_contiguous(q)
     cu = attn_metadata.cu_seqlens_q
     if cu is None:
         cu = torch.zeros(B + 1, dtype=torch.int64)
-        cu[1:] = torch.cumsum(torch.tensor(attn_metadata.query_lens, dtype=torch.int64), 0)
+        cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0)
         cu = cu.to(q.device)
     bm, bn, warps, stages = _prefill_config(D, q.dtype)
     kc, vc = kv_cache[0], kv_cache[1]
     bt = attn_metadata.block_tables
-    n_m = triton.cdiv(max(attn_metadata.query_lens), bm)
-    grid = (H, B, n_m) if PREFILL_HEAVY_FIRST else (n_m, B, H)
+    rest = B - len(sdpa)
+    n_m = triton.cdiv(max_rest, bm)
+    grid = (H, rest, n_m) if PREFILL_HEAVY_FIRST else (n_m, rest, H)
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     _prefill_kernel[grid](
         q, kc, vc, out, bt, attn_metadata.seq_lens, cu, *((k_scale, v_scale) if fp8 else (q, q)),
+        seq_idx if seq_idx is not None else cu,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), bt.stride(0),
         scale * _LOG2E, sliding_window or 0,
         GROUP=H // hkv, HEAD_DIM=D, PAGE=page, BLOCK_M=bm, BLOCK_N=bn,
         DOT_PREC=_dot_precision(q.dtype), FP8=fp8, HEAVY_FIRST=PREFILL_HEAVY_FIRST,
-        WINDOWED=bool(sliding_window), num_warps=warps, num_stages=stages)
+        WINDOWED=bool(sliding_window), SUBSET=seq_idx is not None, num_warps=warps, num_stages=stages)
     return out
 
 
-def _sdpa_prefill_ok(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
-                     k: torch.Tensor | None, sliding_window: int | None) -> bool:
-    """Whether this prefill step takes `_prefill_sdpa`: no sequence has cached context (so
-    this step's K/V are all its keys), every prompt has at least
-    `KERNELS.sdpa_prefill_min_tokens` tokens (0: never; many short prompts take the one
-    varlen kernel launch instead of a call each), the cache holds q's dtype (an FP8
-    cache's rounded K/V are what decode will read, so prefill reads them too), no sliding
+def _starts(lens: list[int]) -> list[int]:
+    starts, t = [], 0
+    for n in lens:
+        starts.append(t)
+        t += n
+    return starts
+
+
+def _sdpa_sequences(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
+                    k: torch.Tensor | None, sliding_window: int | None) -> list[int]:
+    """The sequences of this prefill step that take `_prefill_sdpa`: those without cached
+    context (this step's K/V are all their keys) whose prompt has at least
+    `KERNELS.sdpa_prefill_min_tokens` tokens (0: none), each decided on its own, so a
+    sequence's numbers do not depend on what it is batched with. None at all unless q and
+    the cache are 16-bit and alike (an FP8 cache's rounded K/V are what decode reads, so
+    prefill reads them too; float32 would get torch's math kernel), there is no sliding
     window, the fresh K/V are given, and no CUDA graph is being captured (the prefill graphs
     replay one bucket for chunks with and without context)."""
     least = KERNELS.sdpa_prefill_min_tokens
     ctx = attn_metadata.context_lens
-    return (least > 0 and k is not None and k.shape[0] == q.shape[0] and not sliding_window
-            and kv_cache.dtype == q.dtype and ctx is not None and not any(ctx)
-            and min(attn_metadata.query_lens) >= least
-            and not (q.is_cuda and torch.cuda.is_current_stream_capturing()))
+    if (least <= 0 or k is None or k.shape[0] != q.shape[0] or sliding_window or ctx is None
+            or q.dtype not in (torch.bfloat16, torch.float16) or kv_cache.dtype != q.dtype
+            or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
+        return []
+    return [b for b, (c, n) in enumerate(zip(ctx, attn_metadata.query_lens)) if c == 0 and n >= least]
 
 
-def _prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_lens: list[int],
-                  scale: float) -> torch.Tensor:
-    """Causal attention of prompts with no cached context through
-    F.scaled_dot_product_attention, one call per sequence (GQA by enable_gqa: K/V are not
-    repeated). q: [T, H, D], k / v: [T, Hkv, D] (this step's, in q's dtype), query_lens: the
-    sequences' token counts in order (sum T). Returns [T, H, D] in q's dtype."""
-    out = torch.empty_like(q)
-    gqa = q.shape[1] != k.shape[1]
-    start = 0
-    for n in query_lens:
-        end = start + n
-        # [n, H, D] -> [1, H, n, D] views; the kernels take strided heads
-        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1)[None], k[start:end].transpose(0, 1)[None],
-                                           v[start:end].transpose(0, 1)[None], is_causal=True, scale=scale,
-                                           enable_gqa=gqa)
-        out[start:end] = o[0].transpose(0, 1)
-        start = end
-    return out
+def _prefill_plan(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
+                  k: torch.Tensor | None, sliding_window: int | None) -> tuple[list[int], torch.Tensor | None, int]:
+    """(`_sdpa_sequences`, the others' indices as an int32 device tensor for the kernel's
+    SUBSET grid (None when the kernel takes every sequence), the others' longest chunk),
+    made by the first layer of a step and kept in `attn_metadata.prefill_plan` (by sliding
+    window) for the others."""
+    key = sliding_window or 0
+    plans = attn_metadata.prefill_plan
+    if plans is not None and key in plans:
+        return plans[key]
+    lens = attn_metadata.query_lens
+    sdpa = _sdpa_sequences(q, kv_cache, attn_metadata, k, sliding_window)
+    taken = set(sdpa)
+    rest = [b for b in range(len(lens)) if b not in taken]
+    plan = (sdpa, torch.tensor(rest, dtype=torch.int32).to(q.device) if sdpa and rest else None,
+            max((lens[b] for b in rest), default=0))
+    if attn_metadata.context_lens is not None:   # not under a prefill graph's capture
+        attn_metadata.prefill_plan = {**(plans or {}), key: plan}
+    return plan
+
+
+# scaled_dot_product_attention lengths are rounded up to a multiple of this: cuDNN builds an
+# execution plan per shape (tens to hundreds of ms on the host, then cached), so this bounds
+# the plans to one per bucket
+SDPA_LEN_MULTIPLE = 256
+
+
+def _prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, start: int, n: int,
+                  scale: float) -> None:
+    """Causal attention of one prompt with no cached context, rows start .. start + n of
+    q [T, H, D] / k, v [T, Hkv, D] (this step's, in q's dtype), through
+    F.scaled_dot_product_attention (GQA by enable_gqa: K/V are not repeated), into the same
+    rows of out. Rows are padded with zeros to a multiple of `SDPA_LEN_MULTIPLE`: causal
+    attention keeps them out of every real row."""
+    rows = slice(start, start + n)
+    padded = -(-n // SDPA_LEN_MULTIPLE) * SDPA_LEN_MULTIPLE
+    qs, ks, vs = q[rows], k[rows], v[rows]
+    if padded != n:
+        qs, ks, vs = (torch.cat([t, t.new_zeros(padded - n, *t.shape[1:])]) for t in (qs, ks, vs))
+    # [n, H, D] -> [1, H, n, D] views; the kernels take strided heads
+    o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
+                                       is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    out[rows] = o[0, :, :n].transpose(0, 1)
