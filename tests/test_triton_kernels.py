@@ -710,14 +710,14 @@ def check_sm90_compile(device: str) -> None:
                        vs_ptr="*fp32", o_ptr=t if splits == 1 else "*fp32", lse_ptr=t if splits == 1 else "*fp32"),
                   w, st, f"decode {dtype} D={D} splits={splits} fp8_kv={fp8} windowed={windowed}")
         bm, bn, w, st = tb._prefill_config(D, dtype)
-        for windowed in (False, True):
+        for windowed, subset in ((False, False), (True, False), (False, True)):
             build(tb._prefill_kernel,
                   dict(GROUP=4, HEAD_DIM=D, PAGE=16, BLOCK_M=bm, BLOCK_N=bn,
                        DOT_PREC=tb._dot_precision(dtype), FP8=fp8, HEAVY_FIRST=tb.PREFILL_HEAVY_FIRST,
-                       WINDOWED=windowed),
+                       WINDOWED=windowed, SUBSET=subset),
                   dict(q_ptr=t, kc_ptr=c, vc_ptr=c, o_ptr=t, bt_ptr="*i64", seqlen_ptr="*i32", cu_q_ptr="*i64",
                        ks_ptr="*fp32", vs_ptr="*fp32", seq_idx_ptr="*i32"),
-                  w, st, f"prefill {dtype} D={D} fp8_kv={fp8} windowed={windowed}")
+                  w, st, f"prefill {dtype} D={D} fp8_kv={fp8} windowed={windowed} subset={subset}")
     for q8 in (False, True):
         build(tb._decode_merge_kernel, dict(NUM_SPLITS=5, SPLITS_PAD=8, HEAD_DIM=128, Q8=q8, USE_PDL=True),
               dict(o_part_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", q8_ptr="*i8", d8_ptr="*fp32"), 4, 2,
