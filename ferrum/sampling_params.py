@@ -9,6 +9,7 @@ et al. 2019); presence/frequency penalties in [-2, 2] subtract from logits of ge
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 from ferrum.errors import InvalidRequestError
@@ -23,7 +24,11 @@ MAX_LOGPROBS = 20
 
 
 def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _is_integer(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def _check_logit_bias(bias: dict) -> dict[int, float]:
@@ -94,10 +99,23 @@ class SamplingParams:
         def bad(param: str, msg: str):
             raise InvalidRequestError(f"{param} {msg}", param=param)
 
+        # types first, as the server's strict fields: True is not 1, "0" is not 0, 1.5 not a count
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
-            if not math.isfinite(getattr(self, name)):
-                bad(name, f"must be a finite number, got {getattr(self, name)}")
+            v = getattr(self, name)
+            if not _is_number(v) or not math.isfinite(v):
+                bad(name, f"must be a finite number, got {v!r}")
+            setattr(self, name, float(v))    # numpy scalars too
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is None and name in ("max_tokens", "seed", "logprobs", "prompt_logprobs"):
+                continue   # None: unlimited / unseeded / none
+            if not _is_integer(v):
+                bad(name, f"must be an integer, got {v!r}")
+            setattr(self, name, int(v))
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, f"must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", f"must be an integer >= 1, got {self.n!r}")
         if self.temperature < 0:
@@ -130,6 +148,11 @@ class SamplingParams:
             bad("seed", f"must be an integer in [-2**63, 2**64 - n], got {self.seed!r}")
         if any((not isinstance(s, str)) or s == "" for s in self.stop):
             bad("stop", "must be non-empty strings")
+        for s in self.stop:
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                bad("stop", f"{s!r} holds a lone surrogate: stop strings must be valid Unicode")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", f"must be token ids >= 0, got {self.stop_token_ids!r}")
         if self.logit_bias:

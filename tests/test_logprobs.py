@@ -57,6 +57,19 @@ def test_colliding_texts_keep_the_chosen_logprob_and_the_best_rank(tok):
         f"token_id:{a}", f"token_id:{b}", f"token_id:{c}"]
 
 
+def test_text_offsets_index_the_text_with_token_id_names(tok):
+    """return_tokens_as_token_ids renames the tokens, not the text: text_offset still counts
+    the characters each token added (an EOS token adds none)."""
+    ids = tok.encode(" Paris is big")
+    texts = [tok.decode([t]) for t in ids] + [""]
+    lps = [{t: -1.0} for t in ids] + [{0: -1.0}]
+    plain = completion_logprobs(TokenFormatter(tok), ids + [0], lps, texts, text_offset=3)
+    named = completion_logprobs(TokenFormatter(tok), ids + [0], lps, texts, text_offset=3, as_ids=True)
+    want = [3 + sum(map(len, texts[:i])) for i in range(len(texts))]
+    assert plain["text_offset"] == named["text_offset"] == want
+    assert named["tokens"][0] == f"token_id:{ids[0]}"
+
+
 @pytest.mark.parametrize("case", ["eos", "stop_string", "stop_token", "cjk", "cut_in_char"])
 def test_token_texts_join_to_the_text(tok, case):
     """What each token added joins to exactly the returned text, and its `bytes` too."""

@@ -311,6 +311,12 @@ def test_bad_inputs(server):
     for body in (b'{"model": "tiny", "prompt": "\xff\xfe"}', b"[" * 100_000 + b"]" * 100_000):
         e = _err(_post(server, "/v1/completions", content=body), 400)   # not UTF-8; too deep for json
         assert "UTF-8" in e["message"] and e["type"] == "invalid_request_error", e
+    assert "body is empty" in _err(_post(server, "/v1/chat/completions", content=b""), 400)["message"]
+    for body, kind in ((b"[1]", "list"), (b'"hi"', "str"), (b"null", "NoneType")):
+        e = _err(_post(server, "/v1/completions", content=body), 400)
+        assert e["message"] == f"the request body must be a JSON object, got {kind}", e
+    e = _err(_post(server, "/v1/completions", content=json.dumps({**ok, "stop": ["\ud800"]}).encode()), 400)
+    assert e["param"] == "stop" and "surrogate" in e["message"]
     e = _err(_post(server, "/v1/completions", {**ok, "best_of": 2}), 400)
     assert e["param"] == "best_of" and "best_of" in e["message"]
     e = _err(_post(server, "/v1/chat/completions", {"model": MODEL, "messages": [
@@ -1010,6 +1016,8 @@ def test_new_fields_bad_values(server):
                         ({**ok, "max_tokens": -1, "echo": True}, "max_tokens")]:
         e = _err(_post(server, "/v1/completions", body), 400)
         assert e["param"] == param, (body, e)
+        if body.get("max_tokens") == 0:
+            assert "echo" in e["message"], e
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     for field in ("continue_final_message", "add_generation_prompt"):
         e = _err(_post(server, "/v1/chat/completions", {**chat, field: "maybe"}), 400)

@@ -79,6 +79,10 @@ def test_readme_required_example_gives_its_documented_answer(smol):
     (call,) = choice["message"]["tool_calls"]
     assert call["id"].startswith("call_") and call["type"] == "function"
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    # a stop string that the forced call contains does not cut it (it was a 200 with neither
+    # content nor a call)
+    r = httpx.post(str(smol.base_url) + "chat/completions", json={**body, "stop": ["city"]}, timeout=600)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["tool_calls"][0]["function"] == call["function"]
 
 
 def test_readme_json_schema_example_gives_valid_json(smol):

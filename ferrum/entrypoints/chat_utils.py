@@ -391,7 +391,8 @@ class ChatPrompt:
     skip_special_tokens: bool | None = None
 
     def sampling_params(self, params: SamplingParams) -> SamplingParams:
-        """`params` with this chat's constraint and detokenization applied (a copy). Raises
+        """`params` with this chat's constraint and detokenization applied (a copy; a forced
+        tool call drops the stop strings, which would cut it). Raises
         InvalidRequestError when params already carry a constraint (structured_outputs /
         guided_*) and tool_choice or response_format asks for another one."""
         changes: dict = {}
@@ -403,6 +404,10 @@ class ChatPrompt:
             changes["structured_outputs"] = self.structured_outputs
         if self.skip_special_tokens is not None:
             changes["skip_special_tokens"] = self.skip_special_tokens
+        if self.tool_parser is not None and self.tool_parser.enforced and params.stop:
+            # the forced call's grammar decides where the output ends: a stop string inside
+            # it would cut the call short (a 200 with neither content nor a call)
+            changes["stop"] = None
         return dataclasses.replace(params, **changes) if changes else params
 
 

@@ -83,8 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def command(name: str, help: str, **kw) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=kw.pop("description", help),
-                              formatter_class=HelpFormatter, parents=[verbose], **kw)
+        c = sub.add_parser(name, help=help, description=kw.pop("description", help),
+                           formatter_class=HelpFormatter, parents=[verbose], **kw)
+        c.set_defaults(_subparser=c)   # reports arguments it does not know (main)
+        return c
 
     r = command("run", "generate from a prompt, or chat interactively",
                 description="Generate from --prompt (or from stdin when it is not a terminal), "
@@ -163,7 +165,10 @@ def _is_torchrun_worker() -> bool:
 def main(argv: list[str] | None = None) -> int:
     """Run `ferrum <command>` with `argv` (default: sys.argv[1:]); returns the exit status:
     0, 1 for a ferrum error (printed on one stderr line), 130 when interrupted."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:   # said by the subcommand, with its usage (argparse leaves them to `ferrum`)
+        getattr(args, "_subparser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     args._argv = list(sys.argv[1:] if argv is None else argv)   # benchmark records quote the command
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

@@ -96,10 +96,11 @@ def completion_logprobs(fmt: TokenFormatter, token_ids: list[int], logprobs: lis
     tokens, token_lps, tops, offsets = [], [], [], []
     off = text_offset
     for i, (tid, lp) in enumerate(zip(token_ids, logprobs)):
-        text = _name(fmt, tid, True) if as_ids else (texts[i] if texts is not None else fmt.text(tid))
+        added = texts[i] if texts is not None else fmt.text(tid)   # what it added to the text
+        text = _name(fmt, tid, True) if as_ids else added
         tokens.append(text)
         offsets.append(off)
-        off += len(text)
+        off += len(added)   # offsets index the choice's text, whatever the tokens are named
         if lp is None:
             token_lps.append(None)
             tops.append(None)

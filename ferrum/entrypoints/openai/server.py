@@ -201,6 +201,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         elif err.get("type") == "json_invalid":
             parts.append(f"request body is not valid JSON: {err.get('msg')}")
             param = None
+        elif not loc:   # the body itself: empty, or JSON that is not an object
+            parts.append("the request body is empty: it must be a JSON object" if err.get("type") == "missing"
+                         else f"the request body must be a JSON object, got {type(err.get('input')).__name__}")
         else:
             parts.append(f"{name}: {err.get('msg')}" if name else str(err.get("msg")))
     return "; ".join(parts) or "invalid request", param
