@@ -263,6 +263,16 @@ def test_threads_setting_bounds_torch_and_blas(tiny, caplog):
         threads.set_threads(before, warn=False)
 
 
+def test_unknown_flag_is_reported_by_its_subcommand(capsys):
+    """`ferrum run --bogus` printed the top-level usage; now the subcommand's, exit status 2."""
+    from ferrum.entrypoints.cli import main
+    for argv, prog in ((["run", "--bogus-flag"], "ferrum run"), (["serve", "m", "--bogus"], "ferrum serve")):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and f"{prog}: error: unrecognized arguments: {argv[-1]}" in err, err
+
+
 def test_threads_below_one_are_refused_while_parsing_every_command(capsys, tmp_path):
     """--threads 0 / -1 is an argparse error naming the flag in every command that takes it,
     before any model loads (it was refused only once the engine set its threads)."""

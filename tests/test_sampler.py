@@ -218,6 +218,24 @@ def test_shape_mismatch_and_bad_token_ids():
     validate_token_ids(SamplingParams(logit_bias={5: 1.0}, stop_token_ids=[0]), V)
 
 
+@pytest.mark.parametrize("kw, param", [
+    (dict(ignore_eos="no"), "ignore_eos"), (dict(skip_special_tokens=1), "skip_special_tokens"),
+    (dict(min_tokens=1.5), "min_tokens"), (dict(n=True), "n"), (dict(max_tokens=True), "max_tokens"),
+    (dict(seed=True), "seed"), (dict(logprobs=True), "logprobs"), (dict(temperature="0"), "temperature"),
+    (dict(temperature=None), "temperature"), (dict(top_p=None), "top_p"), (dict(min_tokens="a"), "min_tokens"),
+    (dict(stop=["\ud800"]), "stop")])
+def test_sampling_params_types_are_strict(kw, param):
+    """Offline as in the server: a bool is not a count, text not a number, and stop strings are
+    valid Unicode; each raises InvalidRequestError naming the parameter (some were accepted,
+    others a bare TypeError). numpy scalars are numbers and come out as Python ones."""
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**kw)
+    assert info.value.param == param
+    import numpy as np
+    p = SamplingParams(temperature=np.float32(0.5), max_tokens=np.int64(4), seed=np.int32(2))
+    assert (type(p.temperature), type(p.max_tokens), type(p.seed)) == (float, int, int)
+
+
 def test_logit_bias_errors_name_every_bad_key():
     """Issue 13 item 7: the error named only the first bad key."""
     with pytest.raises(InvalidRequestError) as info:
