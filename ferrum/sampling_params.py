@@ -99,7 +99,8 @@ class SamplingParams:
         def bad(param: str, msg: str):
             raise InvalidRequestError(f"{param} {msg}", param=param)
 
-        # types first, as the server's strict fields: True is not 1, "0" is not 0, 1.5 not a count
+        # types first, as the server's strict fields: True is not 1, "0" is not 0, 1.5 not a
+        # count; the range checks below then see Python floats and ints
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
             v = getattr(self, name)
@@ -116,13 +117,13 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, f"must be true or false, got {getattr(self, name)!r}")
-        if not isinstance(self.n, int) or self.n < 1:
+        if self.n < 1:
             bad("n", f"must be an integer >= 1, got {self.n!r}")
         if self.temperature < 0:
             bad("temperature", f"must be >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if self.top_k < -1:
             bad("top_k", f"must be -1 (disabled) or >= 1, got {self.top_k!r}")
         if not (0.0 <= self.min_p <= 1.0):
             bad("min_p", f"must be in [0, 1], got {self.min_p}")
@@ -132,19 +133,17 @@ class SamplingParams:
             bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not (-2.0 <= self.frequency_penalty <= 2.0):
             bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and self.max_tokens < 1:
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool)
-                                  or not 0 <= v <= MAX_LOGPROBS):
+            if v is not None and not 0 <= v <= MAX_LOGPROBS:
                 bad(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
         # sample i of a request draws from torch.Generator().manual_seed(seed + i), which takes
         # [-2**63, 2**64 - 1]
-        if self.seed is not None and (not isinstance(self.seed, int)
-                                      or not -2**63 <= self.seed <= 2**64 - self.n):
+        if self.seed is not None and not -2**63 <= self.seed <= 2**64 - self.n:
             bad("seed", f"must be an integer in [-2**63, 2**64 - n], got {self.seed!r}")
         if any((not isinstance(s, str)) or s == "" for s in self.stop):
             bad("stop", "must be non-empty strings")

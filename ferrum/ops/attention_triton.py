@@ -34,6 +34,8 @@ position before a window is read, so table entries of released blocks (-1) are n
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -401,7 +403,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Att
         scale * _LOG2E, window, DIRECT_OUT=False, USE_PDL=pdl, launch_pdl=pdl, **common)
     # o_proj's Q4_K GEMV reads the output as int8 (ferrum.ops.q8_act): written here with it
     q8 = (q8_act.buffers(B, H * D, q.device)
-          if q8_act.wanted and D % 32 == 0 and out.is_contiguous() and q8_act.wants(out.view(B, H * D)) else None)
+          if D % 32 == 0 and out.is_contiguous() and q8_act.wants(out.view(B, H * D)) else None)
     _decode_merge_kernel[(B, H)](
         o_part, lse, out, *(q8 or (out, out)), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
@@ -530,19 +532,16 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: At
     B = len(attn_metadata.query_lens)
     if T == 0 or B == 0:
         return out
-    lens = attn_metadata.query_lens
     sdpa, seq_idx, max_rest = _prefill_plan(q, kv_cache, attn_metadata, k, sliding_window)
-    if sdpa:
-        starts = _starts(lens)
-        for b in sdpa:
-            _prefill_sdpa(q, k, v, out, starts[b], lens[b], scale)
-        if len(sdpa) == B:
-            return out
+    for start, n in sdpa:
+        _prefill_sdpa(q, k, v, out, start, n, scale)
+    if len(sdpa) == B:
+        return out
     q = last_dim_contiguous(q)
     cu = attn_metadata.cu_seqlens_q
     if cu is None:
         cu = torch.zeros(B + 1, dtype=torch.int64)
-        cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0)
+        cu[1:] = torch.cumsum(torch.tensor(attn_metadata.query_lens, dtype=torch.int64), 0)
         cu = cu.to(q.device)
     bm, bn, warps, stages = _prefill_config(D, q.dtype)
     kc, vc = kv_cache[0], kv_cache[1]
@@ -561,14 +560,6 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: At
         DOT_PREC=_dot_precision(q.dtype), FP8=fp8, HEAVY_FIRST=PREFILL_HEAVY_FIRST,
         WINDOWED=bool(sliding_window), SUBSET=seq_idx is not None, num_warps=warps, num_stages=stages)
     return out
-
-
-def _starts(lens: list[int]) -> list[int]:
-    starts, t = [], 0
-    for n in lens:
-        starts.append(t)
-        t += n
-    return starts
 
 
 def _sdpa_sequences(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
@@ -591,11 +582,12 @@ def _sdpa_sequences(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Atte
 
 
 def _prefill_plan(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
-                  k: torch.Tensor | None, sliding_window: int | None) -> tuple[list[int], torch.Tensor | None, int]:
-    """(`_sdpa_sequences`, the others' indices as an int32 device tensor for the kernel's
-    SUBSET grid (None when the kernel takes every sequence), the others' longest chunk),
-    made by the first layer of a step and kept in `attn_metadata.prefill_plan` (by sliding
-    window) for the others."""
+                  k: torch.Tensor | None, sliding_window: int | None
+                  ) -> tuple[list[tuple[int, int]], torch.Tensor | None, int]:
+    """((first row, rows) in q of each of `_sdpa_sequences`, the others' indices as an int32
+    device tensor for the kernel's SUBSET grid (None when the kernel takes every sequence),
+    the others' longest chunk), made by the first layer of a step and kept in
+    `attn_metadata.prefill_plan` (by sliding window) for the others."""
     key = sliding_window or 0
     plans = attn_metadata.prefill_plan
     if plans is not None and key in plans:
@@ -604,7 +596,9 @@ def _prefill_plan(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Attent
     sdpa = _sdpa_sequences(q, kv_cache, attn_metadata, k, sliding_window)
     taken = set(sdpa)
     rest = [b for b in range(len(lens)) if b not in taken]
-    plan = (sdpa, torch.tensor(rest, dtype=torch.int32).to(q.device) if sdpa and rest else None,
+    starts = [0, *itertools.accumulate(lens)]
+    plan = ([(starts[b], lens[b]) for b in sdpa],
+            torch.tensor(rest, dtype=torch.int32).to(q.device) if sdpa and rest else None,
             max((lens[b] for b in rest), default=0))
     if attn_metadata.context_lens is not None:   # not under a prefill graph's capture
         attn_metadata.prefill_plan = {**(plans or {}), key: plan}

@@ -32,7 +32,7 @@ emulation (p = 8 would save two shifts per word but cost ~1e-3, near bf16's own 
 
 Q4_K (`_q4k_gemv_kernel`) works in integers, as llama.cpp's MMVQ (vec_dot_q4_K_q8_1): x comes
 rounded to int8 per 32-value sub-block (d = max |x| / 127, llama.cpp's quantize_q8_1: `q8_1`,
-or the RMSNorm / SiLU-mul kernel that wrote x, ferrum/ops/q8_act.py), so a chunk's x is two
+or the kernel that wrote x, ferrum/ops/q8_act.py), so a chunk's x is two
 32-byte loads; the kernel masks each word's low and high nibbles (one LOP3 each; the high ones
 stay at bits 4..7, 16 q, undone in the scale) and sums q xq by dp4a, four products per
 instruction. Per sub-block y += d sc dx sum(q xq) - dmin m dx sum(xq), the 16-byte block header

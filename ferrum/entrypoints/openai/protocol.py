@@ -165,6 +165,9 @@ class CompletionRequest(_SamplingFields):
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
                                       param="logprobs")
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequestError("max_tokens must be an integer >= 1, got 0 (0 is allowed with "
+                                      "echo: true, which scores the prompt)", param="max_tokens")
         if self.best_of is not None and self.best_of != 1:
             raise InvalidRequestError(f"best_of {self.best_of} is not supported (only 1, the default: "
                                       "use n for several choices)", param="best_of")

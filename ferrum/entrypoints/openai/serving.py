@@ -271,9 +271,6 @@ class OpenAIServing:
             self._prompt(p, req.echo, f"prompt[{i}]" if many else "prompt")
             for i, p in enumerate(req.prompts())])
         max_tokens = 1 if req.echo_only else req.max_tokens
-        if max_tokens == 0:
-            raise InvalidRequestError("max_tokens must be an integer >= 1, got 0 (0 is allowed with "
-                                      "echo: true, which scores the prompt)", param="max_tokens")
         params = [req.sampling_params(self._max_tokens(len(p.token_ids), max_tokens, "max_tokens"))
                   for p in prompts]
         rid = f"cmpl-{uuid.uuid4().hex}"
