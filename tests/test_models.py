@@ -152,6 +152,39 @@ def test_executor_prefill_and_decode_match_hf(tiny, chunk):
     print(f"{name} chunk={chunk}: max abs logits diff vs HF = {worst:.3e}")
 
 
+def test_keep_rows_equal_the_full_forwards_rows(tiny):
+    """The model's keep_rows (the last layer runs o_proj / MLP only on the rows it keeps, as
+    every prefill without prompt logprobs does) gives those rows of the full forward, and
+    writes the same K/V into the cache: three prompts in one prefill, rows kept out of order."""
+    from ferrum.executor.model_inputs import prepare_prefill
+    from ferrum.forward_context import forward_context
+    name, folder, _ = tiny
+    cfg = EngineConfig.from_kwargs(model=folder, dtype="float32", device="cpu", max_model_len=256,
+                                   num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    runner = SingleDeviceExecutor(resolve_model(folder), cfg, progress=False).runner
+    prompts = _prompts(MODELS[name]["seed"])
+    rows, caches = [], []
+    for keep in (None, torch.tensor([len(prompts[0]) + 3, 0, sum(map(len, prompts)) - 1])):
+        for layer in runner.attn_layers:
+            layer.kv_cache.fill_(float("nan"))   # unwritten slots must stay unread
+        handles, start = [], 0
+        for i, p in enumerate(prompts):
+            nblk = -(-len(p) // BLOCK_SIZE)
+            handles.append(KvCacheHandle(f"s{i}", list(range(start, start + nblk)), 0, BLOCK_SIZE))
+            start += nblk
+        ids, pos, meta, _ = prepare_prefill(prompts, handles, BLOCK_SIZE, runner.device)
+        with torch.inference_mode(), forward_context(meta, runner.attn_backend):
+            rows.append(runner.model(ids, pos, keep))
+        caches.append([layer.kv_cache[:, :start].clone() for layer in runner.attn_layers])
+    keep = torch.tensor([len(prompts[0]) + 3, 0, sum(map(len, prompts)) - 1])
+    assert rows[1].shape == (3, rows[0].shape[1])
+    diff = (rows[1] - rows[0][keep]).abs().max().item()
+    assert diff < 1e-5, f"{name}: kept rows differ from the full forward's by {diff:.3e}"
+    for a, b in zip(*caches):
+        # (NaN past each prompt's end in its last block: compared as equal)
+        assert torch.allclose(a, b, rtol=0, atol=0, equal_nan=True), f"{name}: keep_rows changed the K/V"
+
+
 def test_llm_generate_matches_hf_generate(tiny):
     """LLM.generate greedy token ids == HF generate (greedy, no EOS stop), 20 new tokens."""
     name, folder, hf = tiny

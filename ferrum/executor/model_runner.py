@@ -212,12 +212,15 @@ class ModelRunner:
             return self.prefill_graphs.run(token_ids[0], kv[0]), None
         dev = self.device
         ids, pos, attn_metadata, cu = prepare_prefill(token_ids, kv, self.block_size, dev)
+        last = (cu[1:] - 1).to(dev, non_blocking=True)   # blocking, it would wait for the forward
         with forward_context(attn_metadata, self.attn_backend), self._cpu_blas_forward(len(ids)):
-            hidden = self.model(ids, pos.to(dev, non_blocking=True))
-            last = (cu[1:] - 1).to(dev, non_blocking=True)   # blocking, it would wait for the forward
-            logits = self.model.compute_logits(hidden[last])
             prompt_lps = None
-            if prompt_logprob_targets is not None:
+            if prompt_logprob_targets is None:
+                # only the chunks' last rows are sampled: the last layer computes just those
+                logits = self.model.compute_logits(self.model(ids, pos.to(dev, non_blocking=True), last))
+            else:
+                hidden = self.model(ids, pos.to(dev, non_blocking=True))
+                logits = self.model.compute_logits(hidden[last])
                 prompt_lps = compute_prompt_logprobs(self.model.compute_logits, hidden, cu[:-1].tolist(),
                                                      prompt_logprob_targets, num_top_logprobs)
         return (None if logits is None else logits.float()), prompt_lps

@@ -98,8 +98,8 @@ class PrefillGraphInputs:
                                query_lens=[bucket], cu_seqlens_q=self.cu_seqlens_q)
         model = self.runner.model
         with forward_context(metadata, self.runner.attn_backend):
-            hidden = model(self.input_ids[:bucket], self.positions[:bucket])
-            logits = model.compute_logits(hidden.index_select(0, self.last))
+            hidden = model(self.input_ids[:bucket], self.positions[:bucket], self.last)
+            logits = model.compute_logits(hidden)
         return None if logits is None else logits.float()
 
 

@@ -57,9 +57,12 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """positions: [T] int64; x: [T, hidden] -> [T, hidden]."""
-        x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x)))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """positions: [T] int64; x: [T, hidden] -> [T, hidden], or [N, hidden] of the rows
+        keep_rows [N] int64 names (`LlamaForCausalLM.forward`)."""
+        a = self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x), keep_rows))
+        x = (x if keep_rows is None else x.index_select(0, keep_rows)) + a
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
@@ -81,13 +84,16 @@ class Gemma3Model(nn.Module):
             for i in range(cfg.num_hidden_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T] int64 -> hidden [T, hidden] (needs a forward context)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] int64 -> hidden [T, hidden], or [N, hidden] of keep_rows
+        [N] int64 (`LlamaForCausalLM.forward`); needs a forward context."""
         x = self.embed_tokens(input_ids)
         # HF multiplies by the scale rounded to the weights' dtype (sqrt(640) in bf16 is 25.25)
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        for layer in self.layers:
-            x = layer(positions, x)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x = layer(positions, x, keep_rows if i == last else None)
         return self.norm(x)
 
 
