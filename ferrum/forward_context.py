@@ -48,6 +48,17 @@ class AttentionMetadata:
     prefill_plan: dict | None = None
 
 
+    def last_tokens_as_decode(self) -> "AttentionMetadata":
+        """This prefill step's metadata for a decode-style attention of each chunk's last
+        token alone (query at position seq_len - 1, keys 0 .. seq_len - 1 from the cache):
+        what the last layer needs when only those rows are sampled."""
+        ctx = None
+        if self.context_lens is not None:
+            ctx = [c + q - 1 for c, q in zip(self.context_lens, self.query_lens)]
+        return AttentionMetadata(is_prefill=False, slot_mapping=self.slot_mapping, block_tables=self.block_tables,
+                                 seq_lens=self.seq_lens, max_seq_len=self.max_seq_len, context_lens=ctx)
+
+
 @dataclass
 class ForwardContext:
     """attn_metadata: this step's `AttentionMetadata`. attn_backend: the paged attention

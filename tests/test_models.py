@@ -153,9 +153,10 @@ def test_executor_prefill_and_decode_match_hf(tiny, chunk):
 
 
 def test_keep_rows_equal_the_full_forwards_rows(tiny):
-    """The model's keep_rows (the last layer runs o_proj / MLP only on the rows it keeps, as
-    every prefill without prompt logprobs does) gives those rows of the full forward, and
-    writes the same K/V into the cache: three prompts in one prefill, rows kept out of order."""
+    """The model's keep_rows (each chunk's last row: the last layer attends and runs o_proj /
+    MLP only for them, as every prefill without prompt logprobs does) gives those rows of the
+    full forward and writes the same K/V into the cache: three prompts in one prefill, the
+    second with cached context."""
     from ferrum.executor.model_inputs import prepare_prefill
     from ferrum.forward_context import forward_context
     name, folder, _ = tiny
@@ -163,8 +164,15 @@ def test_keep_rows_equal_the_full_forwards_rows(tiny):
                                    num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
     runner = SingleDeviceExecutor(resolve_model(folder), cfg, progress=False).runner
     prompts = _prompts(MODELS[name]["seed"])
+    cached = 3   # the second prompt's first tokens (of 5), prefilled by an earlier step
+
+    def prefill(chunks, handles, keep=None):
+        ids, pos, meta, cu = prepare_prefill(chunks, handles, BLOCK_SIZE, runner.device)
+        with torch.inference_mode(), forward_context(meta, runner.attn_backend):
+            return runner.model(ids, pos, cu[1:] - 1 if keep else None), cu
+
     rows, caches = [], []
-    for keep in (None, torch.tensor([len(prompts[0]) + 3, 0, sum(map(len, prompts)) - 1])):
+    for keep in (False, True):
         for layer in runner.attn_layers:
             layer.kv_cache.fill_(float("nan"))   # unwritten slots must stay unread
         handles, start = [], 0
@@ -172,13 +180,13 @@ def test_keep_rows_equal_the_full_forwards_rows(tiny):
             nblk = -(-len(p) // BLOCK_SIZE)
             handles.append(KvCacheHandle(f"s{i}", list(range(start, start + nblk)), 0, BLOCK_SIZE))
             start += nblk
-        ids, pos, meta, _ = prepare_prefill(prompts, handles, BLOCK_SIZE, runner.device)
-        with torch.inference_mode(), forward_context(meta, runner.attn_backend):
-            rows.append(runner.model(ids, pos, keep))
+        prefill([prompts[1][:cached]], [handles[1]])
+        handles[1] = KvCacheHandle("s1", handles[1].block_table, cached, BLOCK_SIZE)
+        hidden, cu = prefill([prompts[0], prompts[1][cached:], prompts[2]], handles, keep)
+        rows.append(hidden)
         caches.append([layer.kv_cache[:, :start].clone() for layer in runner.attn_layers])
-    keep = torch.tensor([len(prompts[0]) + 3, 0, sum(map(len, prompts)) - 1])
     assert rows[1].shape == (3, rows[0].shape[1])
-    diff = (rows[1] - rows[0][keep]).abs().max().item()
+    diff = (rows[1] - rows[0][cu[1:] - 1]).abs().max().item()
     assert diff < 1e-5, f"{name}: kept rows differ from the full forward's by {diff:.3e}"
     for a, b in zip(*caches):
         # (NaN past each prompt's end in its last block: compared as equal)

@@ -42,8 +42,11 @@ class Attention(nn.Module):
             raise WeightLoadError(f"{name}: FP8 KV cache scale {v} is not a positive finite number")
         getattr(self, which).fill_(v)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D] in q's dtype."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                last_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D] in q's dtype. In a prefill, last_rows [B]
+        int64 = the row of each chunk's last token, in order: every row's K/V is written, but
+        only those rows attend (one decode-style query per sequence) -> [B, H*D]."""
         context = get_forward_context()
         attn_metadata, backend = context.attn_metadata, context.attn_backend
         T = q.shape[0]
@@ -55,10 +58,13 @@ class Attention(nn.Module):
         backend.write_kv(self.kv_cache, k, v, attn_metadata.slot_mapping, **kw)
         if self.sliding_window:
             kw["sliding_window"] = self.sliding_window
-        if attn_metadata.is_prefill:
+        if attn_metadata.is_prefill and last_rows is not None:
+            o = backend.decode_attention(q.index_select(0, last_rows), self.kv_cache,
+                                         attn_metadata.last_tokens_as_decode(), self.scale, **kw)
+        elif attn_metadata.is_prefill:
             o = backend.prefill_attention(q, self.kv_cache, attn_metadata, self.scale, k, v, **kw)
         else:
             o = backend.decode_attention(q, self.kv_cache, attn_metadata, self.scale, **kw)
-        out = o.reshape(T, self.num_heads * self.head_dim)
+        out = o.reshape(o.shape[0], self.num_heads * self.head_dim)
         q8 = q8_act.attached(o)  # the int8 copy a Q4_K o_proj reads, moved onto the reshaped view
         return q8_act.attach(out, *q8) if q8 is not None else out

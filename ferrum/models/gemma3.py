@@ -59,8 +59,8 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 keep_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """positions: [T] int64; x: [T, hidden] -> [T, hidden], or [N, hidden] of the rows
-        keep_rows [N] int64 names (`LlamaForCausalLM.forward`)."""
+        """positions: [T] int64; x: [T, hidden] -> [T, hidden], or [B, hidden] of the rows
+        keep_rows [B] int64 names (`LlamaForCausalLM.forward`)."""
         a = self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x), keep_rows))
         x = (x if keep_rows is None else x.index_select(0, keep_rows)) + a
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -86,8 +86,8 @@ class Gemma3Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 keep_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, positions: [T] int64 -> hidden [T, hidden], or [N, hidden] of keep_rows
-        [N] int64 (`LlamaForCausalLM.forward`); needs a forward context."""
+        """input_ids, positions: [T] int64 -> hidden [T, hidden], or [B, hidden] of keep_rows
+        [B] int64 (`LlamaForCausalLM.forward`); needs a forward context."""
         x = self.embed_tokens(input_ids)
         # HF multiplies by the scale rounded to the weights' dtype (sqrt(640) in bf16 is 25.25)
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)

@@ -62,8 +62,8 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 keep_rows: torch.Tensor | None = None) -> torch.Tensor:
         """positions: [T] int64; x: [T, hidden] -> [T, hidden] (all-reduced over TP ranks), or
-        [N, hidden] for the rows keep_rows [N] int64 names (o_proj runs only on those; every
-        row's K/V is still written)."""
+        [B, hidden] for keep_rows [B] int64, each prefill chunk's last row (only they attend
+        and run o_proj; every row's K/V is still written)."""
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(T, self.num_heads, self.head_dim)
@@ -71,10 +71,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q.reshape(T, -1), k.reshape(T, -1), v)
-        if keep_rows is not None:
-            o = o.index_select(0, keep_rows)
-        return self.o_proj(o)
+        return self.o_proj(self.attn(q.reshape(T, -1), k.reshape(T, -1), v, keep_rows))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -98,7 +95,7 @@ class LlamaDecoderLayer(nn.Module):
                 keep_rows: torch.Tensor | None = None):
         """positions: [T]; x: [T, hidden] (the previous layer's output); residual: [T, hidden]
         or None for the first layer -> (this layer's MLP output, new residual), [T, hidden]
-        each, or [N, hidden] with keep_rows [N] int64 (`LlamaModel.forward`)."""
+        each, or [B, hidden] with keep_rows [B] int64 (`LlamaForCausalLM.forward`)."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
@@ -124,8 +121,8 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 keep_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, positions: [T] int64 -> final hidden states [T, hidden], or [N, hidden]
-        of the rows keep_rows [N] int64 names (see `LlamaForCausalLM.forward`)."""
+        """input_ids, positions: [T] int64 -> final hidden states [T, hidden], or [B, hidden]
+        of the rows keep_rows [B] int64 names (see `LlamaForCausalLM.forward`)."""
         x, residual = self.embed_tokens(input_ids), None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
@@ -161,11 +158,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 keep_rows: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions: [T] int64 -> hidden [T, hidden] (needs a forward context).
-        keep_rows [N] int64 (e.g. each prompt chunk's last row, the ones sampled): return only
-        those rows, [N, hidden]. The last layer then runs o_proj and the MLP on N rows instead
-        of T: nothing after the last attention mixes rows, so the others' hidden states would
-        be computed only to be dropped (a 7,500-token prefill of Llama-3-8B: ~1/32 of its
-        GEMMs). Its attention still covers all T rows, as their K/V must reach the cache."""
+        keep_rows [B] int64, in a prefill: the row of each sequence's chunk's last token (the
+        rows sampled), in order: return only those rows, [B, hidden]. The last layer then
+        attends for B queries instead of T and runs o_proj and the MLP on B rows: nothing after
+        its attention mixes rows, so the other rows' hidden states would be computed only to be
+        dropped (a 7,500-token prefill of Llama-3-8B: ~1/32 of its GEMMs and attention). Every
+        row's K/V still reaches the cache."""
         return self.model(input_ids, positions, keep_rows)
 
     def map_weight_name(self, name: str) -> tuple[str, object]:
