@@ -48,15 +48,20 @@ class AttentionMetadata:
     prefill_plan: dict | None = None
 
 
-    def last_tokens_as_decode(self) -> "AttentionMetadata":
-        """This prefill step's metadata for a decode-style attention of each chunk's last
-        token alone (query at position seq_len - 1, keys 0 .. seq_len - 1 from the cache):
-        what the last layer needs when only those rows are sampled."""
-        ctx = None
-        if self.context_lens is not None:
-            ctx = [c + q - 1 for c, q in zip(self.context_lens, self.query_lens)]
-        return AttentionMetadata(is_prefill=False, slot_mapping=self.slot_mapping, block_tables=self.block_tables,
-                                 seq_lens=self.seq_lens, max_seq_len=self.max_seq_len, context_lens=ctx)
+    def last_tokens_only(self) -> "AttentionMetadata":
+        """This prefill step's metadata for a chunk of one query per sequence, its last token
+        (position seq_len - 1, keys 0 .. seq_len - 1, read from the cache unless it is the
+        sequence's only token): what the last layer needs when only those rows are sampled.
+        A prefill, not a decode, so that the kernels and their compiled variants are the ones
+        this step's other layers run (the decode kernels' split count would vary with the
+        batch and block-table width, each value a compile on first use)."""
+        B = len(self.query_lens)
+        ctx = None if self.context_lens is None else [
+            c + q - 1 for c, q in zip(self.context_lens, self.query_lens)]
+        return AttentionMetadata(is_prefill=True, slot_mapping=self.slot_mapping, block_tables=self.block_tables,
+                                 seq_lens=self.seq_lens, max_seq_len=self.max_seq_len, query_lens=[1] * B,
+                                 context_lens=ctx,
+                                 cu_seqlens_q=torch.arange(B + 1, dtype=torch.int64, device=self.seq_lens.device))
 
 
 @dataclass

@@ -46,7 +46,7 @@ class Attention(nn.Module):
                 last_rows: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D] in q's dtype. In a prefill, last_rows [B]
         int64 = the row of each chunk's last token, in order: every row's K/V is written, but
-        only those rows attend (one decode-style query per sequence) -> [B, H*D]."""
+        only those rows attend (`AttentionMetadata.last_tokens_only`) -> [B, H*D]."""
         context = get_forward_context()
         attn_metadata, backend = context.attn_metadata, context.attn_backend
         T = q.shape[0]
@@ -58,9 +58,12 @@ class Attention(nn.Module):
         backend.write_kv(self.kv_cache, k, v, attn_metadata.slot_mapping, **kw)
         if self.sliding_window:
             kw["sliding_window"] = self.sliding_window
-        if attn_metadata.is_prefill and last_rows is not None:
-            o = backend.decode_attention(q.index_select(0, last_rows), self.kv_cache,
-                                         attn_metadata.last_tokens_as_decode(), self.scale, **kw)
+        if last_rows is not None:
+            assert attn_metadata.is_prefill, "last_rows is for prefill steps"
+            # (k, v of those rows: a one-token prompt's only key)
+            o = backend.prefill_attention(q.index_select(0, last_rows), self.kv_cache,
+                                          attn_metadata.last_tokens_only(), self.scale,
+                                          k.index_select(0, last_rows), v.index_select(0, last_rows), **kw)
         elif attn_metadata.is_prefill:
             o = backend.prefill_attention(q, self.kv_cache, attn_metadata, self.scale, k, v, **kw)
         else:
