@@ -186,8 +186,8 @@ class LLMEngine:
                 prompt_token_ids = list(prompt or [])
         if not prompt_token_ids:
             raise InvalidRequestError("prompt is empty; give at least one token", param="prompt")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:   # (C loops)
+            bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
             raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary "
                                       f"[0, {self.vocab_size})", param="prompt")
         n = len(prompt_token_ids)

@@ -170,8 +170,11 @@ def _prompt_list(prompts) -> list:
                                   f"them (strings / token-id lists); got {type(prompts).__name__}",
                                   param="prompts")
     for i, p in enumerate(prompts):
-        if not (isinstance(p, str) or (isinstance(p, (list, tuple)) and all(
-                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in p))):
+        # plain ints first, in one C-level pass: the numbers.Integral check (an ABC) took ~1 us
+        # a token, ~8 ms of a 7,500-token prompt's time to first token
+        if not (isinstance(p, str) or (isinstance(p, (list, tuple)) and (
+                set(map(type, p)) <= {int}
+                or all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in p)))):
             raise InvalidRequestError(f"prompts[{i}] must be a string or a list of token ids "
                                       f"(ints); got {p!r:.80}", param=f"prompts[{i}]")
     return list(prompts)
