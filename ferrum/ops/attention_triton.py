@@ -605,20 +605,12 @@ def _prefill_plan(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Attent
     return plan
 
 
-# scaled_dot_product_attention lengths are rounded up to a multiple of this: cuDNN builds an
-# execution plan per shape (tens to hundreds of ms on the host, then cached), so this bounds
-# the plans to one per bucket
-SDPA_LEN_MULTIPLE = 256
-# torch tries FlashAttention first unless told otherwise; on the H200 cuDNN's kernels are
-# 1.5-1.9x faster for these causal prompts (12-02e: 866 vs 1,602 us at 7,500 tokens, 156 vs
-# 228 at 2,048), and the others remain the fallbacks for inputs cuDNN does not take
-_SDPA_PRIORITY = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
-
-
-def _sdpa_priority():
-    """A context putting `_SDPA_PRIORITY` in force for one scaled_dot_product_attention call."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    return sdpa_kernel([getattr(SDPBackend, b) for b in _SDPA_PRIORITY], set_priority=True)
+# scaled_dot_product_attention lengths are rounded up to a multiple of this (1: not at all).
+# cuDNN builds an execution plan per shape, ~45 ms the first time a prompt length is seen, then
+# cached; padding bounds the plans to one per bucket but, through the copies it needs, cost
+# 15-60% of the attention of every call on the H200 (12-02f: 7,500 tokens 940 vs 1,110 us a
+# layer, 2,100 tokens 205 vs 332 at 256), so lengths go as they are.
+SDPA_LEN_MULTIPLE = 1
 
 
 def _prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, start: int, n: int,
@@ -627,15 +619,14 @@ def _prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     q [T, H, D] / k, v [T, Hkv, D] (this step's, in q's dtype), through
     F.scaled_dot_product_attention (GQA by enable_gqa: K/V are not repeated), into the same
     rows of out. Rows are padded with zeros to a multiple of `SDPA_LEN_MULTIPLE`: causal
-    attention keeps them out of every real row. cuDNN's kernels first (`_SDPA_PRIORITY`)."""
+    attention keeps them out of every real row."""
     rows = slice(start, start + n)
     padded = -(-n // SDPA_LEN_MULTIPLE) * SDPA_LEN_MULTIPLE
     qs, ks, vs = q[rows], k[rows], v[rows]
     if padded != n:
         qs, ks, vs = (torch.cat([t, t.new_zeros(padded - n, *t.shape[1:])]) for t in (qs, ks, vs))
     # [n, H, D] -> [1, H, n, D] views; the kernels take strided heads
-    with _sdpa_priority():
-        o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], ks.transpose(0, 1)[None],
-                                           vs.transpose(0, 1)[None], is_causal=True, scale=scale,
-                                           enable_gqa=q.shape[1] != k.shape[1])
+    # (torch picks cuDNN here on the H200; forcing that order per call cost ~80 us of host time)
+    o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
+                                       is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     out[rows] = o[0, :, :n].transpose(0, 1)
