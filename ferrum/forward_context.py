@@ -47,7 +47,6 @@ class AttentionMetadata:
     csr_plan: dict | None = None
     prefill_plan: dict | None = None
 
-
     def last_tokens_only(self) -> "AttentionMetadata":
         """This prefill step's metadata for a chunk of one query per sequence, its last token
         (position seq_len - 1, keys 0 .. seq_len - 1, read from the cache unless it is the

@@ -170,8 +170,8 @@ def _prompt_list(prompts) -> list:
                                   f"them (strings / token-id lists); got {type(prompts).__name__}",
                                   param="prompts")
     for i, p in enumerate(prompts):
-        # plain ints first, in one C-level pass: the numbers.Integral check (an ABC) took ~1 us
-        # a token, ~8 ms of a 7,500-token prompt's time to first token
+        # plain ints first, in one C-level pass: the numbers.Integral check (an ABC, per token)
+        # was a visible part of a long prompt's time to first token
         if not (isinstance(p, str) or (isinstance(p, (list, tuple)) and (
                 set(map(type, p)) <= {int}
                 or all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in p)))):

@@ -62,7 +62,7 @@ def prepare_prefill(token_ids: list[list[int]], kv: list[KvCacheHandle], block_s
         seq_lens=torch.tensor([c + q for c, q in zip(ctx, qlens)], dtype=torch.int32).to(device, non_blocking=True),
         max_seq_len=max(c + q for c, q in zip(ctx, qlens)),
         query_lens=qlens, context_lens=ctx, cu_seqlens_q=cu.to(device, non_blocking=True))
-    # through numpy: torch.tensor on a 7,500-int list took ~1 ms, on the path to the first token
+    # through numpy: torch.tensor on a long int list is slow, and this is on the path to the first token
     flat = np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int64, count=int(cu[-1]))
     ids = torch.from_numpy(flat).to(device, non_blocking=True)
     return ids, pos, attn_metadata, cu

@@ -212,7 +212,7 @@ class ModelRunner:
             return self.prefill_graphs.run(token_ids[0], kv[0]), None
         dev = self.device
         ids, pos, attn_metadata, cu = prepare_prefill(token_ids, kv, self.block_size, dev)
-        last = (cu[1:] - 1).to(dev, non_blocking=True)   # blocking, it would wait for the forward
+        last = (cu[1:] - 1).to(dev, non_blocking=True)   # a blocking copy would wait for the stream
         with forward_context(attn_metadata, self.attn_backend), self._cpu_blas_forward(len(ids)):
             prompt_lps = None
             if prompt_logprob_targets is None:

@@ -162,8 +162,8 @@ class LlamaForCausalLM(nn.Module):
         rows sampled), in order: return only those rows, [B, hidden]. The last layer then
         attends for B queries instead of T and runs o_proj and the MLP on B rows: nothing after
         its attention mixes rows, so the other rows' hidden states would be computed only to be
-        dropped (a 7,500-token prefill of Llama-3-8B: ~1/32 of its GEMMs and attention). Every
-        row's K/V still reaches the cache."""
+        dropped (1 / num_layers of a long prefill's GEMMs and attention). Every row's K/V still
+        reaches the cache."""
         return self.model(input_ids, positions, keep_rows)
 
     def map_weight_name(self, name: str) -> tuple[str, object]:

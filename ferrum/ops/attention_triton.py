@@ -606,10 +606,9 @@ def _prefill_plan(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Attent
 
 
 # scaled_dot_product_attention lengths are rounded up to a multiple of this (1: not at all).
-# cuDNN builds an execution plan per shape, ~45 ms the first time a prompt length is seen, then
-# cached; padding bounds the plans to one per bucket but, through the copies it needs, cost
-# 15-60% of the attention of every call on the H200 (12-02f: 7,500 tokens 940 vs 1,110 us a
-# layer, 2,100 tokens 205 vs 332 at 256), so lengths go as they are.
+# cuDNN builds an execution plan the first time it meets a length, then caches it; padding to
+# buckets bounds the plans but made every call slower on the H200 than a plan per length costs
+# once (benchmarks/results/README.md), so lengths go as they are.
 SDPA_LEN_MULTIPLE = 1
 
 
@@ -626,7 +625,7 @@ def _prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     if padded != n:
         qs, ks, vs = (torch.cat([t, t.new_zeros(padded - n, *t.shape[1:])]) for t in (qs, ks, vs))
     # [n, H, D] -> [1, H, n, D] views; the kernels take strided heads
-    # (torch picks cuDNN here on the H200; forcing that order per call cost ~80 us of host time)
+    # (torch picks cuDNN here on the H200 itself; forcing the order per call only cost host time)
     o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
                                        is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     out[rows] = o[0, :, :n].transpose(0, 1)
