@@ -97,7 +97,6 @@ def time_prefill_sdpa(cases: str, gen) -> dict:
             rows = {}
             for name in ("triton", "sdpa", *forced):
                 KERNELS.sdpa_prefill_min_tokens = 0 if name == "triton" else 1
-                md.prefill_plan = None   # the routing is planned once per step's metadata
 
                 def run():
                     with sdpa_kernel([forced[name]]) if name in forced else contextlib.nullcontext():

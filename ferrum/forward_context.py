@@ -32,7 +32,7 @@ class AttentionMetadata:
         a dict by (heads, KV heads, sliding window).
     prefill_plan: filled by the Triton backend's first layer of an eager prefill step: which
         sequences take scaled_dot_product_attention (`attention_triton._prefill_plan`), a dict
-        by sliding window.
+        by (sliding window, `KERNELS.sdpa_prefill_min_tokens`).
     """
 
     is_prefill: bool

@@ -788,7 +788,8 @@ def test_kernels_compile_for_sm90_without_spills():
 def test_sdpa_prefill_gate():
     """`attention_triton._sdpa_sequences`: chunks without cached context of at least
     sdpa_prefill_min_tokens, and none for 0, float32, an FP8 cache, a sliding window, no fresh
-    K/V or no context list (a prefill graph's capture)."""
+    K/V or no context list (a prefill graph's capture); the plan a step's metadata keeps
+    (`_prefill_plan`) follows the threshold when it changes between calls."""
     from ferrum.config import KERNELS
     from ferrum.forward_context import AttentionMetadata
     from ferrum.ops import attention_triton as tb
@@ -810,6 +811,11 @@ def test_sdpa_prefill_gate():
         assert tb._sdpa_sequences(q.float(), cache.float(), md([0, 0, 0]), k.float(), None) == []
         KERNELS.sdpa_prefill_min_tokens = 0
         assert tb._sdpa_sequences(q, cache, md([0, 0, 0]), k, None) == []
+        # the step's plan, kept in its metadata, follows a threshold changed between calls
+        step = md([0, 0, 0])
+        for least, want in ((20, [(0, 20), (39, 21)]), (0, []), (19, [(0, 20), (20, 19), (39, 21)])):
+            KERNELS.sdpa_prefill_min_tokens = least
+            assert tb._prefill_plan(q, cache, step, k, None)[0] == want, least
     finally:
         KERNELS.sdpa_prefill_min_tokens = saved
 

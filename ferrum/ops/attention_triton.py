@@ -587,8 +587,9 @@ def _prefill_plan(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Attent
     """((first row, rows) in q of each of `_sdpa_sequences`, the others' indices as an int32
     device tensor for the kernel's SUBSET grid (None when the kernel takes every sequence),
     the others' longest chunk), made by the first layer of a step and kept in
-    `attn_metadata.prefill_plan` (by sliding window) for the others."""
-    key = sliding_window or 0
+    `attn_metadata.prefill_plan` for the others, by (sliding window, threshold): a metadata
+    reused after `KERNELS.sdpa_prefill_min_tokens` changed (benchmarks do) plans anew."""
+    key = (sliding_window or 0, KERNELS.sdpa_prefill_min_tokens)
     plans = attn_metadata.prefill_plan
     if plans is not None and key in plans:
         return plans[key]
