@@ -167,6 +167,9 @@ def main():
                    "(24 configs); prefill: 3 tile shapes (24 configs with the launch orders)")
     p.add_argument("--default-only", action="store_true",
                    help="decode: time only the default config (an A/B of two kernel versions, run one after the other)")
+    p.add_argument("--grid-orders", default="default", choices=["default", "both"],
+                   help="decode: time each config in the default grid order only, or heads-first "
+                   "(Hkv, B, S) and sequences-first (B, Hkv, S) both (DECODE_HEADS_FIRST)")
     p.add_argument("--tag", default="", help="suffix of the JSON's name (tune_attention[_fp8][_TAG].json)")
     p.add_argument("--prefill-cases", default="",
                    help="also time prefill_attention for these BxL cases (e.g. 1x7500,16x1024)")
@@ -181,6 +184,7 @@ def main():
     gen = torch.Generator("cuda").manual_seed(0)
     res = {"shapes": dict(H=H, HKV=HKV, D=D, page=PAGE, dtype="bfloat16", kv_dtype=args.kv_dtype), "cases": {}}
     scale = D ** -0.5
+    default_order = tb.DECODE_HEADS_FIRST
     for case in filter(None, args.cases.split(",")):   # --cases "": prefill only
         B, ctx = map(int, case.split("x"))
         q, kv, md = _case(B, ctx, gen, fp8)
@@ -191,25 +195,31 @@ def main():
         splits = sorted({1, 2, 4, base_s}) if B >= 64 else sorted({base_s, max(1, base_s // 2), base_s * 2})
         grid = ((32, 64, 128), (4, 8), (2, 3), splits[:2]) if args.small_grid else ((32, 64, 128), (4, 8), (2, 3, 4), splits)
         configs = [(None, None, None, base_s)] + ([] if args.default_only else list(itertools.product(*grid)))
-        for bn, warps, stages, s in configs:
+        orders = [default_order] if args.grid_orders == "default" else [default_order, not default_order]
+        for (bn, warps, stages, s), heads_first in itertools.product(configs, orders):
             tb.DECODE_BLOCK_N, tb.DECODE_NUM_WARPS, tb.DECODE_NUM_STAGES = bn, warps, stages
+            tb.DECODE_HEADS_FIRST = heads_first
             try:
                 out = tb.decode_attention(q, kv, md, scale, num_splits=s, **kw)
                 err = (out.float() - ref.float()).abs().max().item()
                 us = _time(lambda: tb.decode_attention(q, kv, md, scale, num_splits=s, **kw))
             except Exception as e:  # out of shared memory / registers for this config
                 rows.append({"block_n": bn, "warps": warps, "stages": stages, "splits": s,
-                             "error": str(e).splitlines()[0][:200]})
+                             "heads_first": heads_first, "error": str(e).splitlines()[0][:200]})
                 continue
-            rows.append({"block_n": bn, "warps": warps, "stages": stages, "splits": s, "us": us,
+            rows.append({"block_n": bn, "warps": warps, "stages": stages, "splits": s,
+                         "heads_first": heads_first, "us": us,
                          "kv_TBps": kv_bytes / us / 1e6, "frac_roofline": kv_bytes / us / 1e6 / 4.35,
                          "max_abs_diff_vs_default": err})
         tb.DECODE_BLOCK_N = tb.DECODE_NUM_WARPS = tb.DECODE_NUM_STAGES = None
+        tb.DECODE_HEADS_FIRST = default_order
         ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
         res["cases"][case] = {"default": rows[0], "best": ok[:5], "all": rows}
+        keys = ("block_n", "warps", "stages", "splits", "heads_first", "us", "kv_TBps")
         print(case, "default", {k: rows[0].get(k) for k in ("splits", "us", "kv_TBps")},
-              "best", [{k: r[k] for k in ("block_n", "warps", "stages", "splits", "us", "kv_TBps")} for r in ok[:3]],
-              flush=True)
+              "best", [{k: r[k] for k in keys} for r in ok[:3]], flush=True)
+        if len(orders) == 2:   # the default config in the other grid order
+            print(case, "default config, other grid order", {k: rows[1].get(k) for k in keys}, flush=True)
     if args.prefill_cases:
         res["prefill"] = tune_prefill(args.prefill_cases, gen, args.small_grid)
     if args.prefill_sdpa:

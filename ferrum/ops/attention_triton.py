@@ -71,6 +71,11 @@ PREFILL_NUM_STAGES: int | None = None
 # the whole chunk, the first to one tile), all heads of a block together: the light blocks then
 # fill the last wave instead of a few heavy ones running alone (FlashAttention's scheduling).
 PREFILL_HEAVY_FIRST: bool = True
+# Decode grid (KV heads, sequences, splits) instead of (sequences, KV heads, splits): CUDA starts
+# blocks x-fastest, so a sequence's KV heads run side by side and read the same pages together
+# (a page interleaves the heads' rows, [block_size, Hkv, D]) instead of each head's 256-byte rows
+# being fetched at another time (vLLM's paged attention orders its grid heads-first too).
+DECODE_HEADS_FIRST: bool = True
 
 _LOG2E = 1.4426950408889634
 
@@ -225,13 +230,17 @@ if HAS_TRITON:
             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
             PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
             DIRECT_OUT: tl.constexpr, DOT_PREC: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr,
-            WINDOWED: tl.constexpr = False):
+            WINDOWED: tl.constexpr = False, HEADS_FIRST: tl.constexpr = True):
         if USE_PDL:  # launched early (PDL, triton_utils.py): wait for q and the cache
             pdl_start()
         if FP8:  # FP8 cache: K's scale folds into the logits' scale, V's into V's tiles or the output
             qk_scale = qk_scale * tl.load(ks_ptr)
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
+        if HEADS_FIRST:  # grid (Hkv, B, S): see DECODE_HEADS_FIRST
+            kvh = tl.program_id(0)
+            b = tl.program_id(1)
+        else:
+            b = tl.program_id(0)
+            kvh = tl.program_id(1)
         split = tl.program_id(2)
 
         # Split boundaries from the device-side length: tiles of BLOCK_N tokens of the positions
@@ -385,19 +394,21 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Att
     scales = (k_scale, v_scale) if fp8 else (q, q)
     common = dict(GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=D, PAGE=page,
                   BLOCK_N=bn, NUM_SPLITS=S, DOT_PREC=_dot_precision(q.dtype), FP8=fp8,
-                  WINDOWED=bool(sliding_window), num_warps=warps, num_stages=stages)
+                  WINDOWED=bool(sliding_window), HEADS_FIRST=DECODE_HEADS_FIRST, num_warps=warps,
+                  num_stages=stages)
+    grid = (hkv, B, S) if DECODE_HEADS_FIRST else (B, hkv, S)
     window = sliding_window or 0
     args = (q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), bt.stride(0))
     if S == 1:
         # One split: normalise in place and write the final output directly (no merge launch).
-        _decode_split_kernel[(B, hkv, 1)](
+        _decode_split_kernel[grid](
             q, kc, vc, bt, attn_metadata.seq_lens, out, out, *scales, *args,
             out.stride(0), out.stride(1), 0, 0, 0, scale * _LOG2E, window, DIRECT_OUT=True,
             USE_PDL=pdl, launch_pdl=pdl, **common)
         return out
     o_part = torch.empty(B, H, S, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
-    _decode_split_kernel[(B, hkv, S)](
+    _decode_split_kernel[grid](
         q, kc, vc, bt, attn_metadata.seq_lens, o_part, lse, *scales, *args,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         scale * _LOG2E, window, DIRECT_OUT=False, USE_PDL=pdl, launch_pdl=pdl, **common)
