@@ -605,6 +605,9 @@ class KernelConfig:
         "instead of the Triton prefill kernel (16-bit model and KV cache, layers without a sliding "
         "window, eager steps: a prefill CUDA graph keeps the kernel); 0: never",
         env="FERRUM_SDPA_PREFILL_MIN_TOKENS", parse=parse_count)
+    fused_rope_kv: bool = option(True, "q/k norm, RoPE and the KV-cache store of each layer in one "
+                                 "Triton kernel (CUDA; ferrum/ops/rope_kv.py) instead of up to four",
+                                 env="FERRUM_FUSED_ROPE_KV")
     pdl: bool = option(True, "programmatic dependent launch of the decode kernels (CUDA sm_90+)",
                        env="FERRUM_PDL")
     cpu_blas_gemv: bool = option(True, "CPU float32 linears through numpy's OpenBLAS (one "

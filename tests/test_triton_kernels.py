@@ -216,6 +216,60 @@ def check_write_kv(device: str) -> None:
         tb.write_kv(cache, k[:0], v[:0], slots[:0])  # T = 0 is a no-op
 
 
+def check_rope_kv(device: str) -> None:
+    """The fused q/k norm + RoPE + K/V store (ferrum/ops/rope_kv.py) against the unfused ops
+    (`RopeInputs.apply`, then write_kv) on views of a fused qkv output: no norm, Qwen3's
+    RMSNorm and Gemma's (1 + w) norm; fp32 and bf16; an FP8 cache; padded rows (slot -1);
+    positions past the first page. q / k equal to 1 ulp, the cache's bytes too."""
+    from ferrum.layers.layernorm import RMSNorm
+    from ferrum.layers.rotary_embedding import RotaryEmbedding
+    from ferrum.models.gemma3 import GemmaRMSNorm
+    from ferrum.ops import attention_triton as tb
+    from ferrum.ops.rope_kv import RopeInputs, norm_rope_write_kv
+    gen = torch.Generator().manual_seed(11)
+    f32, bf16, fp8 = torch.float32, torch.bfloat16, torch.float8_e4m3fn
+    for dtype, cache_dtype, H, Hkv, D, norm in [(f32, f32, 4, 2, 64, None), (bf16, bf16, 6, 2, 128, RMSNorm),
+                                                (bf16, fp8, 8, 2, 128, RMSNorm), (f32, f32, 4, 4, 32, GemmaRMSNorm),
+                                                (bf16, bf16, 3, 1, 64, GemmaRMSNorm)]:
+        T, NB, page = 6, 4, 8
+        rot = RotaryEmbedding(D, 256, 10000.0).to(device)
+        qn = kn = None
+        if norm is not None:
+            qn, kn = norm(D, 1e-6), norm(D, 1e-6)
+            for m in (qn, kn):
+                m.weight.data = (torch.randn(D, generator=gen) * 0.5 + (0 if norm is GemmaRMSNorm else 1)).to(dtype)
+                m.to(device)
+        pos = torch.tensor([0, 5, 17, 100, 3, 255], device=device)
+        slots = torch.tensor([3, -1, 17, page * NB - 1, 0, 9], device=device)
+        qkv = (torch.randn(T, (H + 2 * Hkv) * D, generator=gen) * 3).to(dtype).to(device)
+        cache = torch.randn(2, NB, page, Hkv, D, generator=gen).to(cache_dtype).to(device)
+        scales = dict(k_scale=torch.tensor([0.7], device=device), v_scale=torch.tensor([1.3], device=device)) \
+            if cache_dtype == fp8 else {}
+        views = lambda x: (x[:, :H * D].view(T, H, D), x[:, H * D:(H + Hkv) * D].view(T, Hkv, D),
+                           x[:, (H + Hkv) * D:].view(T, Hkv, D))
+        rope = RopeInputs(pos, rot, qn, kn)
+        ref_cache, ref_qkv = cache.clone(), qkv.clone()
+        q0, k0, v0 = views(ref_qkv)
+        rq, rk = rope.apply(q0, k0)
+        tb.write_kv(ref_cache, rk, v0, slots, **scales)
+        q, k, v = views(qkv)
+        out = norm_rope_write_kv(cache, q, k, v, slots, rope, **scales)
+        what = f"rope_kv {dtype} cache {cache_dtype} H={H} Hkv={Hkv} D={D} norm={norm and norm.__name__}"
+        assert out is not None, what + ": the fused kernel declined"
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == f32 else dict(atol=0, rtol=2 ** -7)
+        torch.testing.assert_close(out[0], rq, **tol, msg=what + " q")
+        torch.testing.assert_close(out[1], rk, **tol, msg=what + " k")
+        assert out[0].data_ptr() == q.data_ptr(), what + ": q is rotated in place"
+        got, ref = cache.float(), ref_cache.float()
+        assert torch.equal(got[:, 0, :, :, :][:, 1], ref[:, 0, :, :, :][:, 1]), what + ": an unwritten slot changed"
+        torch.testing.assert_close(got, ref, atol=1e-5 if dtype == f32 else 0, rtol=1e-5 if dtype == f32 else 0.07,
+                                   msg=what + " cache")
+        # a norm the kernel does not know: the caller runs the unfused ops
+        if norm is not None:
+            odd = RopeInputs(pos, rot, torch.nn.Identity(), torch.nn.Identity())
+            assert norm_rope_write_kv(cache, q, k, v, slots, odd) is None
+
+
 def _decode_case(device, dtype, H, Hkv, D, page, seq_lens, splits, gen, bt_dtype=torch.int64,
                  sl_dtype=torch.int32, M=None):
     from ferrum.ops import attention_triton as tb
@@ -691,7 +745,7 @@ def check_sm90_compile(device: str) -> None:
     """The default configurations of the attention and fused-op kernels compile for sm_90
     without spills (`sm90_compile`)."""
     from ferrum.ops import attention_triton as tb
-    from ferrum.ops import activation, rms_norm, rotary
+    from ferrum.ops import activation, rms_norm
     bf16, f32 = torch.bfloat16, torch.float32
     tname = {bf16: "bf16", f32: "fp32"}
     build = sm90_compile
@@ -747,8 +801,14 @@ def check_sm90_compile(device: str) -> None:
     build(sampling._gumbel_argmax_kernel, dict(BLOCK=sampling.BLOCK),
           dict(logits_ptr="*bf16", temp_ptr="*fp32", greedy_ptr="*i1", val_ptr="*fp32", idx_ptr="*i32"), 8, 1,
           "gumbel sampler", no_hint=("splits", "seed", "V"))
-    build(rotary._rope_kernel, dict(HQ=32, HK=8, HALF=64, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_D=64, USE_PDL=True),
-          dict(q_ptr="*bf16", k_ptr="*bf16", pos_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32"), 4, 2, "rope")
+    from ferrum.ops import rope_kv
+    for norm, c, store in ((0, "*bf16", False), (0, "*bf16", True), (1, "*bf16", True), (1, "*fp8e4nv", True),
+                           (2, "*bf16", True)):
+        build(rope_kv._norm_rope_kv_kernel, dict(HQ=32, HK=8, HALF=64, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_D=64, NORM=norm,
+                                                 FP8=c != "*bf16", STORE_KV=store, USE_PDL=True),
+              dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", pos_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32",
+                   qw_ptr="*bf16", kw_ptr="*bf16", kc_ptr=c, vc_ptr=c, slot_ptr="*i64", ks_ptr="*fp32",
+                   vs_ptr="*fp32"), 4, 2, f"rope_kv norm {norm} cache {c}" if store else "rope")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -758,8 +818,8 @@ interp = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 
 
 @interp
-@pytest.mark.parametrize("check", ["check_write_kv", "check_decode", "check_prefill", "check_attention_layer",
-                                   "check_fused_ops", "check_gemv", "check_prefill_graph",
+@pytest.mark.parametrize("check", ["check_write_kv", "check_rope_kv", "check_decode", "check_prefill",
+                                   "check_attention_layer", "check_fused_ops", "check_gemv", "check_prefill_graph",
                                    "check_gumbel_sampler", "check_fp8_quant_rows"])
 def test_kernel_in_interpreter(check, interpreted):
     interpreted[check].result()
@@ -840,7 +900,8 @@ def test_ops_run_torch_code_on_cpu():
     assert rq is not q and torch.equal(rq, rotate_torch(q, c, s)) and torch.equal(rk, rotate_torch(k, c, s))
 
 
-@pytest.mark.parametrize("check", ["check_write_kv", "check_decode", "check_prefill", "check_attention_layer",
+@pytest.mark.parametrize("check", ["check_write_kv", "check_rope_kv", "check_decode", "check_prefill",
+                                   "check_attention_layer",
                                    "check_fused_ops", "check_gemv", "check_prefill_graph",
                                    "check_gumbel_sampler", "check_fp8_quant_rows"])
 @pytest.mark.gpu

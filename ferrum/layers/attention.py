@@ -9,6 +9,7 @@ from torch import nn
 from ferrum.errors import WeightLoadError
 from ferrum.forward_context import get_forward_context
 from ferrum.ops import q8_act
+from ferrum.ops.rope_kv import RopeInputs
 
 
 class Attention(nn.Module):
@@ -43,10 +44,12 @@ class Attention(nn.Module):
         getattr(self, which).fill_(v)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                last_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D] in q's dtype. In a prefill, last_rows [B]
-        int64 = the row of each chunk's last token, in order: every row's K/V is written, but
-        only those rows attend (`AttentionMetadata.last_tokens_only`) -> [B, H*D]."""
+                last_rows: torch.Tensor | None = None, rope: RopeInputs | None = None) -> torch.Tensor:
+        """q: [T, H*D], k/v: [T, Hkv*D] -> [T, H*D] in q's dtype. rope: q and k are normed and
+        rotated here first, with the K/V store (`rope_write_kv`: one kernel on CUDA); None: q
+        and k come rotated. In a prefill, last_rows [B] int64 = the row of each chunk's last
+        token, in order: every row's K/V is written, but only those rows attend
+        (`AttentionMetadata.last_tokens_only`) -> [B, H*D]."""
         context = get_forward_context()
         attn_metadata, backend = context.attn_metadata, context.attn_backend
         T = q.shape[0]
@@ -55,7 +58,10 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         fp8 = self.kv_cache.dtype == torch.float8_e4m3fn
         kw = dict(k_scale=self.k_scale, v_scale=self.v_scale) if fp8 else {}
-        backend.write_kv(self.kv_cache, k, v, attn_metadata.slot_mapping, **kw)
+        if rope is not None:
+            q, k = backend.rope_write_kv(self.kv_cache, q, k, v, attn_metadata.slot_mapping, rope, **kw)
+        else:
+            backend.write_kv(self.kv_cache, k, v, attn_metadata.slot_mapping, **kw)
         if self.sliding_window:
             kw["sliding_window"] = self.sliding_window
         if last_rows is not None:

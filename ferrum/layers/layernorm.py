@@ -14,6 +14,8 @@ class RMSNorm(nn.Module):
     """RMSNorm over the last dim with a learned weight [hidden] (replicated on every TP rank);
     `ferrum.ops.rms_norm` computes it."""
 
+    kernel_kind = "rms"  # as a q/k norm, the fused rope_kv kernel computes it (ferrum/ops/rope_kv.py)
+
     def __init__(self, hidden: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps

@@ -31,6 +31,8 @@ class GemmaRMSNorm(RMSNorm):
     """y = (x / rms(x) * (1 + w)) in float32, rounded to x's dtype (HF Gemma3RMSNorm: Gemma
     rounds after the weight, Llama before). `weight` holds w as in HF checkpoints (0 = identity)."""
 
+    kernel_kind = "gemma_rms"  # ferrum/ops/rope_kv.py
+
     def __init__(self, hidden: int, eps: float = 1e-6):
         super().__init__(hidden, eps)
         self.weight.data.zero_()

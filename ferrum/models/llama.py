@@ -25,6 +25,7 @@ from ferrum.layers.quantization.base import QuantConfig
 from ferrum.layers.rotary_embedding import RotaryEmbedding
 from ferrum.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from ferrum.loader.model_loader import packed_target
+from ferrum.ops.rope_kv import RopeInputs
 
 # One expert's projection in a Mixtral (w1 gate, w3 up, w2 down) or Qwen-MoE checkpoint.
 _EXPERT_TENSOR = re.compile(
@@ -64,14 +65,11 @@ class LlamaAttention(nn.Module):
         """positions: [T] int64; x: [T, hidden] -> [T, hidden] (all-reduced over TP ranks), or
         [B, hidden] for keep_rows [B] int64, each prefill chunk's last row (only they attend
         and run o_proj; every row's K/V is still written)."""
-        T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(T, self.num_heads, self.head_dim)
-        k = k.reshape(T, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q.reshape(T, -1), k.reshape(T, -1), v, keep_rows))
+        # q/k norm and RoPE run inside the attention layer, fused with the K/V store on CUDA
+        rope = (RopeInputs(positions, self.rotary_emb, self.q_norm, self.k_norm) if self.qk_norm
+                else RopeInputs(positions, self.rotary_emb))
+        return self.o_proj(self.attn(q, k, v, keep_rows, rope))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,5 +1,5 @@
 """Paged attention in plain PyTorch: the reference backend, the one the model runner picks off
-CUDA. Same three functions, shapes and KV layout as `ferrum.ops.attention_triton`.
+CUDA. Same functions, shapes and KV layout as `ferrum.ops.attention_triton`.
 
 KV cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V).
 K/V are always read through the block table; nothing is kept per sequence elsewhere.
@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ferrum.forward_context import AttentionMetadata
+from ferrum.ops.rope_kv import RopeInputs
 
 
 FP8 = torch.float8_e4m3fn
@@ -31,6 +32,16 @@ def read_kv(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> 
     if x.dtype != FP8:
         return x.to(dtype)
     return (x.float() * scale).to(dtype)
+
+
+def rope_write_kv(kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  slot_mapping: torch.Tensor, rope: RopeInputs, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D], k / v [T, Hkv, D]: q and k normed and rotated (`RopeInputs.apply`), then
+    `write_kv`; returns the rotated (q, k)."""
+    q, k = rope.apply(q, k)
+    write_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale)
+    return q, k
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from ferrum.config import KERNELS
 from ferrum.forward_context import AttentionMetadata
 from ferrum.ops import q8_act
+from ferrum.ops.rope_kv import RopeInputs, norm_rope_write_kv
 from ferrum.ops.triton_utils import HAS_TRITON, last_dim_contiguous, next_pow2, pdl_ok, pdl_start
 
 if HAS_TRITON:
@@ -128,6 +129,21 @@ if HAS_TRITON:
                 v = tl.clamp(v.to(tl.float32) / tl.load(vs_ptr), -448.0, 448.0)
             tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
             tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def rope_write_kv(kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  slot_mapping: torch.Tensor, rope: RopeInputs, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D], k / v [T, Hkv, D]: q and k normed and rotated (`RopeInputs`), then K/V
+    written as `write_kv` does; returns the rotated (q, k). One kernel (`rope_kv`) when
+    KERNELS.fused_rope_kv and it takes these inputs, else the unfused ops."""
+    if KERNELS.fused_rope_kv:
+        out = norm_rope_write_kv(kv_cache, q, k, v, slot_mapping, rope, k_scale, v_scale)
+        if out is not None:
+            return out
+    q, k = rope.apply(q, k)
+    write_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale)
+    return q, k
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
