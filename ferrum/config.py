@@ -440,6 +440,7 @@ def option(default=None, help: str = "", *, default_factory=None, env: str | Non
     config is created; bools: 1/0; parsed by `parse` when given): the README's table."""
     metadata = {"help": help, "env": env, **cli}
     if env is not None:
+        metadata["plain_default"] = default   # the default when the environment is not read
         default_factory = functools.partial(_env_value, env, default, cli.get("parse"))
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=metadata)
@@ -632,7 +633,18 @@ class KernelConfig:
                               param="sdpa_prefill_min_tokens")
 
 
-KERNELS = KernelConfig()
+def _kernels_at_import() -> KernelConfig:
+    """KernelConfig from the environment, or from the plain defaults when a FERRUM_* value in
+    it is bad: importing ferrum must not fail on one (a traceback before any command runs);
+    building an engine config reads the environment again and raises the named error there."""
+    try:
+        return KernelConfig()
+    except InvalidRequestError:
+        return KernelConfig(**{f.name: f.metadata["plain_default"] if f.metadata.get("env") else option_default(f)
+                               for f in dataclasses.fields(KernelConfig)})
+
+
+KERNELS = _kernels_at_import()
 """The kernel switches in force in this process (see KernelConfig)."""
 
 

@@ -179,6 +179,19 @@ def test_environment_overrides_kernel_defaults(monkeypatch):
         set_kernels(saved)
 
 
+def test_bad_environment_value_is_one_error_line_not_a_traceback(tmp_path):
+    """A bad FERRUM_* value: importing ferrum still works (the process-wide switches keep
+    their plain defaults); the CLI says which variable and what it takes, on one line, exit 1."""
+    env = {**os.environ, "FERRUM_PDL": "maybe", "FERRUM_HOME": str(tmp_path)}
+    r = subprocess.run(CLI + ["list"], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 1, r
+    assert r.stderr.strip() == ("ferrum: error: InvalidRequestError: environment variable "
+                                "FERRUM_PDL='maybe': expected 1 or 0")
+    r = subprocess.run([sys.executable, "-c", "from ferrum.config import KERNELS; print(KERNELS.pdl)"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "True", r
+
+
 def test_from_kwargs_rejects_unknown_names_and_parses_sizes():
     assert EngineConfig.from_kwargs() == EngineConfig()
     assert EngineConfig.from_kwargs(kv_cache_memory="1GiB").cache.kv_cache_memory == 2**30

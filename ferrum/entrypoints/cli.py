@@ -165,7 +165,11 @@ def _is_torchrun_worker() -> bool:
 def main(argv: list[str] | None = None) -> int:
     """Run `ferrum <command>` with `argv` (default: sys.argv[1:]); returns the exit status:
     0, 1 for a ferrum error (printed on one stderr line), 130 when interrupted."""
-    parser = build_parser()
+    try:
+        parser = build_parser()   # reads the FERRUM_* environment for the flags' defaults
+    except FerrumError as e:
+        print(f"ferrum: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     args, unknown = parser.parse_known_args(argv)
     if unknown:   # said by the subcommand, with its usage (argparse leaves them to `ferrum`)
         getattr(args, "_subparser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
