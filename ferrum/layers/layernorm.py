@@ -14,7 +14,9 @@ class RMSNorm(nn.Module):
     """RMSNorm over the last dim with a learned weight [hidden] (replicated on every TP rank);
     `ferrum.ops.rms_norm` computes it."""
 
-    kernel_kind = "rms"  # as a q/k norm, the fused rope_kv kernel computes it (ferrum/ops/rope_kv.py)
+    # as a q/k norm the fused rope_kv kernel computes it (ferrum/ops/rope_kv.py); a subclass
+    # must set its own (it is read from the class itself, not inherited)
+    kernel_kind = "rms"
 
     def __init__(self, hidden: int, eps: float = 1e-6):
         super().__init__()

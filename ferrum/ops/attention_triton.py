@@ -142,7 +142,7 @@ def rope_write_kv(kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         if out is not None:
             return out
     q, k = rope.apply(q, k)
-    write_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale)
+    write_kv(kv_cache, k, v, slot_mapping, **({} if k_scale is None else dict(k_scale=k_scale, v_scale=v_scale)))
     return q, k
 
 

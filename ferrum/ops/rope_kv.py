@@ -126,8 +126,9 @@ def _norm_kind(rope: RopeInputs, dtype: torch.dtype) -> int | None:
     them (another norm module, weights in another dtype than q)."""
     if rope.q_norm is None:
         return 0
-    kind = getattr(rope.q_norm, "kernel_kind", "?")
-    if kind not in _NORM_KINDS or getattr(rope.k_norm, "kernel_kind", "?") != kind:
+    # the class's own kernel_kind only: a subclass that changes forward() is not the kernel's math
+    kind = type(rope.q_norm).__dict__.get("kernel_kind", "?")
+    if kind not in _NORM_KINDS or type(rope.k_norm).__dict__.get("kernel_kind", "?") != kind:
         return None
     if rope.q_norm.weight.dtype != dtype or rope.k_norm.weight.dtype != dtype or rope.q_norm.eps != rope.k_norm.eps:
         return None
