@@ -67,7 +67,8 @@ class AttentionMetadata:
 class ForwardContext:
     """attn_metadata: this step's `AttentionMetadata`. attn_backend: the paged attention
     module every layer calls (`ferrum.ops.attention_torch` or `ferrum.ops.attention_triton`:
-    `write_kv`, `prefill_attention`, `decode_attention`), chosen once by the model runner."""
+    `rope_write_kv`, `write_kv`, `prefill_attention`, `decode_attention`), chosen once by the
+    model runner."""
 
     attn_metadata: AttentionMetadata
     attn_backend: ModuleType

@@ -1,6 +1,7 @@
-"""Attention layer over the paged KV cache: writes this step's K/V into the slots of the slot
-mapping, then attends through the block table, with the backend the model runner chose
-(`ferrum.forward_context`)."""
+"""Attention layer over the paged KV cache: norms and rotates q / k when given the layer's
+RoPE (`RopeInputs`), writes this step's K/V into the slots of the slot mapping (one kernel with
+the rotation on CUDA), then attends through the block table, with the backend the model runner
+chose (`ferrum.forward_context`)."""
 from __future__ import annotations
 
 import torch

@@ -5,8 +5,10 @@ torch code beside its Triton kernel.
   else F.linear).
 - `rms_norm.rms_norm` / `fused_add_rms_norm`, `rotary.apply_rotary_emb`,
   `activation.silu_and_mul`: Triton on CUDA (`triton_utils.use_triton`), torch elsewhere.
-- `attention_torch` / `attention_triton`: paged attention backends with the same three
-  functions (`write_kv`, `prefill_attention`, `decode_attention`); the model runner picks one.
+- `attention_torch` / `attention_triton`: paged attention backends with the same functions
+  (`rope_write_kv`, `write_kv`, `prefill_attention`, `decode_attention`); the model runner
+  picks one. `rope_kv`: the Triton kernel behind `rope_write_kv` (q/k norm, RoPE and the K/V
+  store of a layer in one launch; also RoPE alone for `rotary.apply_rotary_emb`).
 - `moe.fused_moe` / `moe.select_experts`: mixture-of-experts experts and routing (Triton
   grouped GEMM / batch-1 GEMV in `moe_triton` on CUDA, a loop over the chosen experts in torch).
 - `triton_utils`: Triton availability and the programmatic-dependent-launch helpers.

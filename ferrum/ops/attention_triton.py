@@ -1,4 +1,4 @@
-"""Paged attention in Triton (CUDA): the backend the model runner picks on CUDA. Same three
+"""Paged attention in Triton (CUDA): the backend the model runner picks on CUDA. Same
 functions, shapes and KV layout as the torch backend (`ferrum.ops.attention_torch`): one tensor
 per layer `kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]` (K then V), read only
 through the block table. Under `TRITON_INTERPRET=1` the kernels also run on CPU tensors (tests).
@@ -9,9 +9,10 @@ a 16-bit query the FP8 tiles' dots run in float16 (`_fp8_query`): e4m3 -> fp16 i
 conversion per two values and exact, where e4m3 -> bf16 goes through float32, which made the
 FP8 decode loop issue-bound (benchmarks/sass_loop.py counts its sm_90 instructions).
 
+- `rope_write_kv`: the layer's q/k norm, RoPE and K/V store in one kernel (`ferrum.ops.rope_kv`).
 - `write_kv`: one kernel for K and V of all tokens; slot < 0 is skipped (padded CUDA-graph rows).
 - `decode_attention`: split-K "flash-decoding" (Dao, Haziza, Massa, Sizov 2023): grid
-  (B, num_kv_heads, num_splits); each program takes the query heads that share one KV head
+  (num_kv_heads, B, num_splits) (`DECODE_HEADS_FIRST`); each program takes the query heads that share one KV head
   (GQA, Ainslie et al. 2023) as the rows of one `tl.dot`, walks its share of the sequence
   through the block table with an online softmax (Milakov & Gimelshein 2018; FlashAttention,
   Dao et al. 2022) and writes a partial output and its log-sum-exp; a second kernel merges the
