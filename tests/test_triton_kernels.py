@@ -345,6 +345,13 @@ def check_decode(device: str) -> None:
     _decode_case(device, torch.float16, 4, 2, 32, 32, [70, 3], [2], gen)                   # D 32, page 32
     # more splits than tiles: most programs see an empty range and must write neutral partials
     _decode_case(device, bf16, 4, 4, 64, 16, [0, 0, 2], [8], gen)
+    # the sequences-first grid (DECODE_HEADS_FIRST False): the same results
+    from ferrum.ops import attention_triton as tb
+    tb.DECODE_HEADS_FIRST = False
+    try:
+        _decode_case(device, bf16, 8, 2, 128, 16, [5, 100, 0, 64], [1, 4], gen)
+    finally:
+        tb.DECODE_HEADS_FIRST = True
 
 
 def _prefill_case(device, dtype, H, Hkv, D, page, ctx_lens, q_lens, gen, impl="triton", blocks=(None, None),
