@@ -190,6 +190,9 @@ def test_bad_constraints_are_named_and_leave_nothing(llm):
         ({"json": {"type": "array", "uniqueItems": True}}, "uniqueItems"),
         ({"regex": "(unclosed"}, "regex"),
         ({"grammar": "start: undefined_rule"}, "unknown name"),
+        # GBNF its converter cannot read (it raises a plain Exception: was an HTTP 500)
+        ({"grammar": "x ::= y"}, "invalid grammar: Rule 'y' not found"),
+        ({"grammar": "garbage ::="}, "invalid grammar: No 'root' rule found"),
         ({"json": "{not json"}, "not valid JSON"),
         # valid, but too large for llguidance's lexer: it fails on the first token (not at
         # validation or construction), so compile walks a copy one token to find out

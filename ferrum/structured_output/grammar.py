@@ -32,7 +32,7 @@ from collections import OrderedDict
 
 import llguidance
 import llguidance.hf
-from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+from llguidance.gbnf_to_lark import any_to_lark
 
 from ferrum.errors import InvalidRequestError
 from ferrum.structured_output.params import StructuredOutputsParams
@@ -45,6 +45,12 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     """The llguidance grammar (JSON text) for `params`. Raises InvalidRequestError (param
     named) for a grammar llguidance's front-ends cannot read (bad GBNF, non-JSON schema)."""
     kind, p = params.kind(), params.param
+    lark = None
+    if kind == "grammar":
+        try:
+            lark = any_to_lark(params.grammar)
+        except Exception as e:   # the GBNF converter raises a plain Exception for a missing rule
+            raise InvalidRequestError(f"{p}: invalid grammar: {e}", param=p) from e
     try:
         if kind in ("json", "json_object"):
             schema = params.json if kind == "json" else {"type": "object"}
@@ -60,8 +66,8 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         if kind == "choice":
             return llguidance.LLMatcher.grammar_from_lark(
                 "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice))
-        return llguidance.LLMatcher.grammar_from_lark(any_to_lark(params.grammar))
-    except (ValueError, TypeError, GbnfToLarkError) as e:
+        return llguidance.LLMatcher.grammar_from_lark(lark)
+    except (ValueError, TypeError) as e:
         raise InvalidRequestError(f"{p}: invalid {kind}: {e}", param=p) from e
 
 
