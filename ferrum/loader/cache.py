@@ -15,10 +15,22 @@ import os
 import shutil
 import tempfile
 
+from ferrum.errors import StorageError
+
 
 def ferrum_home() -> str:
     """`$FERRUM_HOME`, else `~/.cache/ferrum` (read on every call)."""
     return os.environ.get("FERRUM_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "ferrum")
+
+
+def make_dirs(path: str) -> None:
+    """os.makedirs(path, exist_ok=True), raising StorageError that names the folder and
+    $FERRUM_HOME instead of an OSError (a FERRUM_HOME that is a file, read-only or full)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise StorageError(f"cannot create the folder {path} ({e.strerror or e}); ferrum keeps its "
+                           f"files under $FERRUM_HOME ({ferrum_home()})") from e
 
 
 def file_key(path: str, sample: int = 1 << 20) -> str:
@@ -38,7 +50,7 @@ def file_key(path: str, sample: int = 1 << 20) -> str:
 def exclusive(path: str):
     """Hold an exclusive lock on `path + ".lock"` (created if missing; POSIX flock, released
     when the process dies) for the duration."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    make_dirs(os.path.dirname(path) or ".")
     with open(path + ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
@@ -52,7 +64,7 @@ def staged_file(path: str):
     """Yields a temporary path next to `path`; when the block succeeds the file there is
     renamed to `path` (atomic on one filesystem), else it is removed."""
     folder = os.path.dirname(path) or "."
-    os.makedirs(folder, exist_ok=True)
+    make_dirs(folder)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
     os.close(fd)
     try:
@@ -68,7 +80,7 @@ def staged_folder(path: str):
     """Like `staged_file` for a folder: yields an empty temporary folder next to `path`,
     renamed to `path` when the block succeeds (replacing an older one), else removed."""
     parent = os.path.dirname(path) or "."
-    os.makedirs(parent, exist_ok=True)
+    make_dirs(parent)
     tmp = tempfile.mkdtemp(dir=parent, prefix=".tmp-")
     try:
         yield tmp
