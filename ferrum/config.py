@@ -460,7 +460,8 @@ def _env_value(name: str, default, parse=None):
             return True
         if flag in ("0", "false", "no", "off"):
             return False
-        raise InvalidRequestError(f"environment variable {name}={text!r}: expected 1 or 0", param=name)
+        raise InvalidRequestError(f"environment variable {name}={text!r}: expected 1 or 0 "
+                                  "(or true / false, yes / no, on / off)", param=name)
     try:
         return (parse or (type(default) if default is not None else str))(text)
     except ValueError as e:

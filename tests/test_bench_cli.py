@@ -349,3 +349,18 @@ def test_sched_sim_replays_a_pool_that_preempts():
     roomy = sim.simulate(40, 64, 64, kv_blocks=400, block_size=8, max_num_seqs=16, max_num_batched_tokens=256)
     assert roomy["preemptions"] == 0 and roomy["computed_tokens"] == roomy["ideal_tokens"] == 40 * 127
     assert roomy["free_blocks_at_end"] == 400 and roomy["estimated_s"] > 0
+
+
+def test_bench_counts_and_lengths_are_whole_numbers_at_parse_time(capsys):
+    """Every count / length flag of `ferrum bench` refuses 0 and negatives before a model loads
+    (`--batch-sizes 0` crashed sweep after loading: no median of an empty list)."""
+    from ferrum.entrypoints.cli import build_parser
+    parser = build_parser()
+    for argv in (["sweep", "m", "--batch-sizes", "4", "0"], ["latency", "m", "--tp-sizes", "0"],
+                 ["latency", "m", "--peer-tp-sizes", "-2"], ["ttft", "m", "--prompt-lens", "0"],
+                 ["serve", "m", "--repeat", "0"], ["serve", "m", "--max-concurrency", "-1"],
+                 ["throughput", "m", "--profile-batch", "0"], ["throughput", "m", "--profile-context", "0"]):
+        with pytest.raises(SystemExit) as info:
+            parser.parse_args(["bench", *argv])
+        assert info.value.code == 2, argv
+        assert "expected a whole number >= 1" in capsys.readouterr().err, argv

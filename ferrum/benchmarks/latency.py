@@ -45,9 +45,9 @@ def add_parser(subparsers, add_engine_args) -> None:
     p.add_argument("--output-len", type=positive_int, default=64, help="generated tokens per sequence")
     p.add_argument("--batch-size", type=positive_int, default=1, help="sequences per iteration")
     p.add_argument("--num-iters", type=positive_int, default=3, help="timed iterations (after one warm-up)")
-    p.add_argument("--tp-sizes", type=int, nargs="+", default=None,
+    p.add_argument("--tp-sizes", type=positive_int, nargs="+", default=None,
                    help="run ferrum at each of these TP sizes in turn (default: the -tp size)")
-    p.add_argument("--peer-tp-sizes", type=int, nargs="+", default=None,
+    p.add_argument("--peer-tp-sizes", type=positive_int, nargs="+", default=None,
                    help="TP sizes (of --tp-sizes) the peers run at, each a peer start (default: all of --tp-sizes)")
     p.add_argument("--spec-bandwidth-gbs", type=positive_float, default=None,
                    help="memory bandwidth for the headline MBU (default: the device's spec sheet, "

@@ -60,12 +60,12 @@ def add_parser(subparsers, add_engine_args) -> None:
     g.add_argument("--output-len", type=positive_int, default=64, help="generated tokens per request")
     g.add_argument("--request-rate", type=float, default=math.inf,
                    help="requests/s, Poisson arrivals; inf: all at once")
-    g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
+    g.add_argument("--max-concurrency", type=positive_int, default=None, help="most requests in flight (default: no limit)")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the requests")
     g.add_argument("--plot", default=None, help="write a PNG of latency CDFs here (matplotlib) (default: no plot)")
     g.add_argument("--offline", action="store_true",
                    help="also run the workload through LLM.generate and print server/offline")
-    g.add_argument("--repeat", type=int, default=1,
+    g.add_argument("--repeat", type=positive_int, default=1,
                    help="run the load (and the offline run) this many times, alternating; report "
                    "medians")
     add_common_args(p)   # --out, --seed (--threads is an engine flag: also OMP_NUM_THREADS of a server started here)

@@ -32,7 +32,7 @@ def add_parser(subparsers, add_engine_args) -> None:
     """Add `ferrum bench sweep` and its flags."""
     p = subparsers.add_parser("sweep", help="decode tok/s, MBU and host share per step over batch sizes")
     add_engine_args(p)
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256],
+    p.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256],
                    help="batch sizes to run, one after another")
     p.add_argument("--input-len", type=positive_int, default=128, help="prompt tokens per sequence")
     p.add_argument("--output-len", type=positive_int, default=64, help="generated tokens per sequence")

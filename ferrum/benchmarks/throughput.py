@@ -70,9 +70,9 @@ def add_parser(subparsers, add_engine_args) -> None:
                         "gaps on CUDA), kernel_profile.json (torch.profiler split of one prefill step and "
                         "a few decode steps at --profile-batch / --profile-context) and step_log.md "
                         "(ferrum/benchmarks/step_log.py) (default: none, no step log)")
-    p.add_argument("--profile-batch", type=int, default=None,
+    p.add_argument("--profile-batch", type=positive_int, default=None,
                    help="--step-log: decode rows for the kernel profile (default: 90%% of the batch)")
-    p.add_argument("--profile-context", type=int, default=600,
+    p.add_argument("--profile-context", type=positive_int, default=600,
                    help="--step-log: mean context (tokens) of the decode steps profiled")
     add_common_args(p)
     p.set_defaults(func=main)

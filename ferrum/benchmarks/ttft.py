@@ -35,7 +35,7 @@ def add_parser(subparsers, add_engine_args) -> None:
     """Add `ferrum bench ttft` and its flags."""
     p = subparsers.add_parser("ttft", help="batch-1 time to first token at several prompt lengths, vLLM side by side")
     add_engine_args(p)
-    p.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 1024, 7500],
+    p.add_argument("--prompt-lens", type=positive_int, nargs="+", default=[128, 1024, 7500],
                    help="prompt lengths in tokens (the long one 7500, not 8192: the vLLM peer driver "
                         "also decodes 512 tokens after it, and Llama-3-8B's positions end at 8192; "
                         "at 8000 vLLM died with a device-side assert on the H200, positions past 8192 "
