@@ -14,6 +14,9 @@
 #             (spec 4.8 TB/s and the measured GEMV roofline), vLLM and gpt-fast side by side   330 s
 #   ttft      (c) TTFT at 128 / 1024 / 7500-token prompts, cached and cold, vLLM cold        300 s
 #   nanovllm  (d) nano-vllm's workload on Qwen3-0.6B (dummy bf16) vs vLLM                  240 s
+#   sweep     issue 16 goal 2: decode over batch sizes $SWEEP_BATCHES on Qwen3-0.6B (dummy
+#             bf16), SWEEP_IN_LEN in / SWEEP_OUT_LEN out: step time, the host's share of each
+#             step (CUDA-graph replay vs wall), sampler time, MBU; a PNG beside the JSON       240 s
 #   tp2       (e) Llama-3-8B batch 1 at TP=1 and TP=2 (tp2_speedup), vLLM at TP=2; skipped
 #             with fewer than 2 GPUs                                                     240 s
 #   quantkern issue 15: every batch-1 GEMV (bf16, FP8, 4-bit, GGUF) at the Llama-3-8B matrices
@@ -72,6 +75,9 @@ TTFT_LENS=${TTFT_LENS:-128 1024 7500}   # 7500: see ferrum bench ttft --help
 TPUT_N=${TPUT_N:-1000}
 TPUT_LEN=${TPUT_LEN:-1000}
 TPUT_SEQS=${TPUT_SEQS:-512}
+SWEEP_BATCHES=${SWEEP_BATCHES:-1 8 32 64 128 256}
+SWEEP_IN_LEN=${SWEEP_IN_LEN:-128}
+SWEEP_OUT_LEN=${SWEEP_OUT_LEN:-64}
 GLUON_AB=${GLUON_AB:-0 1}   # gluon: the FERRUM_GLUON_GEMV values whose batch-1 latency is measured
 export PYTHONUNBUFFERED=1
 # NVLink multicast stays off on the shared H200 hosts (KINDS.md), in every process we start
@@ -104,8 +110,8 @@ for s in "${@:-all}"; do
     case $s in
         all) sections+=(tests latency ttft nanovllm tp2) ;;
         bench) sections+=(latency ttft nanovllm tp2) ;;
-        tests|latency|ttft|nanovllm|tp2|tput|quantkern|quant|moe|fp8|attntune|gluon) sections+=("$s") ;;
-        *) echo "unknown section $s (tests latency ttft nanovllm tp2 tput quantkern quant moe fp8 attntune gluon | bench | all)" >&2; exit 2 ;;
+        tests|latency|ttft|nanovllm|sweep|tp2|tput|quantkern|quant|moe|fp8|attntune|gluon) sections+=("$s") ;;
+        *) echo "unknown section $s (tests latency ttft nanovllm sweep tp2 tput quantkern quant moe fp8 attntune gluon | bench | all)" >&2; exit 2 ;;
     esac
 done
 
@@ -156,7 +162,7 @@ free_gpu() {
     fi
 }
 
-declare -A LIMIT=([gluon]=540 [quant_vllm_awq]=200 [moe_vllm]=300 [tests]=480 [latency]=330 [ttft]=300 [nanovllm]=240 [tp2]=240 [quantkern]=240 [quant]=420 [moe]=480 [tput]=480 [fp8]=480 [attntune]=300)
+declare -A LIMIT=([sweep]=240 [gluon]=540 [quant_vllm_awq]=200 [moe_vllm]=300 [tests]=480 [latency]=330 [ttft]=300 [nanovllm]=240 [tp2]=240 [quantkern]=240 [quant]=420 [moe]=480 [tput]=480 [fp8]=480 [attntune]=300)
 summary=$OUT/summary.txt
 echo "gpu_run.sh ${sections[*]} at commit $FERRUM_GIT_COMMIT, $(date -u +%FT%TZ), device $DEVICE, $ngpus GPU(s), peers: ${peers[*]:-none}" >>"$summary"
 
@@ -215,6 +221,12 @@ for sec in "${sections[@]}"; do
         run_section nanovllm "${FERRUM[@]}" bench throughput "$SMALL" --load-format dummy --dtype bfloat16 \
             --device "$DEVICE" --max-num-seqs 256 --max-model-len 4096 --max-num-batched-tokens 16384 \
             --workload nanovllm $(peers_of vllm) "${peer_flags[@]}" --peer-timeout 180 --out "$OUT/nanovllm.json"
+        ;;
+    sweep)
+        # shellcheck disable=SC2086
+        run_section sweep "${FERRUM[@]}" bench sweep "$SMALL" --load-format dummy --dtype bfloat16 \
+            --device "$DEVICE" --max-num-seqs 256 --batch-sizes $SWEEP_BATCHES --input-len "$SWEEP_IN_LEN" \
+            --output-len "$SWEEP_OUT_LEN" --plot "$OUT/sweep.png" --out "$OUT/sweep.json"
         ;;
     tp2)
         if ((ngpus < 2)) && [[ -z ${FORCE_TP2:-} ]]; then

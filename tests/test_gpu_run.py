@@ -82,11 +82,14 @@ def over_limit_run(request, tmp_path_factory):
 
 
 def test_gpu_run_sections_dry_run_on_cpu(tmp_path):
-    proc, out = _run(tmp_path, ["ttft", "tp2"])
+    proc, out = _run(tmp_path, ["ttft", "tp2", "sweep"], SMALL=str(tmp_path / "llama.json"),
+                     SWEEP_BATCHES="1 2", SWEEP_IN_LEN="16", SWEEP_OUT_LEN="8")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = open(os.path.join(out, "summary.txt")).read()
-    for sec in ("ttft", "tp2"):
+    for sec in ("ttft", "tp2", "sweep"):
         assert f"{sec}: exit 0" in summary, summary
+    sweep = json.load(open(os.path.join(out, "sweep.json")))
+    assert [p["batch"] for p in sweep["points"]] == [1, 2], sweep
     ttft = json.load(open(os.path.join(out, "ttft.json")))
     assert set(ttft["ferrum"]) == {"16", "40"}
     for p in ("16", "40"):
