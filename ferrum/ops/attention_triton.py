@@ -411,9 +411,10 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Att
     scales = (k_scale, v_scale) if fp8 else (q, q)
     common = dict(GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=D, PAGE=page,
                   BLOCK_N=bn, NUM_SPLITS=S, DOT_PREC=_dot_precision(q.dtype), FP8=fp8,
-                  WINDOWED=bool(sliding_window), HEADS_FIRST=DECODE_HEADS_FIRST, num_warps=warps,
-                  num_stages=stages)
-    grid = (hkv, B, S) if DECODE_HEADS_FIRST else (B, hkv, S)
+                  WINDOWED=bool(sliding_window), num_warps=warps, num_stages=stages)
+    heads_first = DECODE_HEADS_FIRST and B <= 65535   # CUDA's grid y is at most 65535
+    common["HEADS_FIRST"] = heads_first
+    grid = (hkv, B, S) if heads_first else (B, hkv, S)
     window = sliding_window or 0
     args = (q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), bt.stride(0))
     if S == 1:
