@@ -52,9 +52,8 @@ class LlamaAttention(nn.Module):
                                         quant_config=quant_config)
         self.rotary_emb = rotary_emb  # one instance shared by all layers (one cos/sin table)
         self.qk_norm = cfg.qk_norm
-        if cfg.qk_norm:
-            self.q_norm = norm_class(D, cfg.rms_norm_eps)
-            self.k_norm = norm_class(D, cfg.rms_norm_eps)
+        self.q_norm = norm_class(D, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = norm_class(D, cfg.rms_norm_eps) if cfg.qk_norm else None
         window = cfg.sliding_window if cfg.is_sliding(layer) else None
         scale = (cfg.query_pre_attn_scalar or D) ** -0.5
         self.attn = Attention(self.num_heads, self.num_kv_heads, D, scale, window)
@@ -67,8 +66,7 @@ class LlamaAttention(nn.Module):
         and run o_proj; every row's K/V is still written)."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # q/k norm and RoPE run inside the attention layer, fused with the K/V store on CUDA
-        rope = (RopeInputs(positions, self.rotary_emb, self.q_norm, self.k_norm) if self.qk_norm
-                else RopeInputs(positions, self.rotary_emb))
+        rope = RopeInputs(positions, self.rotary_emb, self.q_norm, self.k_norm)
         return self.o_proj(self.attn(q, k, v, keep_rows, rope))
 
 

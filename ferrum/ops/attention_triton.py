@@ -142,9 +142,7 @@ def rope_write_kv(kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         out = norm_rope_write_kv(kv_cache, q, k, v, slot_mapping, rope, k_scale, v_scale)
         if out is not None:
             return out
-    q, k = rope.apply(q, k)
-    write_kv(kv_cache, k, v, slot_mapping, **({} if k_scale is None else dict(k_scale=k_scale, v_scale=v_scale)))
-    return q, k
+    return rope.apply_and_store(write_kv, kv_cache, q, k, v, slot_mapping, k_scale, v_scale)
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,

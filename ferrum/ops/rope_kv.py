@@ -44,6 +44,15 @@ class RopeInputs:
             q, k = self.q_norm(q), self.k_norm(k)
         return self.rotary_emb(self.positions, q, k)
 
+    def apply_and_store(self, write_kv, kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                        v: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor | None,
+                        v_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unfused path of a backend's rope_write_kv: `apply`, then the backend's
+        `write_kv` (the FP8 scales passed by keyword, only when set); returns (q, k)."""
+        q, k = self.apply(q, k)
+        write_kv(kv_cache, k, v, slot_mapping, **({} if k_scale is None else dict(k_scale=k_scale, v_scale=v_scale)))
+        return q, k
+
 
 if HAS_TRITON:
     @triton.jit
