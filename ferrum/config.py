@@ -597,9 +597,14 @@ class KernelConfig:
                               "the shapes its tuning table lists) through the Gluon GEMVs "
                               "(ferrum/ops/gemv_gluon.py; CUDA sm_90+) instead of the Triton ones",
                               env="FERRUM_GLUON_GEMV")
+    w4_int16_x: bool = option(
+        True, "4-bit (GPTQ / AWQ) Gluon GEMVs read x rounded to int16 per 32 values and multiply in "
+        "integers (dp2a; ferrum/ops/gemv_gluon.py) instead of float32 FMAs on the 16-bit x",
+        env="FERRUM_W4_INT16_X")
     q8_from_producers: bool = option(
-        True, "the RMSNorm, decode-attention merge and SiLU-mul kernels before a Q4_K Gluon GEMV "
-        "also write the int8 x it reads (ferrum/ops/q8_act.py): one q8_1 launch fewer per GEMV input",
+        True, "the RMSNorm, decode-attention merge and SiLU-mul kernels before a Q4_K or 4-bit Gluon "
+        "GEMV also write the int8 / int16 x it reads (ferrum/ops/act_quant.py): one q8_1 / q16 launch "
+        "fewer per GEMV input",
         env="FERRUM_Q8_FROM_PRODUCERS")
     sdpa_prefill_min_tokens: int = option(
         2048, "CUDA prefill: a prompt chunk of at least this many tokens without cached context "

@@ -41,13 +41,21 @@ class _Shim:
 
     @staticmethod
     def inline_asm_elementwise(asm, constraints, args, dtype, is_pure, pack):
-        """dp4a (`gemv_gluon._dp4a`) computed with tl ops; PDL's asm returns None (the tests
-        launch without it)."""
+        """dp4a / dp2a (`gemv_gluon._dp4a`, `_dp2a`) computed with tl ops; PDL's asm returns
+        None (the tests launch without it)."""
         if asm.startswith("dp4a.u32.s32"):
             a, b = args
             out = tl.zeros(a.shape, tl.int32)
             for i in range(4):  # byte i of a (unsigned) times byte i of b (signed)
                 out += ((a >> (8 * i)) & 0xFF) * ((b << (24 - 8 * i)) >> 24)
+            return out
+        if asm.startswith("dp2a."):
+            a, b, c = args
+            first = 2 if asm.startswith("dp2a.hi") else 0
+            a, b = tl.broadcast(a, b)
+            out = c + tl.zeros(a.shape, tl.int32)
+            for i in range(2):  # signed 16-bit half i of a times unsigned byte first + i of b
+                out += ((a << (16 - 16 * i)) >> 16) * ((b >> (8 * (first + i))) & 0xFF)
             return out
         return None
 

@@ -186,6 +186,7 @@ def _gluon_kernels(device: str):
         from gluon_shim import interpreted
         gemv_gluon._dense_gemv_kernel = interpreted(gemv_gluon._dense_gemv_kernel)
         gemv_gluon._w4_gemv_kernel = interpreted(gemv_gluon._w4_gemv_kernel)
+        gemv_gluon._w4_i16_gemv_kernel = interpreted(gemv_gluon._w4_i16_gemv_kernel)
         gemv_gluon._q4k_gemv_kernel = interpreted(gemv_gluon._q4k_gemv_kernel)
     return gemv_gluon
 
@@ -205,10 +206,11 @@ def _gluon_case(kind: str, N: int, K: int, gen: torch.Generator, device: str, dt
             ref_w = w.double()
         w = w.to(device)
         return (lambda x, b, c: gg.dense_gemv(x, w, scale, b, c)), ref_w
-    if kind == "w4":
+    if kind in ("w4", "w4i"):
         group = {0: 32, 1: 64}.get(N % 3, 128)  # a group size per shape: 32 / 64 / 128 all covered
         qw, s, z, _ = _int4_case(N, K, group, False, gen, device)
-        return (lambda x, b, c: gg.w4_gemv(x, qw, s, z, group, b, c)), int4.dequantize_int4(
+        gemv = gg.w4_gemv if kind == "w4" else gg.w4_i16_gemv
+        return (lambda x, b, c: gemv(x, qw, s, z, group, b, c)), int4.dequantize_int4(
             qw.cpu(), s.cpu(), z.cpu(), group).double()
     raw = _gguf_raw(gguf.Q4_K, N, K, gen)
     ref_w = gguf.gguf_dequantize(raw, gguf.Q4_K, K).double()
@@ -245,6 +247,7 @@ def check_gluon_gemv(device: str, shapes=None) -> None:
     row counts that are and are not powers of two; with `shapes` (GPU) at each shape's own
     config for 1, 2, 4 and 8 rows where one exists. A config that does not tile the weight is a
     ValueError."""
+    from ferrum.config import KERNELS
     from ferrum.ops import fp8, gguf, int4
     gg = _gluon_kernels(device)
     gen = torch.Generator().manual_seed(21)
@@ -253,9 +256,13 @@ def check_gluon_gemv(device: str, shapes=None) -> None:
         cases += [("fp8", 16, 2048, cfg, m) for cfg, m in (((4, 1, 1), 1), ((2, 2, 2), 2), ((4, 4, 1), 4))]
         cases += [("w4", n, 2048, cfg, m) for n, cfg, m in ((20, (4, 1, 1), 1), (16, (8, 2, 1), 1), (16, (16, 1, 2), 5),
                                                                (18, (2, 2, 1), 8), (24, (8, 1, 1), 2))]
+        # int16 x (dp2a): groups 32 / 64 / 128 (N % 3), split-K, 1-8 rows, fp16 and bf16 x
+        cases += [("w4i", n, 2048, cfg, m) for n, cfg, m in ((20, (4, 1, 2), 1), (16, (8, 2, 1), 3), (18, (2, 1, 1), 4),
+                                                                (24, (8, 1, 1), 1), (16, (4, 2, 1), 8))]
         cases += [("q4_k", 16, 4096, cfg, m) for cfg, m in (((8, 1, 1), 1), ((8, 2, 1), 3), ((4, 1, 2), 1), ((2, 1, 1), 8))]
     else:
-        cases = [(kind, n, k, None, m) for n, k in shapes for kind in ("bf16", "fp8", "w4", "q4_k") for m in (1, 2, 4, 8)
+        cases = [(kind, n, k, None, m) for n, k in shapes for kind in ("bf16", "fp8", "w4", "w4i", "q4_k")
+                 for m in (1, 2, 4, 8)
                  if gg.gemv_config(kind, n, k, m) is not None and gg.fits(kind, n, k, gg.gemv_config(kind, n, k, m))
                  or (kind == "bf16" and m == 1 and gg.default_config(kind, n, k) is not None)]
     for i, (kind, N, K, cfg, M) in enumerate(cases):
@@ -284,7 +291,7 @@ def check_gluon_gemv(device: str, shapes=None) -> None:
             _check(fp8.fp8_linear(x.to(device), w.to(device), scale.to(device)), ref, torch.bfloat16,
                    f"fp8_linear {M} rows {N}x{K}")
             qw, s, z, _ = _int4_case(N, K, 128, False, gen, device)
-            assert M > 1 or gg.config_for("w4", x.to(device), N, K) is not None
+            assert M > 1 or gg.config_for("w4i" if KERNELS.w4_int16_x else "w4", x.to(device), N, K) is not None
             ref = torch.nn.functional.linear(x.double(), int4.dequantize_int4(qw.cpu(), s.cpu(), z.cpu(), 128).double())
             _check(int4.int4_linear(x.to(device), qw, s, z, 128), ref, torch.bfloat16,
                    f"int4_linear {M} rows {N}x{K}")
@@ -325,14 +332,16 @@ def check_gluon_gemv(device: str, shapes=None) -> None:
             gg.w4_gemv(torch.randn(rows, 2048).to(torch.bfloat16).to(device), qw, s, z, 128, config=bad)
 
 
-def check_q8_activations(device: str) -> None:
-    """The RMSNorm and SiLU-mul kernels' int8 copy of their output (ferrum/ops/q8_act.py) is
-    byte for byte what `q8_1` writes of that output, for 1-4 rows, with and without a masked
-    tail; none for 5 rows, a 3-D input or `q8_act.wanted` off; an in-place change of the output
-    drops it; the Q4_K GEMV reads the attached copy (a zero copy attached on purpose zeroes its
-    output) and gives the same output as from `q8_1`; under inference mode (the model
-    runner's), whose tensors keep no version counter; and the decode attention's (below)."""
-    from ferrum.ops import q8_act
+def check_act_quant(device: str) -> None:
+    """The RMSNorm and SiLU-mul kernels' integer copy of their output (ferrum/ops/act_quant.py)
+    is byte for byte what `q8_1` (int8, `act_quant.wanted` 8) / `q16` (int16 in its permuted
+    order, wanted 16) write of that output, for 1-4 rows, with and without a masked tail; none
+    for 5 rows, a 3-D input or `act_quant.wanted` 0, and none of the other width; an in-place
+    change of the output drops it; the Q4_K / 4-bit GEMV reads the attached copy (a zero copy
+    attached on purpose zeroes its output) and gives the same output as from `q8_1` / `q16`;
+    under inference mode (the model runner's), whose tensors keep no version counter; and the
+    decode attention's (below)."""
+    from ferrum.ops import act_quant
     from ferrum.ops.activation import silu_and_mul
     from ferrum.ops.rms_norm import fused_add_rms_norm, rms_norm
     gg = _gluon_kernels(device)
@@ -340,50 +349,54 @@ def check_q8_activations(device: str) -> None:
 
     def rand(*shape):
         return (torch.randn(*shape, generator=gen) * 3).to(torch.bfloat16).to(device)
-    saved, q8_act.wanted = q8_act.wanted, True
+    saved = act_quant.wanted
     try:
-        for rows in (1, 3, 4):
-            for n in (96, 1024):   # 96: the kernels' 128-wide tile has a masked 32-value block
-                w = rand(n)
-                for what, out in (("rms_norm", rms_norm(rand(rows, n), w, 1e-5)),
-                                  ("fused_add_rms_norm", fused_add_rms_norm(rand(rows, n), rand(rows, n), w, 1e-5)[0]),
-                                  ("silu_and_mul", silu_and_mul(rand(rows, 2 * n)))):
-                    got = q8_act.attached(out)
-                    assert got is not None, f"{what} rows={rows} n={n}: no int8 copy"
-                    q, d = gg.q8_1(out)
-                    assert torch.equal(got[0], q) and torch.equal(got[1], d), f"{what} rows={rows} n={n}"
-        assert q8_act.attached(rms_norm(rand(5, 96), rand(96), 1e-5)) is None           # > 4 rows
-        assert q8_act.attached(rms_norm(rand(1, 3, 128), rand(128), 1e-5)) is None      # q / k norm's 3-D
-        out = rms_norm(rand(2, 96), rand(96), 1e-5)
-        out.mul_(2)
-        assert q8_act.attached(out) is None
-        call, _ = _gluon_case("q4_k", 16, 4096, gen, device, torch.bfloat16)
-        x = rms_norm(rand(2, 4096), rand(4096), 1e-5)
-        y = call(x, None, (4, 1, 1))
-        assert torch.equal(y, call(x.clone(), None, (4, 1, 1)))       # the clone has no copy: q8_1
-        q, d = q8_act.attached(x)
-        q8_act.attach(x, torch.zeros_like(q), d)
-        assert not call(x, None, (4, 1, 1)).any() and y.abs().max() > 0
-        with torch.inference_mode():   # the model runner's forwards: tensors without a version counter
-            out = silu_and_mul(rand(1, 2 * 4096))
-            q, d = gg.q8_1(out)
-            got = q8_act.attached(out)
-            assert got is not None and torch.equal(got[0], q) and torch.equal(got[1], d)
-            call(out, None, (4, 1, 1))
-        _check_q8_decode_attention(device, rand, gg)
-        q8_act.wanted = False
-        assert q8_act.attached(rms_norm(rand(1, 96), rand(96), 1e-5)) is None
+        for bits, rounding, kind, cfg in ((8, gg.q8_1, "q4_k", (4, 1, 1)), (16, gg.q16, "w4i", (4, 1, 1))):
+            act_quant.wanted = bits
+            for rows in (1, 3, 4):
+                for n in (96, 1024):   # 96: the kernels' 128-wide tile has a masked 32-value block
+                    w = rand(n)
+                    for what, out in (("rms_norm", rms_norm(rand(rows, n), w, 1e-5)),
+                                      ("fused_add_rms_norm", fused_add_rms_norm(rand(rows, n), rand(rows, n), w,
+                                                                                1e-5)[0]),
+                                      ("silu_and_mul", silu_and_mul(rand(rows, 2 * n)))):
+                        got = act_quant.attached(out, bits)
+                        assert got is not None, f"{what} rows={rows} n={n}: no int{bits} copy"
+                        assert act_quant.attached(out, 24 - bits) is None
+                        q, d = rounding(out)
+                        assert torch.equal(got[0], q) and torch.equal(got[1], d), f"{what} {bits} rows={rows} n={n}"
+            assert act_quant.attached(rms_norm(rand(5, 96), rand(96), 1e-5), bits) is None           # > 4 rows
+            assert act_quant.attached(rms_norm(rand(1, 3, 128), rand(128), 1e-5), bits) is None      # q / k norm's 3-D
+            out = rms_norm(rand(2, 96), rand(96), 1e-5)
+            out.mul_(2)
+            assert act_quant.attached(out, bits) is None
+            call, _ = _gluon_case(kind, 16, 4096, gen, device, torch.bfloat16)
+            x = rms_norm(rand(2, 4096), rand(4096), 1e-5)
+            y = call(x, None, cfg)
+            assert torch.equal(y, call(x.clone(), None, cfg))       # the clone has no copy: q8_1 / q16
+            q, d = act_quant.attached(x, bits)
+            act_quant.attach(x, torch.zeros_like(q), d)
+            assert not call(x, None, cfg).any() and y.abs().max() > 0
+            with torch.inference_mode():   # the model runner's forwards: tensors without a version counter
+                out = silu_and_mul(rand(1, 2 * 4096))
+                q, d = rounding(out)
+                got = act_quant.attached(out, bits)
+                assert got is not None and torch.equal(got[0], q) and torch.equal(got[1], d)
+                call(out, None, cfg)
+            _check_decode_attention_copy(device, rand, bits, rounding)
+        act_quant.wanted = 0
+        assert act_quant.attached(rms_norm(rand(1, 96), rand(96), 1e-5), 8) is None
     finally:
-        q8_act.wanted = saved
+        act_quant.wanted = saved
 
 
-def _check_q8_decode_attention(device, rand, gg) -> None:
-    """The decode attention's merge kernel writes its output's int8 copy (q8_1's bytes) for 1-4
-    rows, and the Attention layer moves it onto the [T, H * D] view o_proj gets; none with one
-    split (no merge kernel) or 5 rows."""
+def _check_decode_attention_copy(device, rand, bits, rounding) -> None:
+    """The decode attention's merge kernel writes its output's integer copy (`rounding`'s bytes)
+    for 1-4 rows, and the Attention layer moves it onto the [T, H * D] view o_proj gets; none
+    with one split (no merge kernel) or 5 rows."""
     from ferrum.forward_context import AttentionMetadata, forward_context
     from ferrum.layers.attention import Attention
-    from ferrum.ops import attention_triton, q8_act
+    from ferrum.ops import act_quant, attention_triton
     H, Hkv, page, NB = 8, 2, 16, 12
     for D in (64, 128):
         cache = rand(2, NB, page, Hkv, D)
@@ -393,12 +406,13 @@ def _check_q8_decode_attention(device, rand, gg) -> None:
                                    seq_lens=torch.tensor([5 + 7 * r for r in range(rows)], device=device),
                                    max_seq_len=48)
             out = attention_triton.decode_attention(rand(rows, H, D), cache, md, D ** -0.5, num_splits=splits)
-            got = q8_act.attached(out)
+            got = act_quant.attached(out, bits)
             if rows > 4 or splits == 1:
-                assert got is None, f"decode rows={rows} splits={splits}: int8 copy"
+                assert got is None, f"decode rows={rows} splits={splits}: int{bits} copy"
                 continue
-            q, d = gg.q8_1(out.view(rows, H * D))
-            assert got is not None and torch.equal(got[0], q) and torch.equal(got[1], d), f"decode D={D} rows={rows}"
+            q, d = rounding(out.view(rows, H * D))
+            assert got is not None and torch.equal(got[0], q) and torch.equal(got[1], d), \
+                f"decode {bits} D={D} rows={rows}"
     layer = Attention(H, Hkv, 128, 128 ** -0.5)
     layer.kv_cache = rand(2, NB, page, Hkv, 128)
     md = AttentionMetadata(is_prefill=False, slot_mapping=torch.tensor([40], device=device),
@@ -406,12 +420,12 @@ def _check_q8_decode_attention(device, rand, gg) -> None:
                            seq_lens=torch.tensor([41], device=device), max_seq_len=48)
     with forward_context(md, attention_triton):
         o = layer(rand(1, H * 128), rand(1, Hkv * 128), rand(1, Hkv * 128))
-    got, ref = q8_act.attached(o), gg.q8_1(o)
+    got, ref = act_quant.attached(o, bits), rounding(o)
     assert o.shape == (1, H * 128) and got is not None and torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
 
 
 CHECKS = ["check_fp8_gemv", "check_int4_gemv", "check_int4_gemv_configs", "check_int4_gemm", "check_gluon_gemv",
-          "check_q8_activations"]
+          "check_act_quant"]
 interp = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUDA + triton")]
 
@@ -622,7 +636,7 @@ def check_sm90_compile(device: str) -> None:
     from ferrum.ops import gemv_gluon as gg
     for (n, k), rows in [(s, 1) for s in LLAMA3_8B + ((128256, 4096), (3072, 4096), (4096, 7168))] + [
             (s, m) for s in (LLAMA3_8B[0], LLAMA3_8B[3]) for m in (2, 4)]:  # + LM head, TP=2; 2-4 rows at K 4096, 14336
-        for kind in ("bf16", "fp8", "w4", "q4_k"):
+        for kind in ("bf16", "fp8", "w4", "w4i", "q4_k"):
             cfg = gg.default_config(kind, n, k, rows)
             if cfg is None:
                 continue
@@ -634,6 +648,11 @@ def check_sm90_compile(device: str) -> None:
                              dict(x_ptr="*i32", d_ptr="*fp32", w_ptr="*i32", b_ptr="*bf16", y_ptr=y), w, 1,
                              f"gluon q4_k gemv {n}x{k} {cfg} rows {rows}", no_hint=("M",),
                              loop_without_barrier=True, maxnreg=gg.Q8_MAXNREG)
+            elif kind == "w4i":
+                sm90_compile(gg._w4_i16_gemv_kernel, dict(common, GROUP=128),
+                             dict(x_ptr="*i32", d_ptr="*fp32", qw_ptr="*i32", s_ptr="*fp16", z_ptr="*fp16",
+                                  b_ptr="*fp16", y_ptr=y), w, 1, f"gluon w4i gemv {n}x{k} {cfg} rows {rows}",
+                             no_hint=("M",), loop_without_barrier=True)
             elif kind == "w4":
                 sm90_compile(gg._w4_gemv_kernel, dict(common, GROUP=128, X_PAIRS=True),
                              dict(x_ptr="*i32", qw_ptr="*i32", s_ptr="*fp16", z_ptr="*fp16", b_ptr="*fp16", y_ptr=y),
@@ -646,6 +665,8 @@ def check_sm90_compile(device: str) -> None:
                              no_hint=("M",), loop_without_barrier=True)
     build(gg._q8_1_kernel, dict(BLOCKS=gg.Q8_BLOCKS, USE_PDL=True), dict(x_ptr="*bf16", q_ptr="*i8", d_ptr="*fp32"),
           4, 1, "q8_1")
+    build(gg._q16_kernel, dict(BLOCKS=gg.Q8_BLOCKS, USE_PDL=True), dict(x_ptr="*bf16", q_ptr="*i16", d_ptr="*fp32"),
+          4, 1, "q16")
     from ferrum.ops import triton_utils
     build(triton_utils._splitk_reduce_kernel, dict(SPLIT_K=4, HAS_BIAS=True, BLOCK=1024, USE_PDL=True),
           dict(p_ptr="*fp32", b_ptr="*bf16", y_ptr="*bf16"), 4, 1, "split-K reduce")

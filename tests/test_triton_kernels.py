@@ -824,23 +824,25 @@ def check_sm90_compile(device: str) -> None:
                   dict(q_ptr=t, kc_ptr=c, vc_ptr=c, o_ptr=t, bt_ptr="*i64", seqlen_ptr="*i32", cu_q_ptr="*i64",
                        ks_ptr="*fp32", vs_ptr="*fp32", seq_idx_ptr="*i32"),
                   w, st, f"prefill {dtype} D={D} fp8_kv={fp8} windowed={windowed} subset={subset}")
-    for q8 in (False, True):
-        build(tb._decode_merge_kernel, dict(NUM_SPLITS=5, SPLITS_PAD=8, HEAD_DIM=128, Q8=q8, USE_PDL=True),
-              dict(o_part_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", q8_ptr="*i8", d8_ptr="*fp32"), 4, 2,
-              f"decode merge q8 {q8}")
+    for bits in (0, 8, 16):
+        build(tb._decode_merge_kernel, dict(NUM_SPLITS=5, SPLITS_PAD=8, HEAD_DIM=128, QBITS=bits, USE_PDL=True),
+              dict(o_part_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", qx_ptr={16: "*i16"}.get(bits, "*i8"),
+                   dx_ptr="*fp32"), 4, 2, f"decode merge qbits {bits}")
     for c in ("*bf16", "*fp8e4nv"):
         build(tb._write_kv_kernel, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, FP8=c != "*bf16",
                                         USE_PDL=True),
               dict(k_ptr="*bf16", v_ptr="*bf16", kc_ptr=c, vc_ptr=c, slot_ptr="*i64", ks_ptr="*fp32", vs_ptr="*fp32"),
               4, 2, f"write_kv {c}")
+    for bits in (0, 8, 16):  # the int8 / int16 copy for a Q4_K / 4-bit GEMV (ferrum/ops/act_quant.py)
+        q = {16: "*i16"}.get(bits, "*i8")
+        build(rms_norm._add_rms_norm_kernel, dict(HAS_RES=True, BLOCK=8192, ROWS=1, QBITS=bits, USE_PDL=True),
+              dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", res_out_ptr="*bf16", q_ptr=q,
+                   d_ptr="*fp32"), 8, 2, f"rmsnorm qbits {bits}")
+        build(activation._silu_and_mul_kernel, dict(BLOCK=1024, QBITS=bits, USE_PDL=True),
+              dict(x_ptr="*bf16", out_ptr="*bf16", q_ptr=q, d_ptr="*fp32"), 4, 2, f"silu_and_mul qbits {bits}")
     norm_ptrs = dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", res_out_ptr="*bf16",
                      q_ptr="*i8", d_ptr="*fp32")
-    for q8 in (False, True):  # q8: the int8 copy for a Q4_K GEMV (ferrum/ops/q8_act.py)
-        build(rms_norm._add_rms_norm_kernel, dict(HAS_RES=True, BLOCK=8192, ROWS=1, Q8=q8, USE_PDL=True),
-              norm_ptrs, 8, 2, f"rmsnorm q8 {q8}")
-        build(activation._silu_and_mul_kernel, dict(BLOCK=1024, Q8=q8, USE_PDL=True),
-              dict(x_ptr="*bf16", out_ptr="*bf16", q_ptr="*i8", d_ptr="*fp32"), 4, 2, f"silu_and_mul q8 {q8}")
-    build(rms_norm._add_rms_norm_kernel, dict(HAS_RES=False, BLOCK=128, ROWS=32, Q8=False, USE_PDL=True),
+    build(rms_norm._add_rms_norm_kernel, dict(HAS_RES=False, BLOCK=128, ROWS=32, QBITS=0, USE_PDL=True),
           norm_ptrs, 8, 2, "rmsnorm q/k heads")
     from ferrum.ops import gemv
     bn, bk, w, st = gemv.gemv_config(4096, 4096)

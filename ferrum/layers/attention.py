@@ -9,7 +9,7 @@ from torch import nn
 
 from ferrum.errors import WeightLoadError
 from ferrum.forward_context import get_forward_context
-from ferrum.ops import q8_act
+from ferrum.ops import act_quant
 from ferrum.ops.rope_kv import RopeInputs
 
 
@@ -76,5 +76,4 @@ class Attention(nn.Module):
         else:
             o = backend.decode_attention(q, self.kv_cache, attn_metadata, self.scale, **kw)
         out = o.reshape(o.shape[0], self.num_heads * self.head_dim)
-        q8 = q8_act.attached(o)  # the int8 copy a Q4_K o_proj reads, moved onto the reshaped view
-        return q8_act.attach(out, *q8) if q8 is not None else out
+        return act_quant.carry(o, out)  # the integer copy a Q4_K / 4-bit o_proj reads, onto the reshaped view

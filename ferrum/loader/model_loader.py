@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 
 from ferrum.errors import TensorParallelError, WeightLoadError
 from ferrum.loader.base import WeightSource
-from ferrum.ops import q8_act
+from ferrum.ops import act_quant
 
 # Checkpoint entries that are derived state, not weights.
 _SKIP = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
@@ -101,9 +101,9 @@ def load_weights(model: nn.Module, source: WeightSource, progress: bool = True) 
 
 def process_weights_after_loading(model: nn.Module) -> None:
     """Let each quantized linear turn its checkpoint layout into the layout it runs with. The
-    last model loaded in a process decides `q8_act.wanted` (its Q4_K layers set it): a model
+    last model loaded in a process decides `act_quant.wanted` (its Q4_K / 4-bit layers set it): a model
     loaded next to it without them turns it off (the other then takes q8_1's launches)."""
-    q8_act.wanted = False
+    act_quant.wanted = 0
     for mod in model.modules():
         method = getattr(mod, "quant_method", None)
         if method is not None:

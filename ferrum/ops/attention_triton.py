@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from ferrum.config import KERNELS
 from ferrum.forward_context import AttentionMetadata
-from ferrum.ops import q8_act
+from ferrum.ops import act_quant
 from ferrum.ops.rope_kv import RopeInputs, norm_rope_write_kv
 from ferrum.ops.triton_utils import HAS_TRITON, last_dim_contiguous, next_pow2, pdl_ok, pdl_start
 
@@ -50,7 +50,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from ferrum.ops.q8_act import q8_round
+    from ferrum.ops.act_quant import store_rounded
 
 # ---- tuning knobs (module-level so a benchmark can sweep them; all static => graph safe) ----
 # None = the defaults of _decode_config / _prefill_config, picked from offline sm_90 compiles
@@ -309,18 +309,19 @@ if HAS_TRITON:
             tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
 
     @triton.jit
-    def _decode_merge_kernel(o_part_ptr, lse_ptr, out_ptr, q8_ptr, d8_ptr,
+    def _decode_merge_kernel(o_part_ptr, lse_ptr, out_ptr, qx_ptr, dx_ptr,
                              stride_pb, stride_ph, stride_ps,
                              stride_lb, stride_lh,
                              stride_ob, stride_oh,
                              NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                             Q8: tl.constexpr, USE_PDL: tl.constexpr):
+                             QBITS: tl.constexpr, USE_PDL: tl.constexpr):
         if USE_PDL:  # see triton_utils.py, PDL
             pdl_start()
         # out = sum_s w_s * o_s / sum_s w_s, w_s = 2^(lse_s - max lse). Empty splits have
         # lse = -inf (w = 0); if all are empty (seq_len 0) the output is 0, not NaN.
-        # Q8: also the output as int8 q [B, H * D] and float32 d [B, H * D / 32]
-        # (q8_act.q8_round of the rounded output; D % 32 == 0), o_proj's Q4_K GEMV input.
+        # QBITS 8 / 16: also the output as integers q [B, H * D] and float32 d [B, H * D / 32]
+        # (act_quant.store_rounded of the rounded output; D % 32 == 0), o_proj's Q4_K / 4-bit
+        # GEMV input.
         b = tl.program_id(0)
         h = tl.program_id(1)
         offs_s = tl.arange(0, SPLITS_PAD)
@@ -335,11 +336,10 @@ if HAS_TRITON:
                     + offs_s[:, None] * stride_ps + offs_d[None, :], mask=s_mask[:, None], other=0.0)
         out = (tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out)
-        if Q8:
-            q8, d8 = q8_round(tl.reshape(out.to(tl.float32), (1, HEAD_DIM // 32, 32)))
-            row = b.to(tl.int64) * tl.num_programs(1) + h   # [B, H * D] rows of D / 32 blocks
-            tl.store(q8_ptr + row * HEAD_DIM + offs_d, tl.reshape(q8, (HEAD_DIM,)))
-            tl.store(d8_ptr + row * (HEAD_DIM // 32) + tl.arange(0, HEAD_DIM // 32), tl.reshape(d8, (HEAD_DIM // 32,)))
+        if QBITS:
+            row = b.to(tl.int64) * tl.num_programs(1) + h   # [B, H * D]: head h of row b is D values at row * D
+            store_rounded(tl.reshape(out.to(tl.float32), (1, HEAD_DIM)), tl.reshape(row * HEAD_DIM + offs_d, (1, HEAD_DIM)),
+                          tl.full((1, HEAD_DIM), 1, tl.int1), qx_ptr, dx_ptr, 1, HEAD_DIM, QBITS)
 
 
 def _decode_config(head_dim: int, dtype: torch.dtype, num_splits: int, fp8: bool = False) -> tuple[int, int, int]:
@@ -428,15 +428,15 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Att
         q, kc, vc, bt, attn_metadata.seq_lens, o_part, lse, *scales, *args,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         scale * _LOG2E, window, DIRECT_OUT=False, USE_PDL=pdl, launch_pdl=pdl, **common)
-    # o_proj's Q4_K GEMV reads the output as int8 (ferrum.ops.q8_act): written here with it
-    q8 = (q8_act.buffers(B, H * D, q.device)
-          if D % 32 == 0 and out.is_contiguous() and q8_act.wants(out.view(B, H * D)) else None)
+    # o_proj's Q4_K / 4-bit GEMV reads the output as integers (ferrum.ops.act_quant): written here with it
+    bits = act_quant.wants(out.view(B, H * D)) if D % 32 == 0 and out.is_contiguous() else 0
+    qx = act_quant.buffers(B, H * D, q.device, bits) if bits else None
     _decode_merge_kernel[(B, H)](
-        o_part, lse, out, *(q8 or (out, out)), o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        o_part, lse, out, *(qx or (out, out)), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-        NUM_SPLITS=S, SPLITS_PAD=next_pow2(S), HEAD_DIM=D, Q8=q8 is not None, USE_PDL=pdl,
+        NUM_SPLITS=S, SPLITS_PAD=next_pow2(S), HEAD_DIM=D, QBITS=bits, USE_PDL=pdl,
         num_warps=4 if D >= 128 else 2, launch_pdl=pdl)
-    return q8_act.attach(out, *q8) if q8 is not None else out
+    return act_quant.attach(out, *qx) if qx is not None else out
 
 
 # =============================================================================================

@@ -29,10 +29,20 @@ conversion (I2F runs at a quarter of the FMA rate on sm_90). The kernel accumula
 for all rows: per nibble one LOP3 and one FFMA, plus half a shift. The offsets (128 and 2048)
 cost float32 mantissa bits in the cancellation: ~3e-5 relative error per output in a float32
 emulation (p = 8 would save two shifts per word but cost ~1e-3, near bf16's own rounding).
+That is ~3.6 instructions per nibble in sm_90 SASS, more than the SMs issue at 4.8 TB/s.
+
+4-bit in integers (`_w4_i16_gemv_kernel`, the default: `KERNELS.w4_int16_x`): x comes rounded
+to int16 per 32 values (d = max |x| / 32767: `q16`, or the kernel that wrote x,
+ferrum/ops/act_quant.py, in an order that pairs the x values each weight byte meets), and per
+word two LOP3 (low nibbles; high nibbles left at bits 4..7, 16 q) feed four dp2a, two 16 x 8-bit
+products each, accumulated exactly in int32; the zero point comes off per chunk with sum(xq)
+(dp2a against ones, once per row of x for all weight rows) and one float FFMA applies s d.
+~1.65 instructions per nibble (`benchmarks/sass_loop.py --gemv`). x's 15-bit rounding adds at
+most max |x| / 65534 per value, ~2^-7 of the bf16 rounding x already carries (W4A16 still).
 
 Q4_K (`_q4k_gemv_kernel`) works in integers, as llama.cpp's MMVQ (vec_dot_q4_K_q8_1): x comes
 rounded to int8 per 32-value sub-block (d = max |x| / 127, llama.cpp's quantize_q8_1: `q8_1`,
-or the kernel that wrote x, ferrum/ops/q8_act.py), so a chunk's x is two
+or the kernel that wrote x, ferrum/ops/act_quant.py), so a chunk's x is two
 32-byte loads; the kernel masks each word's low and high nibbles (one LOP3 each; the high ones
 stay at bits 4..7, 16 q, undone in the scale) and sums q xq by dp4a, four products per
 instruction. Per sub-block y += d sc dx sum(q xq) - dmin m dx sum(xq), the 16-byte block header
@@ -58,7 +68,7 @@ from __future__ import annotations
 import torch
 
 from ferrum.config import KERNELS
-from ferrum.ops import q8_act
+from ferrum.ops import act_quant
 from ferrum.ops.triton_utils import HAS_TRITON, is_sm90, next_pow2, pdl_ok, reduce_splits
 
 try:
@@ -66,7 +76,7 @@ try:
     import triton.language as tl
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from ferrum.ops.q8_act import q8_round
+    from ferrum.ops.act_quant import q8_round, store_rounded
     from ferrum.ops.triton_utils import pdl_start
     HAS_GLUON = HAS_TRITON
 except ImportError:  # pragma: no cover - triton < 3.5
@@ -265,6 +275,98 @@ if HAS_GLUON:
                     gl.SliceLayout(2, LMNC), HAS_BIAS, SPLIT_K)
 
     @gluon.jit
+    def _dp2a(a, b, c, HI: gl.constexpr):
+        """c + a_0 b_(2 HI) + a_1 b_(2 HI + 1): the two signed 16-bit halves of int32 words a
+        times bytes 0, 1 (HI: 2, 3) of b (unsigned), PTX dp2a; int32."""
+        if HI:
+            out = gl.inline_asm_elementwise("dp2a.hi.s32.u32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                            dtype=gl.int32, is_pure=True, pack=1)
+        else:
+            out = gl.inline_asm_elementwise("dp2a.lo.s32.u32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                            dtype=gl.int32, is_pure=True, pack=1)
+        return out
+
+    @gluon.jit
+    def _w4_i16_gemv_kernel(x_ptr, d_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, W_SPLIT, stride_xm,
+                            stride_dm, stride_qn, stride_sn, stride_ym, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, BLOCK_C: gl.constexpr, HAS_BIAS: gl.constexpr,
+                            SPLIT_K: gl.constexpr, USE_PDL: gl.constexpr):
+        """4-bit weight (ferrum's packed layout) times x in int16 (`q16`: x_ptr its int32 pairs
+        [M, K / 2] in `act_quant.q16_offsets` order, d_ptr its float32 scales [M, K / 32]; strides
+        in those elements) for M (<= BLOCK_M) rows, in integers. A thread's chunk is 4 words (32
+        nibbles, one x block): per word the low nibbles (word & 0x0F0F0F0F: q0 q2 q4 q6 as bytes)
+        and the high ones in place (word & 0xF0F0F0F0: 16 q1 ...) meet x's pairs by four dp2a,
+        2 MACs each, accumulated in int32 as 16 sum(q xq) (lo << 4 + hi). Per chunk then
+        y += s d (16 sum(q xq) - 16 z sum(xq)) / 16 with sum(xq) from dp2a against ones (per row
+        of x, shared by the BLOCK_N weight rows); the integer part is exact (|.| < 2^28).
+        Program (pid_n, pid_k): rows pid_n * BLOCK_N .., words pid_k * W_SPLIT .. (a multiple
+        of the tile, BLOCK_C * 4 words)."""
+        L4: gl.constexpr = _tile_layout(BLOCK_M, 4, gl.num_warps())
+        LW: gl.constexpr = gl.SliceLayout(0, L4)                      # [BLOCK_N, BLOCK_C, 4] words
+        LX: gl.constexpr = gl.SliceLayout(1, L4)                      # [BLOCK_M, BLOCK_C, 4] x pairs
+        LMNC: gl.constexpr = gl.SliceLayout(3, L4)                    # [BLOCK_M, BLOCK_N, BLOCK_C]
+        LNC: gl.constexpr = gl.SliceLayout(0, LMNC)
+        LMC: gl.constexpr = gl.SliceLayout(1, LMNC)
+        BLOCK_W: gl.constexpr = BLOCK_C * 4
+        pid_k = gl.program_id(1)
+        n0 = gl.program_id(0) * BLOCK_N
+        q_ptrs = (qw_ptr + _lead(n0, BLOCK_N, LW).to(gl.int64) * stride_qn
+                  + gl.expand_dims(_chunk_offsets(BLOCK_C, 4, LW), 0))
+        offs_m = _lead(0, BLOCK_M, LX)
+        cw = gl.expand_dims(_chunk_offsets(BLOCK_C, 4, LX), 0)           # c * 4 + w
+        x_ptrs = x_ptr + offs_m * stride_xm + cw + 12 * (cw // 4)        # pair c * 16 + w (+ 4 p)
+        offs_nc_n = gl.expand_dims(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LNC)), 1)
+        offs_nc_c = gl.expand_dims(gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, LNC)), 0)
+        sz_off = offs_nc_n.to(gl.int64) * stride_sn + offs_nc_c * 32 // GROUP        # [BLOCK_N, BLOCK_C]
+        d_rows = gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LMC)), 1)
+        d_ptrs = d_ptr + d_rows * stride_dm + gl.expand_dims(gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, LMC)), 0)
+        d_mask = d_rows < M
+        ones = gl.full([BLOCK_M, BLOCK_C, 4], 0x0101, gl.int32, layout=LX)
+        zero = gl.full([BLOCK_M, BLOCK_N, BLOCK_C, 4], 0, gl.int32, layout=L4)
+        w_start = pid_k * W_SPLIT
+        w_end = gl.minimum(w_start + W_SPLIT, K // 8)
+        acc = gl.zeros([BLOCK_M, BLOCK_N, BLOCK_C], gl.float32, layout=LMNC)
+        words = gl.load(q_ptrs + w_start, eviction_policy="evict_first")  # weights only: before the wait
+        if USE_PDL:
+            _pdl_start()
+        for w0 in range(w_start, w_end, BLOCK_W):
+            x0 = _x_tile(x_ptrs + 4 * w0, offs_m, M, BLOCK_M)           # (x0, x2) of each word's run
+            x1 = _x_tile(x_ptrs + (4 * w0 + 4), offs_m, M, BLOCK_M)     # (x4, x6)
+            x2 = _x_tile(x_ptrs + (4 * w0 + 8), offs_m, M, BLOCK_M)     # (x1, x3)
+            x3 = _x_tile(x_ptrs + (4 * w0 + 12), offs_m, M, BLOCK_M)    # (x5, x7)
+            xs = _dp2a(x3, ones, _dp2a(x2, ones, _dp2a(x1, ones, _dp2a(x0, ones, 0 * ones, False), False), False),
+                       False)
+            xsum = gl.expand_dims(gl.convert_layout(gl.sum(xs, axis=2), LMC, assert_trivial=True), 1)
+            lo, b0 = gl.broadcast(gl.expand_dims(words & 0x0F0F0F0F, 0), gl.expand_dims(x0, 1))
+            hi, b2 = gl.broadcast(gl.expand_dims(words & -252645136, 0), gl.expand_dims(x2, 1))  # 0xF0F0F0F0
+            _, b1 = gl.broadcast(lo, gl.expand_dims(x1, 1))
+            _, b3 = gl.broadcast(hi, gl.expand_dims(x3, 1))
+            t = _dp2a(b1, lo, _dp2a(b0, lo, zero, False), True) << 4
+            t = _dp2a(b3, hi, _dp2a(b2, hi, t, False), True)
+            z16 = gl.expand_dims((gl.load(z_ptr + sz_off + w0 * 8 // GROUP).to(gl.float32) * 16.0).to(gl.int32), 0)
+            s = gl.expand_dims(gl.load(s_ptr + sz_off + w0 * 8 // GROUP).to(gl.float32), 0)
+            d = gl.expand_dims(gl.load(d_ptrs + w0 // 4, mask=d_mask, other=0.0), 1)
+            acc += (gl.sum(t, axis=3) - z16 * xsum).to(gl.float32) * (s * d)
+            if w0 + BLOCK_W < w_end:
+                words = gl.load(q_ptrs + (w0 + BLOCK_W), eviction_policy="evict_first")
+        _store_tile(y_ptr, b_ptr, gl.sum(acc, axis=2) * 0.0625, n0, pid_k, M, N, stride_ym, BLOCK_M, BLOCK_N,
+                    gl.SliceLayout(2, LMNC), HAS_BIAS, SPLIT_K)
+
+    @triton.jit
+    def _q16_kernel(x_ptr, q_ptr, d_ptr, K, stride_xm, BLOCKS: tl.constexpr, USE_PDL: tl.constexpr):
+        """Row pid 0, 32-value blocks pid 1 * BLOCKS .. of x [M, K] (K % 32 == 0) -> q [M, K] int16
+        (`act_quant.q16_offsets` order) and d [M, K / 32] float32 (`act_quant.store_rounded`)."""
+        if USE_PDL:
+            pdl_start()
+        row = tl.program_id(0)
+        blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+        offs = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]
+        ok = blocks < K // 32
+        x = tl.load(x_ptr + row * stride_xm + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+        store_rounded(tl.reshape(x, (1, BLOCKS * 32)), tl.reshape(row * K + offs, (1, BLOCKS * 32)),
+                      tl.reshape(ok[:, None] & (offs >= 0), (1, BLOCKS * 32)), q_ptr, d_ptr, 1, BLOCKS * 32, 16)
+
+    @gluon.jit
     def _dp4a(a, b):
         """sum_i a_i b_i over the four bytes of int32 words a (unsigned) and b (signed), PTX
         dp4a; int32."""
@@ -290,7 +392,7 @@ if HAS_GLUON:
     @triton.jit
     def _q8_1_kernel(x_ptr, q_ptr, d_ptr, K, stride_xm, BLOCKS: tl.constexpr, USE_PDL: tl.constexpr):
         """Row pid 0, 32-value blocks pid 1 * BLOCKS .. of x [M, K] (K % 32 == 0) -> q [M, K] int8
-        = round(x / d) and d [M, K / 32] float32 = max |x| / 127 per block (`q8_act.q8_round`)."""
+        = round(x / d) and d [M, K / 32] float32 = max |x| / 127 per block (`act_quant.q8_round`)."""
         if USE_PDL:
             pdl_start()
         row = tl.program_id(0)
@@ -422,14 +524,14 @@ GLUON_GEMV_CONFIGS: dict[tuple[str, int, int, int], tuple[int, int, int] | None]
     ('w4', 28672, 4096, 4): None,
 }
 
-ELEMENTS = {"bf16": 8, "fp8": 16, "w4": 32, "q4_k": 64}  # K elements per thread chunk (16 bytes; Q4_K 32)
+ELEMENTS = {"bf16": 8, "fp8": 16, "w4": 32, "w4i": 32, "q4_k": 64}  # K elements per thread chunk (16 bytes; Q4_K 32)
 MAX_ROWS = 8  # rows of x a launch takes (ferrum.ops.fp8.MAX_GEMV_ROWS)
 # BLOCK_N per BLOCK_M (2 or 4 rows of x) of `default_config`: the largest that compiles for sm_90
 # without spills at 2 warps (x's registers grow with the rows: 8 rows spill for FP8, 4-bit and
 # Q4_K, which then keep their Triton GEMV; Q4_K at its `Q8_MAXNREG` cap); bf16 has no entry
 # (cuBLAS takes 2+ rows). Q4_K 4 rows: (2, 2, 1) beat (1, 2, 1) on every matrix of the H200
 # sweep (benchmarks/results/README.md)
-ROWS_BLOCK_N = {"fp8": {2: 2, 4: 1}, "w4": {2: 4, 4: 2}, "q4_k": {2: 4, 4: 2}}
+ROWS_BLOCK_N = {"fp8": {2: 2, 4: 1}, "w4": {2: 4, 4: 2}, "w4i": {2: 4, 4: 2}, "q4_k": {2: 4, 4: 2}}
 TUNED_ROWS = 4  # most rows `gemv_config` gives a config for (the table's row keys are 1 and 4)
 
 
@@ -443,12 +545,12 @@ def default_config(kind: str, N: int, K: int, M: int = 1) -> tuple[int, int, int
     the grid has >= 2 programs per SM (264, H200's 132 SMs). None when no tile fits, or for
     more rows than `ROWS_BLOCK_N` lists."""
     e = ELEMENTS[kind]
-    bn = 8 if kind in ("w4", "q4_k") else 4
+    bn = 8 if kind in ("w4", "w4i", "q4_k") else 4
     if M > 1:
         bn = ROWS_BLOCK_N.get(kind, {}).get(next_pow2(M))
         if bn is None:
             return None
-    order = (2, 4, 1) if kind in ("fp8", "w4") or M > 1 else (4, 2, 1)
+    order = (2, 4, 1) if kind in ("fp8", "w4", "w4i") or M > 1 else (4, 2, 1)
     warps = next((w for w in order if K % (32 * w * e) == 0), None)
     if warps is None or N % bn:
         return None
@@ -557,6 +659,36 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     return y if split == 1 else reduce_splits(out, y, bias, pdl)
 
 
+def w4_i16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                bias: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """As `w4_gemv`, in integers: x rounded to int16 per 32 values (the copy the kernel that
+    wrote x attached, `act_quant`, else `q16`), products by dp2a (`_w4_i16_gemv_kernel`). x's
+    rounding adds at most max |x| / 65534 per value (bf16's own is 2^-9 of each value)."""
+    N, W = qweight.shape
+    K = W * 8
+    bm, bn, warps, split, y, out, pdl = _prepare("w4i", x, N, K, config,
+                                                 group_size % 32 == 0 and scales.stride(1) == 1)
+    q, d = act_quant.attached(x, 16) or q16(x)
+    _w4_i16_gemv_kernel[(N // bn, split)](
+        q.view(torch.int32), d, qweight, scales, zeros, bias if bias is not None else scales, out, x.shape[0], N, K,
+        W // split, q.stride(0) // 2, d.stride(0), qweight.stride(0), scales.stride(0), y.stride(0), GROUP=group_size,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_C=32 * warps, HAS_BIAS=bias is not None and split == 1, SPLIT_K=split,
+        USE_PDL=pdl, num_warps=warps, launch_pdl=pdl)
+    return y if split == 1 else reduce_splits(out, y, bias, pdl)
+
+
+def q16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] bf16/fp16 (K % 32 == 0, rows contiguous) -> (q [M, K] int16 in
+    `act_quant.q16_offsets` order, d [M, K / 32] float32 = max |x| / 32767 per 32 values), on
+    x's device (CUDA, or the interpreter)."""
+    M, K = x.shape
+    q, d = act_quant.buffers(M, K, x.device, 16)
+    pdl = pdl_ok(x)
+    _q16_kernel[(M, triton.cdiv(K // 32, Q8_BLOCKS))](x, q, d, K, x.stride(0), BLOCKS=Q8_BLOCKS, USE_PDL=pdl,
+                                                      num_warps=4, launch_pdl=pdl)
+    return q, d
+
+
 Q8_BLOCKS = 32  # 32-value blocks per program of `q8_1` (1,024 values)
 # Register cap of the Q4_K GEMV: ptxas takes ~250 per thread (2 warps per scheduler) where 168
 # (3) hold the loop without spills at the default configs (tests' sm_90 compile)
@@ -585,7 +717,7 @@ def q4k_gemv(x: torch.Tensor, raw: torch.Tensor, bias: torch.Tensor | None = Non
     K = raw.shape[1] // 144 * 256
     bm, bn, warps, split, y, out, pdl = _prepare("q4_k", x, N, K, config,
                                                  raw.stride(1) == 1 and raw.stride(0) % 4 == 0)
-    q, d = q8_act.attached(x) or q8_1(x)   # x's int8 copy from the kernel that wrote it, else q8_1's
+    q, d = act_quant.attached(x, 8) or q8_1(x)   # x's int8 copy from the kernel that wrote it, else q8_1's
     _q4k_gemv_kernel[(N // bn, split)](
         q.view(torch.int32), d, raw.view(torch.int32), bias if bias is not None else x, out, x.shape[0], N, K,
         K // 64 // split, K // 4, K // 32, raw.stride(0) // 4, y.stride(0), BLOCK_M=bm, BLOCK_N=bn,

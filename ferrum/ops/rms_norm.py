@@ -4,31 +4,33 @@
 Rounding follows the HF Llama module: float32 math, the normalised value rounded to the
 input's dtype, then multiplied by the weight; with a residual, the sum x + residual is rounded
 to the activation dtype first and the norm reads that rounded sum. So bf16 results of the
-kernel match the torch code to within one bf16 ulp. With `q8_act.wants` the kernel also writes
-its output rounded to int8 per 32 values for a Q4_K GEMV after it (`ferrum.ops.q8_act`).
+kernel match the torch code to within one bf16 ulp. With `act_quant.wants` the kernel also writes
+its output rounded to int8 / int16 per 32 values for a Q4_K / 4-bit GEMV after it
+(`ferrum.ops.act_quant`).
 """
 from __future__ import annotations
 
 import torch
 
-from ferrum.ops import q8_act
+from ferrum.ops import act_quant
 from ferrum.ops.triton_utils import HAS_TRITON, as_rows, next_pow2, pdl_ok, pdl_start, use_triton
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from ferrum.ops.q8_act import q8_round
+    from ferrum.ops.act_quant import store_rounded
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, d_ptr, R, B,
                              stride_xa, stride_xb, stride_r, stride_o, stride_ro, N, eps,
                              HAS_RES: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                             Q8: tl.constexpr, USE_PDL: tl.constexpr):
+                             QBITS: tl.constexpr, USE_PDL: tl.constexpr):
         # ROWS rows per program, each whole in registers (N <= BLOCK). Row r of the R = A * B
         # rows sits at x_ptr + (r // B) * stride_xa + (r % B) * stride_xb: a [T, heads, D] view
-        # of a fused qkv output is read in place, without a copy to contiguous rows. Q8: also
-        # the output as int8 q [R, N] and float32 d [R, N / 32] (q8_act.q8_round; N % 32 == 0).
+        # of a fused qkv output is read in place, without a copy to contiguous rows. QBITS 8 / 16:
+        # also the output as integers q [R, N] and float32 d [R, N / 32] (act_quant.store_rounded;
+        # N % 32 == 0).
         if USE_PDL:  # launched early (PDL, triton_utils.py): wait for the inputs, let the next launch
             pdl_start()
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -54,12 +56,8 @@ if HAS_TRITON:
         w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
         o = (y.to(tl.float32) * w[None, :]).to(out_ptr.dtype.element_ty)   # ... then weight * x
         tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], o, mask=mask)
-        if Q8:
-            q, d = q8_round(tl.reshape(o.to(tl.float32), (ROWS, BLOCK // 32, 32)))
-            tl.store(q_ptr + rows[:, None] * N + cols[None, :], tl.reshape(q, (ROWS, BLOCK)), mask=mask)
-            blocks = tl.arange(0, BLOCK // 32)
-            tl.store(d_ptr + rows[:, None] * (N // 32) + blocks[None, :], d,
-                     mask=(rows < R)[:, None] & (blocks < N // 32)[None, :])
+        if QBITS:
+            store_rounded(o.to(tl.float32), rows[:, None] * N + cols[None, :], mask, q_ptr, d_ptr, ROWS, BLOCK, QBITS)
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -83,8 +81,8 @@ _MIN_PROGRAMS = 512
 def _launch_rms(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
     """Launch the Triton kernel: (normed, new residual or None); outputs are new contiguous
     tensors shaped like x. A 3-D x with unit last-dim stride (e.g. [T, heads, D] split from a
-    fused qkv output) is read in place. With `q8_act.wants(x)` the normed output carries its
-    int8 copy (`q8_act.attach`)."""
+    fused qkv output) is read in place. With `act_quant.wants(x)` the normed output carries its
+    int8 copy (`act_quant.attach`)."""
     shape, n = x.shape, x.shape[-1]
     if residual is None and x.dim() == 3 and x.stride(-1) == 1:
         a, b, stride_xa, stride_xb = x.shape[0], x.shape[1], x.stride(0), x.stride(1)
@@ -103,19 +101,20 @@ def _launch_rms(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     out = torch.empty(rows, n, dtype=torch.promote_types(res_dtype, weight.dtype), device=x.device)
     if residual is None:
         r2 = res_out = out  # unused (HAS_RES=False)
-    q8 = q8_act.buffers(rows, n, x.device) if q8_act.wants(x) else None
+    bits = act_quant.wants(x)
+    qx = act_quant.buffers(rows, n, x.device, bits) if bits else None
     if rows > 0:
         block = next_pow2(n)
         per_program = max(1, min(64, _ELEMS_PER_PROGRAM // block, rows // _MIN_PROGRAMS))
         per_program = 1 << (per_program.bit_length() - 1)  # a power of two (tl.arange, warps)
         _add_rms_norm_kernel[(triton.cdiv(rows, per_program),)](
-            x2, r2, weight, out, res_out, *(q8 or (out, out)), rows, b, stride_xa, stride_xb,
+            x2, r2, weight, out, res_out, *(qx or (out, out)), rows, b, stride_xa, stride_xb,
             r2.stride(0), out.stride(0), res_out.stride(0), n, eps,
-            HAS_RES=residual is not None, BLOCK=block, ROWS=per_program, Q8=q8 is not None,
+            HAS_RES=residual is not None, BLOCK=block, ROWS=per_program, QBITS=bits,
             USE_PDL=pdl_ok(x), num_warps=min(max(per_program * block // 256, 1), 8), launch_pdl=pdl_ok(x))
     normed = out.view(shape)
-    if q8 is not None:
-        q8_act.attach(normed, *q8)
+    if qx is not None:
+        act_quant.attach(normed, *qx)
     return normed, (res_out.view(shape) if residual is not None else None)
 
 

@@ -18,7 +18,7 @@ from torch import nn
 from ferrum.config import KERNELS
 from ferrum.errors import TensorParallelError, WeightLoadError
 from ferrum.layers.quantization.base import LinearMethod, QuantConfig, dequantized_on_cpu, shard_spec
-from ferrum.ops import gemv_gluon, q8_act
+from ferrum.ops import act_quant, gemv_gluon
 from ferrum.ops import gguf as gguf_ops
 from ferrum.ops.triton_utils import is_sm90
 
@@ -130,7 +130,7 @@ class GGUFLinearMethod(LinearMethod):
         t = segments[0][3]
         if (KERNELS.q8_from_producers and KERNELS.gluon_gemv and t.is_cuda and is_sm90(t) and gemv_gluon.HAS_GLUON
                 and any(q == gguf_ops.Q4_K for _, _, q, _ in segments)):
-            q8_act.wanted = True   # its GEMV reads int8 x: the norms / SiLU-mul write it (ferrum.ops.q8_act)
+            act_quant.wanted = 8   # its GEMV reads int8 x: the norms / SiLU-mul write it (ferrum.ops.act_quant)
 
     def apply(self, layer, x, bias):
         outs = [torch.nn.functional.linear(x, t) if q is None else gguf_ops.gguf_linear(x, t, q)
