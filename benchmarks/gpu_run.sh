@@ -34,9 +34,9 @@
 #             this tree, then batch-1 latency in bf16 / FP8 / AWQ / GGUF Q4_K with the Gluon GEMVs
 #             off and on (FERRUM_GLUON_GEMV=0/1, quant_latency_gluon{0,1}.json) and Llama-3-70B
 #             FP8 (quant_bench.py big; GLUON_AB=1 skips the off run); $OUT/gemv_gluon.py is the pasted table to commit  540 s
-#   w4i       issue 15: the 4-bit Gluon GEMV on int16 x (dp2a) against the float one: GPU tests,
-#             sweep at 1 and 4 rows (pasted, merged), batch-1 bf16 / AWQ latency with the int16
-#             path on, AWQ with it off; vLLM's AWQ first when it is here (*_vs_vllm)      560 s
+#   w4        issue 15: the 4-bit Gluon GEMV (int16 x, dp2a): GPU tests, sweep at 1 and 4 rows
+#             (pasted, merged), batch-1 bf16 / AWQ latency, AWQ on the Triton GEMV; vLLM's
+#             AWQ first when it is here (*_vs_vllm)                                       560 s
 #   attntune  decode attention over an FP8 cache (256 x 1536) and the prefill kernel at 1 x
 #             7500 / 16 x 1024 tokens, over their tile configs and launch orders
 #             (tune_attention.py --small-grid)                                           300 s
@@ -113,8 +113,8 @@ for s in "${@:-all}"; do
     case $s in
         all) sections+=(tests latency ttft nanovllm tp2) ;;
         bench) sections+=(latency ttft nanovllm tp2) ;;
-        tests|latency|ttft|nanovllm|sweep|tp2|tput|quantkern|quant|moe|fp8|attntune|gluon|w4i) sections+=("$s") ;;
-        *) echo "unknown section $s (tests latency ttft nanovllm sweep tp2 tput quantkern quant moe fp8 attntune gluon w4i | bench | all)" >&2; exit 2 ;;
+        tests|latency|ttft|nanovllm|sweep|tp2|tput|quantkern|quant|moe|fp8|attntune|gluon|w4) sections+=("$s") ;;
+        *) echo "unknown section $s (tests latency ttft nanovllm sweep tp2 tput quantkern quant moe fp8 attntune gluon w4 | bench | all)" >&2; exit 2 ;;
     esac
 done
 
@@ -165,7 +165,7 @@ free_gpu() {
     fi
 }
 
-declare -A LIMIT=([sweep]=240 [gluon]=540 [quant_vllm_awq]=200 [moe_vllm]=300 [tests]=480 [latency]=330 [ttft]=300 [nanovllm]=240 [tp2]=240 [quantkern]=240 [quant]=420 [moe]=480 [tput]=480 [fp8]=480 [attntune]=300 [w4i]=560)
+declare -A LIMIT=([sweep]=240 [gluon]=540 [quant_vllm_awq]=200 [moe_vllm]=300 [tests]=480 [latency]=330 [ttft]=300 [nanovllm]=240 [tp2]=240 [quantkern]=240 [quant]=420 [moe]=480 [tput]=480 [fp8]=480 [attntune]=300 [w4]=560)
 summary=$OUT/summary.txt
 echo "gpu_run.sh ${sections[*]} at commit $FERRUM_GIT_COMMIT, $(date -u +%FT%TZ), device $DEVICE, $ngpus GPU(s), peers: ${peers[*]:-none}" >>"$summary"
 
@@ -278,23 +278,23 @@ for sec in "${sections[@]}"; do
             --out '$OUT'/g\$g && mv '$OUT'/g\$g/quant_latency.json '$OUT'/quant_latency_gluon\$g.json; done; \
             '$PY' benchmarks/quant_bench.py big --out '$OUT'"
         ;;
-    w4i)
+    w4)
         # vLLM's AWQ figure first when it is here (as in `quant`), then in one section: the GPU
         # tests of the Gluon GEMVs and the integer copies of x, the 4-bit sweep at 1 and 4 rows
-        # (Triton w4, Gluon gw4 on float x, gw4i on int16 x) pasted into GLUON_GEMV_CONFIGS
-        # (merged), batch-1 latency of bf16 and AWQ with FERRUM_W4_INT16_X=1 (*_vs_vllm when
-        # vLLM ran), then AWQ with it 0 (quant_latency_w4float.json)
+        # (Triton w4 at its config, Gluon gw4 over its grid) pasted into GLUON_GEMV_CONFIGS
+        # (merged), batch-1 latency of bf16 and AWQ (*_vs_vllm when vLLM ran), then AWQ on the
+        # Triton GEMV (FERRUM_GLUON_GEMV=0: quant_latency_awq_triton.json)
         if has_peer vllm; then
             run_section quant_vllm_awq env "PYTHONPATH=$VLLM_SITE" VLLM_USE_FLASHINFER_SAMPLER=0 VB_QUANT=awq \
                 PEER_CONFIGS=benchmarks/configs OUT="$OUT" setsid "$PY" "$PEERS_DIR/vllm_bench.py" latency 1
         fi
-        run_section w4i bash -c "'$PY' -m pytest -m gpu -rA -q -p no:cacheprovider tests/test_quant_kernels.py \
+        run_section w4 bash -c "'$PY' -m pytest -m gpu -rA -q -p no:cacheprovider tests/test_quant_kernels.py \
             -k 'gluon or act_quant'; '$PY' benchmarks/quant_bench.py kernels --grid gluon --rows 1 4 --gemm-rows \
-            --kernels w4 gw4 gw4i --out '$OUT' && '$PY' benchmarks/paste_gemv_configs.py '$OUT/quant_kernels.json' \
-            --tables GLUON_GEMV_CONFIGS --merge && cp ferrum/ops/gemv_gluon.py '$OUT/'; FERRUM_W4_INT16_X=1 \
-            '$PY' benchmarks/quant_bench.py latency --formats bf16 awq --out '$OUT' --vllm-dir '$OUT'; mkdir -p '$OUT/x0' \
-            && FERRUM_W4_INT16_X=0 '$PY' benchmarks/quant_bench.py latency --formats awq --out '$OUT/x0' \
-            && mv '$OUT/x0/quant_latency.json' '$OUT/quant_latency_w4float.json'"
+            --kernels w4 gw4 --out '$OUT' && '$PY' benchmarks/paste_gemv_configs.py '$OUT/quant_kernels.json' \
+            --tables GLUON_GEMV_CONFIGS --merge && cp ferrum/ops/gemv_gluon.py '$OUT/'; \
+            '$PY' benchmarks/quant_bench.py latency --formats bf16 awq --out '$OUT' --vllm-dir '$OUT'; mkdir -p '$OUT/t' \
+            && FERRUM_GLUON_GEMV=0 '$PY' benchmarks/quant_bench.py latency --formats awq --out '$OUT/t' \
+            && mv '$OUT/t/quant_latency.json' '$OUT/quant_latency_awq_triton.json'"
         ;;
     attntune)
         run_section attntune bash -c "'$PY' benchmarks/tune_attention.py --kv-dtype fp8 --small-grid \

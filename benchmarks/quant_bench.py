@@ -13,8 +13,8 @@ peer driver (../shared/peers/vllm_bench.py), so the figures compare one to one:
   `--throughput-kv` KV cache dtype, and bf16 for the ratio.
 - big: Llama-3-70B with FP8 weights on one GPU, batch 1, 128 in / 128 out.
 - kernels: each 1-8 row GEMV (bf16, fp8, 4-bit g128, GGUF Q4_K / Q6_K / Q8_0; at one row also
-  the Gluon GEMVs gbf16 / gfp8 / gw4 / gw4i / gq4_k of ferrum/ops/gemv_gluon.py; gq4_k's time
-  includes its x's `q8_1` launch, gw4i's x carries its int16 copy as the producers attach it) on the four Llama-3-8B
+  the Gluon GEMVs gbf16 / gfp8 / gw4 / gq4_k of ferrum/ops/gemv_gluon.py; gq4_k's time
+  includes its x's `q8_1` launch, gw4's x carries its int16 copy as the producers attach it) on the four Llama-3-8B
   matrices (and the LM head, bf16 kernels only) at 1 and 4 rows, every candidate config (GB/s
   of weight bytes read, CUDA graphs over weight copies larger than L2); prints the best configs
   as the dict literals `W4_GEMV_CONFIGS` / `GGUF_GEMV_CONFIGS` / `GLUON_GEMV_CONFIGS` (Gluon
@@ -132,7 +132,7 @@ LLAMA3_8B_MATRICES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672,
                       "lm_head": (128256, 4096)}  # the LM head: bf16 kernels only
 SMALL_MATRICES = {"qkv": (48, 512), "down": (16, 1024)}  # --small: the interpreter smoke run
 OLD_W4_GBS = 770.0  # the int4 GEMV before the per-group factoring: 161 tok/s, 0.77 TB/s (issue 15)
-GLUON_BASE = {"gbf16": "bf16", "gfp8": "fp8", "gw4": "w4", "gw4i": "w4", "gq4_k": "gguf_12"}  # Gluon kernel -> Triton twin
+GLUON_BASE = {"gbf16": "bf16", "gfp8": "fp8", "gw4": "w4", "gq4_k": "gguf_12"}  # Gluon kernel -> Triton twin
 MAX_REL_ERR = 1e-2  # bf16 output: tests/test_quant_kernels.py's bound; a config above it is excluded
 L2_FLUSH_BYTES = 256 * 2**20  # > 4x the H200's L2: each timed call reads its weights from HBM
 
@@ -187,9 +187,8 @@ def _kernel_candidates(grid: str, M: int, N: int, K: int) -> dict[str, list[tupl
     # row only (cuBLAS takes more), 2+ rows with BLOCK_N at most its no-spill default
     from ferrum.ops import gemv_gluon
     grids = ((("bf16", (2, 4, 8), (2, 4, 8)), ("fp8", (2, 4, 8), (2, 4, 8)), ("w4", (4, 8, 16), (1, 2, 4)),
-              ("w4i", (4, 8, 16), (1, 2, 4)), ("q4_k", (2, 4, 8), (1, 2))) if M == 1 else
-             (("fp8", (1, 2), (1, 2, 4)), ("w4", (1, 2, 4), (1, 2, 4)), ("w4i", (1, 2, 4), (1, 2, 4)),
-              ("q4_k", (1, 2, 4), (1, 2))))
+              ("q4_k", (2, 4, 8), (1, 2))) if M == 1 else
+             (("fp8", (1, 2), (1, 2, 4)), ("w4", (1, 2, 4), (1, 2, 4)), ("q4_k", (1, 2, 4), (1, 2))))
     for kind, bns, warps in grids:
         cfgs = [gemv_gluon.default_config(kind, N, K, M)]
         cfgs += [(bn, w, sp) for bn in bns for w in warps for sp in (1, 2)]
@@ -272,7 +271,6 @@ def sec_kernels(args):
             "gbf16": lambda x, w, c: gemv_gluon.dense_gemv(x, w, config=c),
             "gfp8": lambda x, w, c: gemv_gluon.dense_gemv(x, *w, config=c),
             "gw4": lambda x, w, c: gemv_gluon.w4_gemv(x, *w, 128, config=c),
-            "gw4i": lambda x, w, c: gemv_gluon.w4_i16_gemv(x, *w, 128, config=c),
             "gq4_k": lambda x, w, c: gemv_gluon.q4k_gemv(x, w, config=c)}
     for q in (gguf.Q4_K, gguf.Q6_K, gguf.Q8_0):
         call[f"gguf_{q}"] = lambda x, w, c, q=q: gguf.gguf_gemv(x, w, q, config=c)
@@ -283,7 +281,7 @@ def sec_kernels(args):
         weights, refs, nbytes = _kernel_inputs(N, K, copies, device, gen)
         for M in args.rows:
             x = torch.randn(M, K, device=device, generator=gen).bfloat16()
-            if M <= act_quant.MAX_ROWS and device == "cuda":  # gw4i reads x's int16 copy, as the producers attach it
+            if M <= act_quant.MAX_ROWS and device == "cuda":  # gw4 reads x's int16 copy, as the producers attach it
                 act_quant.attach(x, *gemv_gluon.q16(x))
             row = {}
             for kern, configs in _kernel_candidates("small" if args.small else args.grid, M, N, K).items():
@@ -397,7 +395,7 @@ def main():
     p.add_argument("--gemm-rows", type=int, nargs="*", default=[64, 512],
                    help="kernels: prefill rows at which the GGUF GEMM is timed against dequantize + cuBLAS")
     p.add_argument("--kernels", nargs="+", default=None,
-                   help="kernels: only these (bf16 fp8 w4 gguf_12 gguf_14 gguf_8; Gluon: gbf16 gfp8 gw4 gw4i "
+                   help="kernels: only these (bf16 fp8 w4 gguf_12 gguf_14 gguf_8; Gluon: gbf16 gfp8 gw4 "
                    "gq4_k)")
     p.add_argument("--matrices", nargs="+", default=None, choices=list(LLAMA3_8B_MATRICES),
                    help="kernels: only these matrices")

@@ -8,7 +8,7 @@ Decode attention, for each (KV dtype, BLOCK_N): the longest loop's instructions,
 warp-instructions per KV byte (x 4.8 TB/s = the issue rate the loop needs at the H200's spec
 bandwidth, against ~1.05 T/s: 132 SMs x 4 schedulers x ~1.98 GHz), with the most frequent
 opcodes. Llama-3-8B shapes (GQA group 4, head_dim 128, 16-token pages). `--gemv`: the same for
-the batch-1 Gluon GEMVs (ferrum/ops/gemv_gluon.py: bf16, FP8, 4-bit with float or int16 x, Q4_K) at their default
+the batch-1 Gluon GEMVs (ferrum/ops/gemv_gluon.py: bf16, FP8, 4-bit, Q4_K) at their default
 configs on Llama-3-8B's gate_up matrix, per weight byte, with the registers per thread. The
 compile helpers are the tests'
 (tests/test_triton_kernels.py `sm90_sass`, `_sass_loops`).
@@ -67,13 +67,9 @@ def gemv_loop(kind: str, N: int = 28672, K: int = 4096) -> dict:
         fn, consts = gg._q4k_gemv_kernel, common
         ptrs = dict(x_ptr="*i32", d_ptr="*fp32", w_ptr="*i32", b_ptr="*bf16", y_ptr=y)
         chunk_bytes = 32 + 16 / 8 * 2  # 64 values: 32 quant bytes + their share of the 144-byte block's header
-    elif kind == "w4i":
-        fn, consts = gg._w4_i16_gemv_kernel, dict(common, GROUP=128)
-        ptrs = dict(x_ptr="*i32", d_ptr="*fp32", qw_ptr="*i32", s_ptr="*fp16", z_ptr="*fp16", b_ptr="*fp16", y_ptr=y)
-        chunk_bytes = 16
     elif kind == "w4":
-        fn, consts = gg._w4_gemv_kernel, dict(common, GROUP=128, X_PAIRS=True)
-        ptrs = dict(x_ptr="*i32", qw_ptr="*i32", s_ptr="*fp16", z_ptr="*fp16", b_ptr="*fp16", y_ptr=y)
+        fn, consts = gg._w4_gemv_kernel, dict(common, GROUP=128)
+        ptrs = dict(x_ptr="*i32", d_ptr="*fp32", qw_ptr="*i32", s_ptr="*fp16", z_ptr="*fp16", b_ptr="*fp16", y_ptr=y)
         chunk_bytes = 16
     else:
         fn, consts = gg._dense_gemv_kernel, dict(common, E=gg.ELEMENTS[kind], HAS_SCALE=kind == "fp8")
@@ -102,7 +98,7 @@ def main():
     p.add_argument("--gemv", action="store_true", help="the Gluon GEMVs instead of the decode attention")
     args = p.parse_args()
     if args.gemv:
-        for kind in ("bf16", "fp8", "w4", "w4i", "q4_k"):
+        for kind in ("bf16", "fp8", "w4", "q4_k"):
             r = gemv_loop(kind)
             print(f"gemv {r['kind']} {r['config']}, {r['registers']} registers: {r['loop_instructions']} instructions per loop, "
                   f"{r['per_value_per_thread']:.2f} per weight value, {r['warp_instr_per_byte']:.3f} warp-instructions "

@@ -597,10 +597,6 @@ class KernelConfig:
                               "the shapes its tuning table lists) through the Gluon GEMVs "
                               "(ferrum/ops/gemv_gluon.py; CUDA sm_90+) instead of the Triton ones",
                               env="FERRUM_GLUON_GEMV")
-    w4_int16_x: bool = option(
-        True, "4-bit (GPTQ / AWQ) Gluon GEMVs read x rounded to int16 per 32 values and multiply in "
-        "integers (dp2a; ferrum/ops/gemv_gluon.py) instead of float32 FMAs on the 16-bit x",
-        env="FERRUM_W4_INT16_X")
     q8_from_producers: bool = option(
         True, "the RMSNorm, decode-attention merge and SiLU-mul kernels before a Q4_K or 4-bit Gluon "
         "GEMV also write the int8 / int16 x it reads (ferrum/ops/act_quant.py): one q8_1 / q16 launch "

@@ -186,7 +186,6 @@ def _gluon_kernels(device: str):
         from gluon_shim import interpreted
         gemv_gluon._dense_gemv_kernel = interpreted(gemv_gluon._dense_gemv_kernel)
         gemv_gluon._w4_gemv_kernel = interpreted(gemv_gluon._w4_gemv_kernel)
-        gemv_gluon._w4_i16_gemv_kernel = interpreted(gemv_gluon._w4_i16_gemv_kernel)
         gemv_gluon._q4k_gemv_kernel = interpreted(gemv_gluon._q4k_gemv_kernel)
     return gemv_gluon
 
@@ -206,11 +205,10 @@ def _gluon_case(kind: str, N: int, K: int, gen: torch.Generator, device: str, dt
             ref_w = w.double()
         w = w.to(device)
         return (lambda x, b, c: gg.dense_gemv(x, w, scale, b, c)), ref_w
-    if kind in ("w4", "w4i"):
+    if kind == "w4":
         group = {0: 32, 1: 64}.get(N % 3, 128)  # a group size per shape: 32 / 64 / 128 all covered
         qw, s, z, _ = _int4_case(N, K, group, False, gen, device)
-        gemv = gg.w4_gemv if kind == "w4" else gg.w4_i16_gemv
-        return (lambda x, b, c: gemv(x, qw, s, z, group, b, c)), int4.dequantize_int4(
+        return (lambda x, b, c: gg.w4_gemv(x, qw, s, z, group, b, c)), int4.dequantize_int4(
             qw.cpu(), s.cpu(), z.cpu(), group).double()
     raw = _gguf_raw(gguf.Q4_K, N, K, gen)
     ref_w = gguf.gguf_dequantize(raw, gguf.Q4_K, K).double()
@@ -247,22 +245,18 @@ def check_gluon_gemv(device: str, shapes=None) -> None:
     row counts that are and are not powers of two; with `shapes` (GPU) at each shape's own
     config for 1, 2, 4 and 8 rows where one exists. A config that does not tile the weight is a
     ValueError."""
-    from ferrum.config import KERNELS
     from ferrum.ops import fp8, gguf, int4
     gg = _gluon_kernels(device)
     gen = torch.Generator().manual_seed(21)
     if shapes is None:
         cases = [("bf16", 16, 1024, cfg, m) for cfg, m in (((4, 1, 1), 1), ((4, 2, 2), 3), ((8, 4, 1), 1), ((4, 1, 4), 8))]
         cases += [("fp8", 16, 2048, cfg, m) for cfg, m in (((4, 1, 1), 1), ((2, 2, 2), 2), ((4, 4, 1), 4))]
-        cases += [("w4", n, 2048, cfg, m) for n, cfg, m in ((20, (4, 1, 1), 1), (16, (8, 2, 1), 1), (16, (16, 1, 2), 5),
-                                                               (18, (2, 2, 1), 8), (24, (8, 1, 1), 2))]
-        # int16 x (dp2a): groups 32 / 64 / 128 (N % 3), split-K, 1-8 rows, fp16 and bf16 x
-        cases += [("w4i", n, 2048, cfg, m) for n, cfg, m in ((20, (4, 1, 2), 1), (16, (8, 2, 1), 3), (18, (2, 1, 1), 4),
-                                                                (24, (8, 1, 1), 1), (16, (4, 2, 1), 8))]
+        # 4-bit (int16 x, dp2a): groups 32 / 64 / 128 (N % 3), split-K, 1-8 rows, fp16 and bf16 x
+        cases += [("w4", n, 2048, cfg, m) for n, cfg, m in ((20, (4, 1, 2), 1), (16, (8, 2, 1), 3), (18, (2, 1, 1), 4),
+                                                               (24, (8, 1, 1), 1), (16, (16, 1, 2), 5), (16, (4, 2, 1), 8))]
         cases += [("q4_k", 16, 4096, cfg, m) for cfg, m in (((8, 1, 1), 1), ((8, 2, 1), 3), ((4, 1, 2), 1), ((2, 1, 1), 8))]
     else:
-        cases = [(kind, n, k, None, m) for n, k in shapes for kind in ("bf16", "fp8", "w4", "w4i", "q4_k")
-                 for m in (1, 2, 4, 8)
+        cases = [(kind, n, k, None, m) for n, k in shapes for kind in ("bf16", "fp8", "w4", "q4_k") for m in (1, 2, 4, 8)
                  if gg.gemv_config(kind, n, k, m) is not None and gg.fits(kind, n, k, gg.gemv_config(kind, n, k, m))
                  or (kind == "bf16" and m == 1 and gg.default_config(kind, n, k) is not None)]
     for i, (kind, N, K, cfg, M) in enumerate(cases):
@@ -291,7 +285,7 @@ def check_gluon_gemv(device: str, shapes=None) -> None:
             _check(fp8.fp8_linear(x.to(device), w.to(device), scale.to(device)), ref, torch.bfloat16,
                    f"fp8_linear {M} rows {N}x{K}")
             qw, s, z, _ = _int4_case(N, K, 128, False, gen, device)
-            assert M > 1 or gg.config_for("w4i" if KERNELS.w4_int16_x else "w4", x.to(device), N, K) is not None
+            assert M > 1 or gg.config_for("w4", x.to(device), N, K) is not None
             ref = torch.nn.functional.linear(x.double(), int4.dequantize_int4(qw.cpu(), s.cpu(), z.cpu(), 128).double())
             _check(int4.int4_linear(x.to(device), qw, s, z, 128), ref, torch.bfloat16,
                    f"int4_linear {M} rows {N}x{K}")
@@ -351,7 +345,7 @@ def check_act_quant(device: str) -> None:
         return (torch.randn(*shape, generator=gen) * 3).to(torch.bfloat16).to(device)
     saved = act_quant.wanted
     try:
-        for bits, rounding, kind, cfg in ((8, gg.q8_1, "q4_k", (4, 1, 1)), (16, gg.q16, "w4i", (4, 1, 1))):
+        for bits, rounding, kind, cfg in ((8, gg.q8_1, "q4_k", (4, 1, 1)), (16, gg.q16, "w4", (4, 1, 1))):
             act_quant.wanted = bits
             for rows in (1, 3, 4):
                 for n in (96, 1024):   # 96: the kernels' 128-wide tile has a masked 32-value block
@@ -636,7 +630,7 @@ def check_sm90_compile(device: str) -> None:
     from ferrum.ops import gemv_gluon as gg
     for (n, k), rows in [(s, 1) for s in LLAMA3_8B + ((128256, 4096), (3072, 4096), (4096, 7168))] + [
             (s, m) for s in (LLAMA3_8B[0], LLAMA3_8B[3]) for m in (2, 4)]:  # + LM head, TP=2; 2-4 rows at K 4096, 14336
-        for kind in ("bf16", "fp8", "w4", "w4i", "q4_k"):
+        for kind in ("bf16", "fp8", "w4", "q4_k"):
             cfg = gg.default_config(kind, n, k, rows)
             if cfg is None:
                 continue
@@ -648,16 +642,11 @@ def check_sm90_compile(device: str) -> None:
                              dict(x_ptr="*i32", d_ptr="*fp32", w_ptr="*i32", b_ptr="*bf16", y_ptr=y), w, 1,
                              f"gluon q4_k gemv {n}x{k} {cfg} rows {rows}", no_hint=("M",),
                              loop_without_barrier=True, maxnreg=gg.Q8_MAXNREG)
-            elif kind == "w4i":
-                sm90_compile(gg._w4_i16_gemv_kernel, dict(common, GROUP=128),
-                             dict(x_ptr="*i32", d_ptr="*fp32", qw_ptr="*i32", s_ptr="*fp16", z_ptr="*fp16",
-                                  b_ptr="*fp16", y_ptr=y), w, 1, f"gluon w4i gemv {n}x{k} {cfg} rows {rows}",
-                             no_hint=("M",), loop_without_barrier=True)
             elif kind == "w4":
-                sm90_compile(gg._w4_gemv_kernel, dict(common, GROUP=128, X_PAIRS=True),
-                             dict(x_ptr="*i32", qw_ptr="*i32", s_ptr="*fp16", z_ptr="*fp16", b_ptr="*fp16", y_ptr=y),
-                             w, 1, f"gluon w4 gemv {n}x{k} {cfg} rows {rows}", no_hint=("M",),
-                             loop_without_barrier=True)
+                sm90_compile(gg._w4_gemv_kernel, dict(common, GROUP=128),
+                             dict(x_ptr="*i32", d_ptr="*fp32", qw_ptr="*i32", s_ptr="*fp16", z_ptr="*fp16",
+                                  b_ptr="*fp16", y_ptr=y), w, 1, f"gluon w4 gemv {n}x{k} {cfg} rows {rows}",
+                             no_hint=("M",), loop_without_barrier=True)
             else:
                 sm90_compile(gg._dense_gemv_kernel, dict(common, E=gg.ELEMENTS[kind], HAS_SCALE=kind == "fp8"),
                              dict(x_ptr="*bf16", w_ptr="*fp8e4nv" if kind == "fp8" else "*bf16", s_ptr="*fp32",

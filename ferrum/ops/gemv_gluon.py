@@ -21,24 +21,17 @@ SliceLayout(1, L4): a thread loads the x values of its own chunk, so x never mov
 threads, the loop has no barrier and no shared memory, and each weight is dequantized once for
 all rows of x.
 
-4-bit dequantization (`_nib`): nibble j of a word is moved by a shift (four distinct shifts per
-word) to bits p..p+3, p = 12 or 16, and ORed into the bits of the float32 2^(23-p), whose
-mantissa's bit p then counts 1: the float is exactly 2^(23-p) + q, with no int->float
-conversion (I2F runs at a quarter of the FMA rate on sm_90). The kernel accumulates
-(2^(23-p) + q) x and subtracts sum 2^(23-p) x + z sum x per chunk, both computed once per chunk
-for all rows: per nibble one LOP3 and one FFMA, plus half a shift. The offsets (128 and 2048)
-cost float32 mantissa bits in the cancellation: ~3e-5 relative error per output in a float32
-emulation (p = 8 would save two shifts per word but cost ~1e-3, near bf16's own rounding).
-That is ~3.6 instructions per nibble in sm_90 SASS, more than the SMs issue at 4.8 TB/s.
-
-4-bit in integers (`_w4_i16_gemv_kernel`, the default: `KERNELS.w4_int16_x`): x comes rounded
-to int16 per 32 values (d = max |x| / 32767: `q16`, or the kernel that wrote x,
-ferrum/ops/act_quant.py, in an order that pairs the x values each weight byte meets), and per
-word two LOP3 (low nibbles; high nibbles left at bits 4..7, 16 q) feed four dp2a, two 16 x 8-bit
-products each, accumulated exactly in int32; the zero point comes off per chunk with sum(xq)
-(dp2a against ones, once per row of x for all weight rows) and one float FFMA applies s d.
-~1.65 instructions per nibble (`benchmarks/sass_loop.py --gemv`). x's 15-bit rounding adds at
-most max |x| / 65534 per value, ~2^-7 of the bf16 rounding x already carries (W4A16 still).
+4-bit (`_w4_gemv_kernel`) works in integers: x comes rounded to int16 per 32 values (d = max
+|x| / 32767: `q16`, or the kernel that wrote x, ferrum/ops/act_quant.py, in an order that pairs
+the x values each weight byte meets), and per word two LOP3 (low nibbles; high nibbles left at
+bits 4..7, 16 q) feed four dp2a, two 16 x 8-bit products each, accumulated exactly in int32;
+the zero point comes off per chunk with sum(xq) (dp2a against ones, once per row of x for all
+weight rows) and one float FFMA applies s d. ~1.65 instructions per nibble in sm_90 SASS
+(`benchmarks/sass_loop.py --gemv`) where float32 FMAs on bf16 x took 3.6, more than the SMs
+issue at 4.8 TB/s (that kernel, gone since, streamed 1.6-2.2 TB/s at one row and 0.4 at four
+on the H200; this one 2.3-3.4 and 1.0-1.3: benchmarks/results/h200-2026-12-04). x's 15-bit
+rounding adds at most max |x| / 65534 per value, ~2^-7 of the bf16 rounding x already carries:
+the activations stay 16-bit (W4A16).
 
 Q4_K (`_q4k_gemv_kernel`) works in integers, as llama.cpp's MMVQ (vec_dot_q4_K_q8_1): x comes
 rounded to int8 per 32-value sub-block (d = max |x| / 127, llama.cpp's quantize_q8_1: `q8_1`,
@@ -47,8 +40,8 @@ or the kernel that wrote x, ferrum/ops/act_quant.py), so a chunk's x is two
 stay at bits 4..7, 16 q, undone in the scale) and sums q xq by dp4a, four products per
 instruction. Per sub-block y += d sc dx sum(q xq) - dmin m dx sum(xq), the 16-byte block header
 (d, dmin, eight 6-bit scale / min pairs) decoded per row and chunk. In sm_90 SASS that is ~1.5
-instructions per weight value instead of ~3.9 for the float32 path above (`benchmarks/sass_loop.py
---gemv`); rounding x in every program instead took a third more and ~240 registers per thread,
+instructions per weight value instead of ~3.9 for a float32 dequantization of the blocks
+(`benchmarks/sass_loop.py --gemv`); rounding x in every program instead took a third more and ~240 registers per thread,
 and ran slower on every matrix on the H200 (benchmarks/results/README.md). x's int8 rounding adds ~0.5%
 of the largest output on random Q4_K weights (tests: vs the exact product within 2e-2; vs the
 same int8 x within bf16's bound); llama.cpp and vLLM's GGUF kernels round x the same way.
@@ -82,7 +75,6 @@ try:
 except ImportError:  # pragma: no cover - triton < 3.5
     HAS_GLUON = False
 
-F32_2P7_BITS = 0x43000000  # float32 128.0 = 2^7: nibble at bits 16..19 reads as 128 + q
 
 if HAS_GLUON:
     @gluon.jit
@@ -185,95 +177,6 @@ if HAS_GLUON:
             y = y * gl.expand_dims(gl.load(s_ptr + n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, LY))), 0)
         _store_tile(y_ptr, b_ptr, y, n0, pid_k, M, N, stride_ym, BLOCK_M, BLOCK_N, LY, HAS_BIAS, SPLIT_K)
 
-    @gluon.constexpr_function
-    def _nib_shift(j):
-        """Left shift (negative: right) that `_nib` applies to the word for nibble j."""
-        return (12, 8, 8, 0, 0, -8, -8, -12)[j]
-
-    @gluon.constexpr_function
-    def _nib_position(j):
-        """Bit position p (12 or 16) that `_nib` moves nibble j of a word to."""
-        return 4 * j + _nib_shift(j)
-
-    @gluon.jit
-    def _nib(words, J: gl.constexpr, magic):
-        """float32 2^(23 - p) + q_J for nibble J (0..7, bits 4J..4J+3) of int32 words, p =
-        `_nib_position(J)` (12 or 16; four distinct shifts per word): the nibble is shifted to
-        bits p..p+3 and ORed into the bits of 2^(23 - p). magic = 0x43000000 (2^7, p = 16) is
-        a kernel argument, so ptxas fuses mask and OR into one LOP3 (it takes one immediate)."""
-        S: gl.constexpr = _nib_shift(J)
-        P: gl.constexpr = _nib_position(J)
-        if S > 0:
-            src = words << S
-        elif S < 0:
-            src = words >> (-S)
-        else:
-            src = words
-        # 2^(23 - P): magic's exponent field plus 16 - P
-        return ((src & (0xF << P)) | (magic + ((16 - P) << 23))).to(gl.float32, bitcast=True)
-
-    @gluon.jit
-    def _bf16_pair(pair):
-        """int32 holding two bf16 (low half first) -> (low, high) as float32."""
-        return (pair << 16).to(gl.float32, bitcast=True), (pair & -65536).to(gl.float32, bitcast=True)
-
-    @gluon.jit
-    def _w4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, W_SPLIT, magic, stride_xm, stride_qn,
-                        stride_sn, stride_ym, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        BLOCK_C: gl.constexpr, X_PAIRS: gl.constexpr, HAS_BIAS: gl.constexpr,
-                        SPLIT_K: gl.constexpr, USE_PDL: gl.constexpr):
-        """Program (pid_n, pid_k): rows pid_n * BLOCK_N .. of the 4-bit weight against the M
-        (<= BLOCK_M) rows of x, words pid_k * W_SPLIT .. (a multiple of the tile, BLOCK_C * 4
-        words); each nibble is dequantized once for all rows. X_PAIRS: x_ptr is bf16 x viewed
-        as int32 (pairs of bf16, split by shifts; stride_xm in int32); else x_ptr is 16-bit x."""
-        L4: gl.constexpr = _tile_layout(BLOCK_M, 4, gl.num_warps())
-        LW: gl.constexpr = gl.SliceLayout(0, L4)                      # [BLOCK_N, BLOCK_C, 4] words
-        LX: gl.constexpr = gl.SliceLayout(1, L4)                      # [BLOCK_M, BLOCK_C, 4] x
-        LMNC: gl.constexpr = gl.SliceLayout(3, L4)                    # [BLOCK_M, BLOCK_N, BLOCK_C]
-        LNC: gl.constexpr = gl.SliceLayout(0, LMNC)
-        LMC: gl.constexpr = gl.SliceLayout(1, LMNC)
-        BLOCK_W: gl.constexpr = BLOCK_C * 4
-        pid_k = gl.program_id(1)
-        n0 = gl.program_id(0) * BLOCK_N
-        q_ptrs = (qw_ptr + _lead(n0, BLOCK_N, LW).to(gl.int64) * stride_qn
-                  + gl.expand_dims(_chunk_offsets(BLOCK_C, 4, LW), 0))
-        offs_m = _lead(0, BLOCK_M, LX)
-        x_words = offs_m * stride_xm + gl.expand_dims(_chunk_offsets(BLOCK_C, 4, LX), 0) * (4 if X_PAIRS else 8)
-        offs_nc_n = gl.expand_dims(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LNC)), 1)
-        offs_nc_c = gl.expand_dims(gl.arange(0, BLOCK_C, layout=gl.SliceLayout(0, LNC)), 0)
-        sz_off = offs_nc_n.to(gl.int64) * stride_sn + offs_nc_c * 32 // GROUP       # [BLOCK_N, BLOCK_C]
-        w_start = pid_k * W_SPLIT
-        w_end = gl.minimum(w_start + W_SPLIT, K // 8)
-        acc = gl.zeros([BLOCK_M, BLOCK_N, BLOCK_C], gl.float32, layout=LMNC)
-        words = gl.load(q_ptrs + w_start, eviction_policy="evict_first")  # weights only: before the wait
-        if USE_PDL:
-            _pdl_start()
-        for w0 in range(w_start, w_end, BLOCK_W):
-            part = gl.zeros([BLOCK_M, BLOCK_N, BLOCK_C, 4], gl.float32, layout=L4)
-            xsum = gl.zeros([BLOCK_M, BLOCK_C, 4], gl.float32, layout=LX)
-            xoff = gl.zeros([BLOCK_M, BLOCK_C, 4], gl.float32, layout=LX)
-            for i in gl.static_range(4):  # nibbles 2i, 2i + 1 of every word
-                if X_PAIRS:
-                    x_lo, x_hi = _bf16_pair(_x_tile(x_ptr + x_words + (w0 * 4 + i), offs_m, M, BLOCK_M))
-                else:
-                    x_lo = _x_tile(x_ptr + x_words + (w0 * 8 + 2 * i), offs_m, M, BLOCK_M).to(gl.float32)
-                    x_hi = _x_tile(x_ptr + x_words + (w0 * 8 + 2 * i + 1), offs_m, M, BLOCK_M).to(gl.float32)
-                xsum += x_lo + x_hi
-                xoff += (2.0 ** (23 - _nib_position(2 * i))) * x_lo + (2.0 ** (23 - _nib_position(2 * i + 1))) * x_hi
-                part += gl.expand_dims(_nib(words, 2 * i, magic), 0) * gl.expand_dims(x_lo, 1)
-                part += gl.expand_dims(_nib(words, 2 * i + 1, magic), 0) * gl.expand_dims(x_hi, 1)
-            g0 = w0 * 8 // GROUP
-            s = gl.expand_dims(gl.load(s_ptr + sz_off + g0).to(gl.float32), 0)
-            z = gl.expand_dims(gl.load(z_ptr + sz_off + g0).to(gl.float32), 0)
-            x_off = gl.expand_dims(gl.convert_layout(gl.sum(xoff, axis=2), LMC, assert_trivial=True), 1)
-            x_sum = gl.expand_dims(gl.convert_layout(gl.sum(xsum, axis=2), LMC, assert_trivial=True), 1)
-            # sum_j (q_j - z) x_j = sum_j (2^(23-p_j) + q_j) x_j - sum_j 2^(23-p_j) x_j - z sum_j x_j
-            acc += s * (gl.sum(part, axis=3) - x_off - z * x_sum)
-            if w0 + BLOCK_W < w_end:
-                words = gl.load(q_ptrs + (w0 + BLOCK_W), eviction_policy="evict_first")
-        _store_tile(y_ptr, b_ptr, gl.sum(acc, axis=2), n0, pid_k, M, N, stride_ym, BLOCK_M, BLOCK_N,
-                    gl.SliceLayout(2, LMNC), HAS_BIAS, SPLIT_K)
-
     @gluon.jit
     def _dp2a(a, b, c, HI: gl.constexpr):
         """c + a_0 b_(2 HI) + a_1 b_(2 HI + 1): the two signed 16-bit halves of int32 words a
@@ -287,7 +190,7 @@ if HAS_GLUON:
         return out
 
     @gluon.jit
-    def _w4_i16_gemv_kernel(x_ptr, d_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, W_SPLIT, stride_xm,
+    def _w4_gemv_kernel(x_ptr, d_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, W_SPLIT, stride_xm,
                             stride_dm, stride_qn, stride_sn, stride_ym, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, BLOCK_C: gl.constexpr, HAS_BIAS: gl.constexpr,
                             SPLIT_K: gl.constexpr, USE_PDL: gl.constexpr):
@@ -516,30 +419,22 @@ GLUON_GEMV_CONFIGS: dict[tuple[str, int, int, int], tuple[int, int, int] | None]
     ('q4_k', 28672, 4096, 4): (4, 1, 1),
     ('w4', 4096, 4096, 1): (16, 4, 1),
     ('w4', 4096, 4096, 4): (4, 1, 1),
-    ('w4', 4096, 14336, 1): (8, 2, 1),
+    ('w4', 4096, 14336, 1): (4, 1, 2),
     ('w4', 4096, 14336, 4): (4, 1, 1),
-    ('w4', 6144, 4096, 1): (8, 4, 1),
-    ('w4', 6144, 4096, 4): None,
-    ('w4', 28672, 4096, 1): (8, 2, 1),
-    ('w4', 28672, 4096, 4): None,
-    ('w4i', 4096, 4096, 1): (16, 4, 1),
-    ('w4i', 4096, 4096, 4): (4, 1, 1),
-    ('w4i', 4096, 14336, 1): (4, 1, 2),
-    ('w4i', 4096, 14336, 4): (4, 1, 1),
-    ('w4i', 6144, 4096, 1): (4, 2, 1),
-    ('w4i', 6144, 4096, 4): (4, 2, 1),
-    ('w4i', 28672, 4096, 1): (8, 1, 1),
-    ('w4i', 28672, 4096, 4): (4, 1, 1),
+    ('w4', 6144, 4096, 1): (4, 2, 1),
+    ('w4', 6144, 4096, 4): (4, 2, 1),
+    ('w4', 28672, 4096, 1): (8, 1, 1),
+    ('w4', 28672, 4096, 4): (4, 1, 1),
 }
 
-ELEMENTS = {"bf16": 8, "fp8": 16, "w4": 32, "w4i": 32, "q4_k": 64}  # K elements per thread chunk (16 bytes; Q4_K 32)
+ELEMENTS = {"bf16": 8, "fp8": 16, "w4": 32, "q4_k": 64}  # K elements per thread chunk (16 bytes; Q4_K 32)
 MAX_ROWS = 8  # rows of x a launch takes (ferrum.ops.fp8.MAX_GEMV_ROWS)
 # BLOCK_N per BLOCK_M (2 or 4 rows of x) of `default_config`: the largest that compiles for sm_90
 # without spills at 2 warps (x's registers grow with the rows: 8 rows spill for FP8, 4-bit and
 # Q4_K, which then keep their Triton GEMV; Q4_K at its `Q8_MAXNREG` cap); bf16 has no entry
 # (cuBLAS takes 2+ rows). Q4_K 4 rows: (2, 2, 1) beat (1, 2, 1) on every matrix of the H200
 # sweep (benchmarks/results/README.md)
-ROWS_BLOCK_N = {"fp8": {2: 2, 4: 1}, "w4": {2: 4, 4: 2}, "w4i": {2: 4, 4: 2}, "q4_k": {2: 4, 4: 2}}
+ROWS_BLOCK_N = {"fp8": {2: 2, 4: 1}, "w4": {2: 4, 4: 2}, "q4_k": {2: 4, 4: 2}}
 TUNED_ROWS = 4  # most rows `gemv_config` gives a config for (the table's row keys are 1 and 4)
 
 
@@ -553,12 +448,12 @@ def default_config(kind: str, N: int, K: int, M: int = 1) -> tuple[int, int, int
     the grid has >= 2 programs per SM (264, H200's 132 SMs). None when no tile fits, or for
     more rows than `ROWS_BLOCK_N` lists."""
     e = ELEMENTS[kind]
-    bn = 8 if kind in ("w4", "w4i", "q4_k") else 4
+    bn = 8 if kind in ("w4", "q4_k") else 4
     if M > 1:
         bn = ROWS_BLOCK_N.get(kind, {}).get(next_pow2(M))
         if bn is None:
             return None
-    order = (2, 4, 1) if kind in ("fp8", "w4", "w4i") or M > 1 else (4, 2, 1)
+    order = (2, 4, 1) if kind in ("fp8", "w4") or M > 1 else (4, 2, 1)
     warps = next((w for w in order if K % (32 * w * e) == 0), None)
     if warps is None or N % bn:
         return None
@@ -639,45 +534,20 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
     return y if split == 1 else reduce_splits(out, y, bias, pdl)
 
 
-def _x_arg(x: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
-    """(x as the 4-bit kernels read it, its row stride in those elements, X_PAIRS): bf16 rows
-    viewed as int32 pairs (split by shifts in the kernel), fp16 as they are."""
-    if x.dtype == torch.bfloat16 and x.shape[1] % 2 == 0:
-        return x.view(torch.int32), x.stride(0) // 2, True
-    return x, x.stride(0), False
-
-
 def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
             bias: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """y = x W^T + bias with W in ferrum's packed 4-bit layout (ferrum/ops/int4.py; no
-    g_idx). x: [M, K] bf16/fp16 contiguous, M <= `MAX_ROWS`; group_size a multiple of 32;
-    scales / zeros [N, G] with unit stride along G. Returns [M, N] in x's dtype. config as
-    `dense_gemv`'s; raises ValueError when it does not tile the weight or the group size is
-    not a multiple of 32."""
+    g_idx), in integers: x rounded to int16 per 32 values (the copy the kernel that wrote x
+    attached, `act_quant`, else `q16`), products by dp2a (`_w4_gemv_kernel`). x: [M, K]
+    bf16/fp16 contiguous, M <= `MAX_ROWS`; group_size a multiple of 32; scales / zeros [N, G]
+    with unit stride along G. Returns [M, N] in x's dtype. config as `dense_gemv`'s; raises
+    ValueError when it does not tile the weight or the group size is not a multiple of 32."""
     N, W = qweight.shape
     K = W * 8
     bm, bn, warps, split, y, out, pdl = _prepare("w4", x, N, K, config,
                                                  group_size % 32 == 0 and scales.stride(1) == 1)
-    xa, stride_xm, pairs = _x_arg(x)
-    _w4_gemv_kernel[(N // bn, split)](
-        xa, qweight, scales, zeros, bias if bias is not None else scales, out, x.shape[0], N, K, W // split,
-        F32_2P7_BITS, stride_xm, qweight.stride(0), scales.stride(0), y.stride(0), GROUP=group_size, BLOCK_M=bm,
-        BLOCK_N=bn, BLOCK_C=32 * warps, X_PAIRS=pairs, HAS_BIAS=bias is not None and split == 1, SPLIT_K=split,
-        USE_PDL=pdl, num_warps=warps, launch_pdl=pdl)
-    return y if split == 1 else reduce_splits(out, y, bias, pdl)
-
-
-def w4_i16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                bias: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """As `w4_gemv`, in integers: x rounded to int16 per 32 values (the copy the kernel that
-    wrote x attached, `act_quant`, else `q16`), products by dp2a (`_w4_i16_gemv_kernel`). x's
-    rounding adds at most max |x| / 65534 per value (bf16's own is 2^-9 of each value)."""
-    N, W = qweight.shape
-    K = W * 8
-    bm, bn, warps, split, y, out, pdl = _prepare("w4i", x, N, K, config,
-                                                 group_size % 32 == 0 and scales.stride(1) == 1)
     q, d = act_quant.attached(x, 16) or q16(x)
-    _w4_i16_gemv_kernel[(N // bn, split)](
+    _w4_gemv_kernel[(N // bn, split)](
         q.view(torch.int32), d, qweight, scales, zeros, bias if bias is not None else scales, out, x.shape[0], N, K,
         W // split, q.stride(0) // 2, d.stride(0), qweight.stride(0), scales.stride(0), y.stride(0), GROUP=group_size,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_C=32 * warps, HAS_BIAS=bias is not None and split == 1, SPLIT_K=split,

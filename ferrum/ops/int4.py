@@ -27,7 +27,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ferrum.config import KERNELS
 from ferrum.ops import gemv_gluon
 from ferrum.ops.fp8 import MAX_GEMV_ROWS, gemv_rows_config
 from ferrum.ops.triton_utils import HAS_TRITON, fit_block, pdl_ok, pdl_start, reduce_splits, use_triton
@@ -415,12 +414,10 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     ferrum/ops/gemv_gluon.py), Triton dequant-in-tile GEMM above (CUDA); dequantize + F.linear
     on CPU."""
     if use_triton(x) and x.stride(1) == 1 and x.dtype != torch.float32:
-        kind = "w4i" if KERNELS.w4_int16_x else "w4"
         cfg = None if g_idx is not None or group_size % 32 else gemv_gluon.config_for(
-            kind, x, qweight.shape[0], qweight.shape[1] * 8)
+            "w4", x, qweight.shape[0], qweight.shape[1] * 8)
         if cfg is not None:
-            gemv = gemv_gluon.w4_i16_gemv if kind == "w4i" else gemv_gluon.w4_gemv
-            return gemv(x, qweight, scales, zeros, group_size, bias, cfg)
+            return gemv_gluon.w4_gemv(x, qweight, scales, zeros, group_size, bias, cfg)
         if x.shape[0] <= MAX_GEMV_ROWS:
             return int4_gemv(x, qweight, scales, zeros, group_size, g_idx, bias)
         return int4_gemm(x, qweight, scales, zeros, group_size, g_idx, bias)

@@ -160,7 +160,7 @@ class Int4LinearMethod(LinearMethod):
         layer.scales = nn.Parameter(scales, requires_grad=False)
         layer.zeros = nn.Parameter(zeros, requires_grad=False)
         layer.g_idx = None if g_idx is None else nn.Parameter(g_idx, requires_grad=False)
-        if (KERNELS.w4_int16_x and KERNELS.q8_from_producers and KERNELS.gluon_gemv and gemv_gluon.HAS_GLUON
+        if (KERNELS.q8_from_producers and KERNELS.gluon_gemv and gemv_gluon.HAS_GLUON
                 and qweight.is_cuda and is_sm90(qweight) and g_idx is None and layer.group_size % 32 == 0):
             act_quant.wanted = 16   # its GEMV reads int16 x: the norms / SiLU-mul write it (ferrum.ops.act_quant)
 
