@@ -7,8 +7,9 @@ scale d per block (x ~ d q):
 - 4-bit GPTQ / AWQ (W4A16): int16, d = max |x| / 32767 (`q16`), each 8 values stored as
   x0 x2 x4 x6 x1 x3 x5 x7, so that one int32 holds the two x that the low (or high) nibbles of
   bytes 0-1 (or 2-3) of a weight word multiply (`q16_offsets`); products by dp2a. Rounding x
-  to 15 bits adds at most max |x| / 65534 per value, ~2^-7 of the bf16 rounding x already
-  carries: still 16-bit activations.
+  to 15 bits adds at most M / 65534 to each value, M the largest |x| of its block: ~2^-7 of the
+  bf16 rounding M itself carries (values far below M round more coarsely than bf16 would, by
+  that absolute bound), so the products keep 16-bit activations' error.
 
 A decode step would launch `q8_1` / `q16` before each such GEMV (4 per layer); instead the
 RMSNorm before qkv / gate_up (`ferrum.ops.rms_norm`), the decode attention's merge kernel before
@@ -18,8 +19,9 @@ o_proj (`ferrum.ops.attention_triton`) and the SiLU-mul before down_proj
 and launches `q8_1` / `q16` only for inputs without one (a prefill's, or decode attention in one
 split). The bytes are those of `q8_1` / `q16`: the same rounding.
 
-`wanted` (0, 8 or 16: the bits) is set by the GGUF (Q4_K) or 4-bit linear method once such a
-layer runs its Gluon GEMV on CUDA with `KERNELS.q8_from_producers`, and cleared when the next
+`wanted` (0, 8 or 16: the bits) is set at load by the GGUF (Q4_K) or 4-bit linear method whose
+layers can run a Gluon GEMV on CUDA, with `KERNELS.q8_from_producers` (a layer whose shape no
+Gluon tile fits then leaves its copy unread), and cleared when the next
 model loads (`ferrum.loader.model_loader.process_weights_after_loading`): a model without one
 pays nothing. The attached copy is keyed to the tensor object (a reshaped view falls back to
 `q8_1` / `q16`) and, where torch keeps one, its version counter (an in-place change drops it).

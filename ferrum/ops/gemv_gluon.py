@@ -30,8 +30,10 @@ weight rows) and one float FFMA applies s d. ~1.65 instructions per nibble in sm
 (`benchmarks/sass_loop.py --gemv`) where float32 FMAs on bf16 x took 3.6, more than the SMs
 issue at 4.8 TB/s (that kernel, gone since, streamed 1.6-2.2 TB/s at one row and 0.4 at four
 on the H200; this one 2.3-3.4 and 1.0-1.3: benchmarks/results/h200-2026-12-04). x's 15-bit
-rounding adds at most max |x| / 65534 per value, ~2^-7 of the bf16 rounding x already carries:
-the activations stay 16-bit (W4A16).
+rounding adds at most M / 65534 to each value, M the largest |x| of its 32-value block: ~2^-7
+of the bf16 rounding that M itself carries, so the dot product's error stays that of 16-bit
+activations (W4A16), also in a block with an outlier, where the small values round more
+coarsely than bf16 would but by that same absolute bound (tests: outlier blocks).
 
 Q4_K (`_q4k_gemv_kernel`) works in integers, as llama.cpp's MMVQ (vec_dot_q4_K_q8_1): x comes
 rounded to int8 per 32-value sub-block (d = max |x| / 127, llama.cpp's quantize_q8_1: `q8_1`,
@@ -47,7 +49,7 @@ of the largest output on random Q4_K weights (tests: vs the exact product within
 same int8 x within bf16's bound); llama.cpp and vLLM's GGUF kernels round x the same way.
 
 Constraints (else the Triton GEMVs run): N % BLOCK_N == 0, K a multiple of one tile (E * 32 *
-num_warps elements; 256 * num_warps features for 4-bit, 2048 * num_warps for Q4_K), 4-bit
+num_warps elements; 1024 * num_warps features for 4-bit, 2048 * num_warps for Q4_K), 4-bit
 groups a multiple of 32 and no act-order g_idx, at most 4 rows of x (`ROWS_BLOCK_N`; bf16: one).
 Split-K (`SPLIT_K` > 1): float32 partials per split, summed by `triton_utils.reduce_splits`. PDL as the Triton GEMVs (`triton_utils`): the first weight tile
 is loaded before waiting for x.
@@ -430,11 +432,12 @@ GLUON_GEMV_CONFIGS: dict[tuple[str, int, int, int], tuple[int, int, int] | None]
 ELEMENTS = {"bf16": 8, "fp8": 16, "w4": 32, "q4_k": 64}  # K elements per thread chunk (16 bytes; Q4_K 32)
 MAX_ROWS = 8  # rows of x a launch takes (ferrum.ops.fp8.MAX_GEMV_ROWS)
 # BLOCK_N per BLOCK_M (2 or 4 rows of x) of `default_config`: the largest that compiles for sm_90
-# without spills at 2 warps (x's registers grow with the rows: 8 rows spill for FP8, 4-bit and
-# Q4_K, which then keep their Triton GEMV; Q4_K at its `Q8_MAXNREG` cap); bf16 has no entry
-# (cuBLAS takes 2+ rows). Q4_K 4 rows: (2, 2, 1) beat (1, 2, 1) on every matrix of the H200
-# sweep (benchmarks/results/README.md)
-ROWS_BLOCK_N = {"fp8": {2: 2, 4: 1}, "w4": {2: 4, 4: 2}, "q4_k": {2: 4, 4: 2}}
+# without spills at 2 warps (x's registers grow with the rows: 8-row tiles are not tuned, and
+# 5-8 rows keep the Triton GEMVs; Q4_K at its `Q8_MAXNREG` cap); bf16 has no entry (cuBLAS
+# takes 2+ rows). Q4_K 4 rows: (2, 2, 1) beat (1, 2, 1) on every matrix of the H200 sweep
+# (benchmarks/results/README.md); 4-bit 4 rows: BLOCK_N 4 won on every Llama-3-8B matrix
+# (h200-2026-12-04) and compiles without spills (~236 registers)
+ROWS_BLOCK_N = {"fp8": {2: 2, 4: 1}, "w4": {2: 4, 4: 4}, "q4_k": {2: 4, 4: 2}}
 TUNED_ROWS = 4  # most rows `gemv_config` gives a config for (the table's row keys are 1 and 4)
 
 

@@ -82,7 +82,7 @@ def _launch_rms(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     """Launch the Triton kernel: (normed, new residual or None); outputs are new contiguous
     tensors shaped like x. A 3-D x with unit last-dim stride (e.g. [T, heads, D] split from a
     fused qkv output) is read in place. With `act_quant.wants(x)` the normed output carries its
-    int8 copy (`act_quant.attach`)."""
+    integer copy (`act_quant.attach`)."""
     shape, n = x.shape, x.shape[-1]
     if residual is None and x.dim() == 3 and x.stride(-1) == 1:
         a, b, stride_xa, stride_xb = x.shape[0], x.shape[1], x.stride(0), x.stride(1)
