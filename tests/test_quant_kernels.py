@@ -663,10 +663,9 @@ def check_sm90_compile(device: str) -> None:
                              dict(x_ptr="*bf16", w_ptr="*fp8e4nv" if kind == "fp8" else "*bf16", s_ptr="*fp32",
                                   b_ptr="*bf16", y_ptr=y), w, 1, f"gluon {kind} gemv {n}x{k} {cfg} rows {rows}",
                              no_hint=("M",), loop_without_barrier=True)
-    build(gg._q8_1_kernel, dict(BLOCKS=gg.Q8_BLOCKS, USE_PDL=True), dict(x_ptr="*bf16", q_ptr="*i8", d_ptr="*fp32"),
-          4, 1, "q8_1")
-    build(gg._q16_kernel, dict(BLOCKS=gg.Q8_BLOCKS, USE_PDL=True), dict(x_ptr="*bf16", q_ptr="*i16", d_ptr="*fp32"),
-          4, 1, "q16")
+    for bits, q in ((8, "*i8"), (16, "*i16")):
+        build(gg._round_x_kernel, dict(BITS=bits, BLOCKS=gg.Q8_BLOCKS, USE_PDL=True),
+              dict(x_ptr="*bf16", q_ptr=q, d_ptr="*fp32"), 4, 1, f"round x to {bits} bits")
     from ferrum.ops import triton_utils
     build(triton_utils._splitk_reduce_kernel, dict(SPLIT_K=4, HAS_BIAS=True, BLOCK=1024, USE_PDL=True),
           dict(p_ptr="*fp32", b_ptr="*bf16", y_ptr="*bf16"), 4, 1, "split-K reduce")

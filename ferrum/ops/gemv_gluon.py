@@ -71,7 +71,7 @@ try:
     import triton.language as tl
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from ferrum.ops.act_quant import q8_round, store_rounded
+    from ferrum.ops.act_quant import store_rounded
     from ferrum.ops.triton_utils import pdl_start
     HAS_GLUON = HAS_TRITON
 except ImportError:  # pragma: no cover - triton < 3.5
@@ -257,20 +257,6 @@ if HAS_GLUON:
         _store_tile(y_ptr, b_ptr, gl.sum(acc, axis=2) * 0.0625, n0, pid_k, M, N, stride_ym, BLOCK_M, BLOCK_N,
                     gl.SliceLayout(2, LMNC), HAS_BIAS, SPLIT_K)
 
-    @triton.jit
-    def _q16_kernel(x_ptr, q_ptr, d_ptr, K, stride_xm, BLOCKS: tl.constexpr, USE_PDL: tl.constexpr):
-        """Row pid 0, 32-value blocks pid 1 * BLOCKS .. of x [M, K] (K % 32 == 0) -> q [M, K] int16
-        (`act_quant.q16_offsets` order) and d [M, K / 32] float32 (`act_quant.store_rounded`)."""
-        if USE_PDL:
-            pdl_start()
-        row = tl.program_id(0)
-        blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
-        offs = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]
-        ok = blocks < K // 32
-        x = tl.load(x_ptr + row * stride_xm + offs, mask=ok[:, None], other=0.0).to(tl.float32)
-        store_rounded(tl.reshape(x, (1, BLOCKS * 32)), tl.reshape(row * K + offs, (1, BLOCKS * 32)),
-                      tl.reshape(ok[:, None] & (offs >= 0), (1, BLOCKS * 32)), q_ptr, d_ptr, 1, BLOCKS * 32, 16)
-
     @gluon.jit
     def _dp4a(a, b):
         """sum_i a_i b_i over the four bytes of int32 words a (unsigned) and b (signed), PTX
@@ -295,19 +281,19 @@ if HAS_GLUON:
                 ((sc >> 8) & 0xFF).to(gl.float32), ((m >> 8) & 0xFF).to(gl.float32))
 
     @triton.jit
-    def _q8_1_kernel(x_ptr, q_ptr, d_ptr, K, stride_xm, BLOCKS: tl.constexpr, USE_PDL: tl.constexpr):
-        """Row pid 0, 32-value blocks pid 1 * BLOCKS .. of x [M, K] (K % 32 == 0) -> q [M, K] int8
-        = round(x / d) and d [M, K / 32] float32 = max |x| / 127 per block (`act_quant.q8_round`)."""
+    def _round_x_kernel(x_ptr, q_ptr, d_ptr, K, stride_xm, BITS: tl.constexpr, BLOCKS: tl.constexpr,
+                        USE_PDL: tl.constexpr):
+        """Row pid 0, 32-value blocks pid 1 * BLOCKS .. of x [M, K] (K % 32 == 0) -> q [M, K] int8 /
+        int16 (BITS 8 / 16) and d [M, K / 32] float32 (`act_quant.store_rounded`)."""
         if USE_PDL:
             pdl_start()
         row = tl.program_id(0)
         blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
         offs = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]
-        ok = blocks < K // 32
-        x = tl.load(x_ptr + row * stride_xm + offs, mask=ok[:, None], other=0.0).to(tl.float32)
-        q, d = q8_round(tl.reshape(x, (1, BLOCKS, 32)))
-        tl.store(q_ptr + row * K + offs, tl.reshape(q, (BLOCKS, 32)), mask=ok[:, None])
-        tl.store(d_ptr + row * (K // 32) + blocks, tl.reshape(d, (BLOCKS,)), mask=ok)
+        ok = tl.broadcast_to((blocks < K // 32)[:, None], (BLOCKS, 32))
+        x = tl.load(x_ptr + row * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
+        store_rounded(tl.reshape(x, (1, BLOCKS * 32)), tl.reshape(row * K + offs, (1, BLOCKS * 32)),
+                      tl.reshape(ok, (1, BLOCKS * 32)), q_ptr, d_ptr, 1, BLOCKS * 32, BITS)
 
     @gluon.jit
     def _q4k_header(hp):
@@ -558,35 +544,35 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     return y if split == 1 else reduce_splits(out, y, bias, pdl)
 
 
-def q16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] bf16/fp16 (K % 32 == 0, rows contiguous) -> (q [M, K] int16 in
-    `act_quant.q16_offsets` order, d [M, K / 32] float32 = max |x| / 32767 per 32 values), on
-    x's device (CUDA, or the interpreter)."""
-    M, K = x.shape
-    q, d = act_quant.buffers(M, K, x.device, 16)
-    pdl = pdl_ok(x)
-    _q16_kernel[(M, triton.cdiv(K // 32, Q8_BLOCKS))](x, q, d, K, x.stride(0), BLOCKS=Q8_BLOCKS, USE_PDL=pdl,
-                                                      num_warps=4, launch_pdl=pdl)
-    return q, d
-
-
-Q8_BLOCKS = 32  # 32-value blocks per program of `q8_1` (1,024 values)
+Q8_BLOCKS = 32  # 32-value blocks per program of `q8_1` / `q16` (1,024 values)
 # Register cap of the Q4_K GEMV: ptxas takes ~250 per thread (2 warps per scheduler) where 168
 # (3) hold the loop without spills at the default configs (tests' sm_90 compile)
 Q8_MAXNREG = 168
+
+
+def _round_x(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] bf16/fp16 (K % 32 == 0, rows contiguous) -> `act_quant.buffers` (q, d) written
+    by `_round_x_kernel`, on x's device (CUDA, or the interpreter)."""
+    M, K = x.shape
+    q, d = act_quant.buffers(M, K, x.device, bits)
+    pdl = pdl_ok(x)
+    _round_x_kernel[(M, triton.cdiv(K // 32, Q8_BLOCKS))](x, q, d, K, x.stride(0), BITS=bits, BLOCKS=Q8_BLOCKS,
+                                                          USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
+    return q, d
 
 
 def q8_1(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] bf16/fp16 (K % 32 == 0, rows contiguous) -> (q [M, K] int8, d [M, K / 32]
     float32): per 32 values d = max |x| / 127 and q = round(x / d) (llama.cpp's
     quantize_q8_1, without its sums), on x's device (CUDA, or the interpreter)."""
-    M, K = x.shape
-    q = torch.empty(M, K, dtype=torch.int8, device=x.device)
-    d = torch.empty(M, K // 32, dtype=torch.float32, device=x.device)
-    pdl = pdl_ok(x)
-    _q8_1_kernel[(M, triton.cdiv(K // 32, Q8_BLOCKS))](x, q, d, K, x.stride(0), BLOCKS=Q8_BLOCKS, USE_PDL=pdl,
-                                                       num_warps=4, launch_pdl=pdl)
-    return q, d
+    return _round_x(x, 8)
+
+
+def q16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] bf16/fp16 (K % 32 == 0, rows contiguous) -> (q [M, K] int16 in
+    `act_quant.q16_offsets` order, d [M, K / 32] float32 = max |x| / 32767 per 32 values), on
+    x's device (CUDA, or the interpreter)."""
+    return _round_x(x, 16)
 
 
 def q4k_gemv(x: torch.Tensor, raw: torch.Tensor, bias: torch.Tensor | None = None,
