@@ -337,8 +337,8 @@ def check_gluon_gemv(device: str, shapes=None) -> None:
 
 
 def check_act_quant(device: str) -> None:
-    """The RMSNorm and SiLU-mul kernels' integer copy of their output (ferrum/ops/act_quant.py)
-    is byte for byte what `q8_1` (int8, `act_quant.wanted` 8) / `q16` (int16 in its permuted
+    """`q16` against torch's rounding and order; the RMSNorm and SiLU-mul kernels' integer copy
+    of their output (ferrum/ops/act_quant.py) is byte for byte what `q8_1` (int8, `act_quant.wanted` 8) / `q16` (int16 in its permuted
     order, wanted 16) write of that output, for 1-4 rows, with and without a masked tail; none
     for 5 rows, a 3-D input or `act_quant.wanted` 0, and none of the other width; an in-place
     change of the output drops it; the Q4_K / 4-bit GEMV reads the attached copy (a zero copy
@@ -353,6 +353,19 @@ def check_act_quant(device: str) -> None:
 
     def rand(*shape):
         return (torch.randn(*shape, generator=gen) * 3).to(torch.bfloat16).to(device)
+    # q16 against torch: d = max |x| / 32767 per 32 values, q = round(x / d) (half to even), stored
+    # at act_quant.q16_offsets' positions (each run of 8 as x0 x2 x4 x6 x1 x3 x5 x7)
+    x = rand(3, 1024)
+    x[0, :32] = 0   # an all-zero block: d = 0, q = 0
+    q, d = gg.q16(x)
+    xb = x.float().cpu().view(3, -1, 32)
+    ref_d = xb.abs().amax(-1) * (1.0 / 32767.0)
+    inv = torch.where(ref_d > 0, 1.0 / torch.where(ref_d > 0, ref_d, 1.0), 0.0)
+    e = torch.arange(1024)
+    f, j = e % 32, e % 8
+    pos = e - f + 2 * (4 * (2 * (j % 2) + j // 4) + f // 8) + (j // 2) % 2
+    assert torch.equal(d.cpu(), ref_d)
+    assert torch.equal(q.cpu()[:, pos].view(3, -1, 32).float(), torch.round(xb * inv[..., None]))
     saved = act_quant.wanted
     try:
         # 16 first: the 8-bit half's Q4_K reference needs the gguf package, which a GPU machine may lack
