@@ -124,19 +124,21 @@ def attach(t: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _valid(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """x's (q, d) from `attach`, or None (none, or x changed in place since where torch tracks it)."""
+    rec = getattr(x, "_ferrum_qx", None)
+    return None if rec is None or rec[2] != _version(x) else (rec[0], rec[1])
+
+
 def attached(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(q, d) of `bits` bits written with x by `attach`, or None (none, other bits, or x
     changed in place since where torch tracks it)."""
-    rec = getattr(x, "_ferrum_qx", None)
-    if rec is None or rec[0].dtype != DTYPES[bits] or rec[2] != _version(x):
-        return None
-    return rec[0], rec[1]
+    rec = _valid(x)
+    return rec if rec is not None and rec[0].dtype == DTYPES[bits] else None
 
 
 def carry(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     """dst (a view of src's values, e.g. reshaped) with src's integer copy attached, if src has
     a valid one; returns dst."""
-    rec = getattr(src, "_ferrum_qx", None)
-    if rec is not None and rec[2] == _version(src):
-        attach(dst, rec[0], rec[1])
-    return dst
+    rec = _valid(src)
+    return attach(dst, *rec) if rec is not None else dst

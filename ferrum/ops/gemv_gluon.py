@@ -179,23 +179,22 @@ if HAS_GLUON:
             y = y * gl.expand_dims(gl.load(s_ptr + n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, LY))), 0)
         _store_tile(y_ptr, b_ptr, y, n0, pid_k, M, N, stride_ym, BLOCK_M, BLOCK_N, LY, HAS_BIAS, SPLIT_K)
 
+    @gluon.constexpr_function
+    def _dp2a_asm(hi):
+        return f"dp2a.{'hi' if hi else 'lo'}.s32.u32 $0, $1, $2, $3;"
+
     @gluon.jit
     def _dp2a(a, b, c, HI: gl.constexpr):
         """c + a_0 b_(2 HI) + a_1 b_(2 HI + 1): the two signed 16-bit halves of int32 words a
         times bytes 0, 1 (HI: 2, 3) of b (unsigned), PTX dp2a; int32."""
-        if HI:
-            out = gl.inline_asm_elementwise("dp2a.hi.s32.u32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
-                                            dtype=gl.int32, is_pure=True, pack=1)
-        else:
-            out = gl.inline_asm_elementwise("dp2a.lo.s32.u32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
-                                            dtype=gl.int32, is_pure=True, pack=1)
-        return out
+        return gl.inline_asm_elementwise(_dp2a_asm(HI), "=r,r,r,r", [a, b, c], dtype=gl.int32, is_pure=True,
+                                         pack=1)
 
     @gluon.jit
     def _w4_gemv_kernel(x_ptr, d_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, W_SPLIT, stride_xm,
-                            stride_dm, stride_qn, stride_sn, stride_ym, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
-                            BLOCK_N: gl.constexpr, BLOCK_C: gl.constexpr, HAS_BIAS: gl.constexpr,
-                            SPLIT_K: gl.constexpr, USE_PDL: gl.constexpr):
+                        stride_dm, stride_qn, stride_sn, stride_ym, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, BLOCK_C: gl.constexpr, HAS_BIAS: gl.constexpr,
+                        SPLIT_K: gl.constexpr, USE_PDL: gl.constexpr):
         """4-bit weight (ferrum's packed layout) times x in int16 (`q16`: x_ptr its int32 pairs
         [M, K / 2] in `act_quant.q16_offsets` order, d_ptr its float32 scales [M, K / 32]; strides
         in those elements) for M (<= BLOCK_M) rows, in integers. A thread's chunk is 4 words (32
@@ -479,6 +478,15 @@ def config_for(kind: str, x: torch.Tensor, N: int, K: int) -> tuple[int, int, in
         return None
     cfg = gemv_config(kind, N, K, x.shape[0])
     return cfg if cfg is not None and fits(kind, N, K, cfg) else None
+
+
+def request_x_copies(bits: int, weight: torch.Tensor) -> None:
+    """A layer whose GEMV reads x rounded to `bits` bits (8: Q4_K, 16: 4-bit) with its weight on
+    `weight`'s device: ask the producer kernels for that copy (`act_quant.wanted`) when the
+    Gluon GEMVs can run there and `KERNELS.q8_from_producers` is on."""
+    if (KERNELS.q8_from_producers and KERNELS.gluon_gemv and HAS_GLUON and weight.is_cuda
+            and is_sm90(weight)):
+        act_quant.wanted = bits
 
 
 def can_use(x: torch.Tensor) -> bool:

@@ -18,9 +18,8 @@ from torch import nn
 from ferrum.config import KERNELS
 from ferrum.errors import TensorParallelError, WeightLoadError
 from ferrum.layers.quantization.base import LinearMethod, QuantConfig, dequantized_on_cpu, shard_spec
-from ferrum.ops import act_quant, gemv_gluon
+from ferrum.ops import gemv_gluon
 from ferrum.ops import gguf as gguf_ops
-from ferrum.ops.triton_utils import is_sm90
 
 # `--quantization` names of random GGUF weights for dummy models -> GGML type
 DUMMY_TYPES = {"gguf_q4_0": gguf_ops.Q4_0, "gguf_q8_0": gguf_ops.Q8_0, "gguf_q4_k": gguf_ops.Q4_K,
@@ -128,9 +127,8 @@ class GGUFLinearMethod(LinearMethod):
         delattr(layer, "weight")
         layer.segments = segments
         t = segments[0][3]
-        if (KERNELS.q8_from_producers and KERNELS.gluon_gemv and t.is_cuda and is_sm90(t) and gemv_gluon.HAS_GLUON
-                and any(q == gguf_ops.Q4_K for _, _, q, _ in segments)):
-            act_quant.wanted = 8   # its GEMV reads int8 x: the norms / SiLU-mul write it (ferrum.ops.act_quant)
+        if any(q == gguf_ops.Q4_K for _, _, q, _ in segments):
+            gemv_gluon.request_x_copies(8, t)   # its GEMV reads int8 x: the norms / SiLU-mul write it
 
     def apply(self, layer, x, bias):
         outs = [torch.nn.functional.linear(x, t) if q is None else gguf_ops.gguf_linear(x, t, q)

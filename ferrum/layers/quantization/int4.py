@@ -29,9 +29,8 @@ from ferrum.errors import UnsupportedModelError, WeightLoadError
 from ferrum.layers.quantization.base import (LinearMethod, QuantConfig, dequantized_on_cpu, new_param,
                                              shard_spec)
 from ferrum.layers.quantization.fp8 import check_ignored
-from ferrum.ops import act_quant, gemv_gluon
+from ferrum.ops import gemv_gluon
 from ferrum.ops import int4 as int4_ops
-from ferrum.ops.triton_utils import is_sm90
 
 AWQ_NIBBLE = [0, 4, 1, 5, 2, 6, 3, 7]  # nibble of column 8c + i in AutoAWQ's words
 GROUP_SIZES = (32, 64, 128, -1)
@@ -160,9 +159,8 @@ class Int4LinearMethod(LinearMethod):
         layer.scales = nn.Parameter(scales, requires_grad=False)
         layer.zeros = nn.Parameter(zeros, requires_grad=False)
         layer.g_idx = None if g_idx is None else nn.Parameter(g_idx, requires_grad=False)
-        if (KERNELS.q8_from_producers and KERNELS.gluon_gemv and gemv_gluon.HAS_GLUON
-                and qweight.is_cuda and is_sm90(qweight) and g_idx is None and layer.group_size % 32 == 0):
-            act_quant.wanted = 16   # its GEMV reads int16 x: the norms / SiLU-mul write it (ferrum.ops.act_quant)
+        if g_idx is None and layer.group_size % 32 == 0:
+            gemv_gluon.request_x_copies(16, qweight)   # its GEMV reads int16 x: the norms / SiLU-mul write it
 
     def apply(self, layer, x, bias):
         return int4_ops.int4_linear(x, layer.qweight, layer.scales, layer.zeros, layer.group_size,
