@@ -12,7 +12,10 @@
   the next GEMV's weight stream starts during this kernel's tail. `pdl_ok(t)` says whether
   kernels on t's device use it; `KERNELS.pdl` (--no-pdl, FERRUM_PDL=0) turns it off. It
   survives CUDA-graph capture.
-- `reduce_splits`: the sum over a split-K GEMV's float32 partials (the 4-bit and Gluon GEMVs).
+- `reduce_splits`: the sum over a split-K GEMV's float32 partials (the Triton 4-bit GEMV).
+- `arrival_counters`: the int32 counters with which the last program of a split reduction
+  finds out that it is the last, and does the reduction itself instead of a second kernel
+  (the Gluon GEMVs' split-K, decode attention's split-KV merge).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ except ImportError:  # pragma: no cover
     HAS_TRITON = False
 
 _SM90: dict[int, bool] = {}
+_ARRIVALS: dict[tuple[str, torch.device], list[torch.Tensor]] = {}
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -67,6 +71,19 @@ def is_sm90(t: torch.Tensor) -> bool:
     if idx not in _SM90:
         _SM90[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
     return _SM90[idx]
+
+
+def arrival_counters(n: int, device: torch.device | str, user: str) -> torch.Tensor:
+    """int32 zeros [>= n] on device for one kind of kernel (`user`), shared by all its launches:
+    one counter per group of programs that reduce together; the last program of a group to
+    arrive (its atomic add returns the group size - 1) reduces and resets the counter to zero.
+    Launches on one stream run one after another (a PDL launch touches the counters only after
+    its wait), so each finds them at zero. A larger buffer is made when n outgrows the last;
+    the old ones are kept, as captured CUDA graphs still point at them."""
+    bufs = _ARRIVALS.setdefault((user, torch.device(device)), [])
+    if not bufs or bufs[-1].numel() < n:
+        bufs.append(torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device))
+    return bufs[-1]
 
 
 def pdl_ok(t: torch.Tensor) -> bool:
