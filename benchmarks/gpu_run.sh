@@ -21,8 +21,13 @@
 #             with fewer than 2 GPUs                                                     240 s
 #   quantkern issue 15: every batch-1 GEMV (bf16, FP8, 4-bit, GGUF) at the Llama-3-8B matrices
 #             over a grid of tile configs (benchmarks/quant_bench.py kernels)            180 s
-#   quant     issue 15: vLLM AWQ batch 1 (its driver), then ferrum in every weight format and
-#             Llama-3-70B FP8 on one GPU (quant_bench.py latency big, *_vs_vllm)         420 s
+#   quant     issue 15: vLLM batch 1 in each format of $QUANT_VLLM (default awq; fp8, and
+#             gguf_q4_k through benchmarks/vllm_gguf_peer.py), then ferrum in $QUANT_FORMATS
+#             (default all five) and, QUANT_BIG=1, Llama-3-70B FP8 on one GPU (quant_bench.py
+#             latency big, *_vs_vllm)                                                    420 s
+#   ab        ferrum batch-1 latency in $AB_FORMATS (bf16 awq) from commit $AB_BASE's tree in
+#             $AB_DIR (carried: `git archive $AB_BASE ferrum benchmarks | tar -x -C .old`), then
+#             from this tree, in one command                                             400 s
 #   moe       issue 17: vLLM on the Qwen3-30B-A3B shape (benchmarks/vllm_moe_peer.py), then
 #             ferrum (benchmarks/moe_bench.py latency batch256 nanovllm, *_vs_vllm)      480 s
 #   tput      issue 16: 1000 x (1000 in, 1000 out), bf16, ferrum at TPUT_SEQS (512) sequences
@@ -82,6 +87,10 @@ SWEEP_BATCHES=${SWEEP_BATCHES:-1 8 32 64 128 256}
 SWEEP_IN_LEN=${SWEEP_IN_LEN:-128}
 SWEEP_OUT_LEN=${SWEEP_OUT_LEN:-64}
 GLUON_AB=${GLUON_AB:-0 1}   # gluon: the FERRUM_GLUON_GEMV values whose batch-1 latency is measured
+QUANT_VLLM=${QUANT_VLLM:-awq}                               # quant: vLLM's formats (fp8 awq gguf_q4_k)
+QUANT_FORMATS=${QUANT_FORMATS:-bf16 fp8 awq gptq gguf_q4_k}  # quant: ferrum's formats
+QUANT_BIG=${QUANT_BIG:-1}                                   # quant: also Llama-3-70B FP8 (1) or not (0)
+AB_BASE=${AB_BASE:-base}; AB_DIR=${AB_DIR:-.old}; AB_FORMATS=${AB_FORMATS:-bf16 awq}   # ab
 export PYTHONUNBUFFERED=1
 # NVLink multicast stays off on the shared H200 hosts (KINDS.md), in every process we start
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -113,8 +122,8 @@ for s in "${@:-all}"; do
     case $s in
         all) sections+=(tests latency ttft nanovllm tp2) ;;
         bench) sections+=(latency ttft nanovllm tp2) ;;
-        tests|latency|ttft|nanovllm|sweep|tp2|tput|quantkern|quant|moe|fp8|attntune|gluon|w4) sections+=("$s") ;;
-        *) echo "unknown section $s (tests latency ttft nanovllm sweep tp2 tput quantkern quant moe fp8 attntune gluon w4 | bench | all)" >&2; exit 2 ;;
+        tests|latency|ttft|nanovllm|sweep|tp2|tput|quantkern|quant|moe|fp8|attntune|gluon|w4|ab) sections+=("$s") ;;
+        *) echo "unknown section $s (tests latency ttft nanovllm sweep tp2 tput quantkern quant moe fp8 attntune gluon w4 ab | bench | all)" >&2; exit 2 ;;
     esac
 done
 
@@ -165,7 +174,7 @@ free_gpu() {
     fi
 }
 
-declare -A LIMIT=([sweep]=240 [gluon]=540 [quant_vllm_awq]=200 [moe_vllm]=300 [tests]=480 [latency]=330 [ttft]=300 [nanovllm]=240 [tp2]=240 [quantkern]=240 [quant]=420 [moe]=480 [tput]=480 [fp8]=480 [attntune]=300 [w4]=560)
+declare -A LIMIT=([sweep]=240 [gluon]=540 [quant_vllm_awq]=200 [quant_vllm_fp8]=200 [quant_vllm_gguf_q4_k]=300 [ab]=400 [moe_vllm]=300 [tests]=480 [latency]=330 [ttft]=300 [nanovllm]=240 [tp2]=240 [quantkern]=240 [quant]=420 [moe]=480 [tput]=480 [fp8]=480 [attntune]=300 [w4]=560)
 summary=$OUT/summary.txt
 echo "gpu_run.sh ${sections[*]} at commit $FERRUM_GIT_COMMIT, $(date -u +%FT%TZ), device $DEVICE, $ngpus GPU(s), peers: ${peers[*]:-none}" >>"$summary"
 
@@ -246,13 +255,36 @@ for sec in "${sections[@]}"; do
         run_section quantkern "$PY" benchmarks/quant_bench.py kernels --out "$OUT"
         ;;
     quant)
-        # vLLM's AWQ figure first (its own process group, killed by free_gpu), then ferrum's
-        # formats, which read it from $OUT for the *_vs_vllm ratios
+        # vLLM's batch-1 figure in each format of QUANT_VLLM first (each in its own process
+        # group, killed by free_gpu; gguf_q4_k through benchmarks/vllm_gguf_peer.py, which writes
+        # its Q4_K file first), then ferrum in QUANT_FORMATS (+ Llama-3-70B FP8 with QUANT_BIG=1),
+        # reading vLLM's files from $OUT for the *_vs_vllm ratios
         if has_peer vllm; then
-            run_section quant_vllm_awq env "PYTHONPATH=$VLLM_SITE" VLLM_USE_FLASHINFER_SAMPLER=0 VB_QUANT=awq \
-                PEER_CONFIGS=benchmarks/configs OUT="$OUT" setsid "$PY" "$PEERS_DIR/vllm_bench.py" latency 1
+            for f in $QUANT_VLLM; do
+                if [[ $f == gguf_q4_k ]]; then
+                    run_section quant_vllm_$f env "PYTHONPATH=$VLLM_SITE:${PYTHONPATH:-}" VLLM_USE_FLASHINFER_SAMPLER=0 \
+                        OUT="$OUT" setsid "$PY" benchmarks/vllm_gguf_peer.py
+                else
+                    run_section quant_vllm_$f env "PYTHONPATH=$VLLM_SITE" VLLM_USE_FLASHINFER_SAMPLER=0 VB_QUANT=$f \
+                        PEER_CONFIGS=benchmarks/configs OUT="$OUT" setsid "$PY" "$PEERS_DIR/vllm_bench.py" latency 1
+                fi
+            done
         fi
-        run_section quant "$PY" benchmarks/quant_bench.py latency big --out "$OUT" --vllm-dir "$OUT"
+        big=()
+        [[ $QUANT_BIG == 1 ]] && big=(big)
+        # shellcheck disable=SC2086
+        run_section quant "$PY" benchmarks/quant_bench.py latency "${big[@]}" --formats $QUANT_FORMATS --out "$OUT" \
+            --vllm-dir "$OUT"
+        ;;
+    ab)
+        # the same batch-1 latency (AB_FORMATS) from the tree of commit AB_BASE, unpacked (git
+        # archive of ferrum/ and benchmarks/) in AB_DIR and carried, then from this tree: the
+        # ratio of one change in one command (quant_latency_base.json, quant_latency.json)
+        # shellcheck disable=SC2086
+        run_section ab bash -c "mkdir -p '$OUT/base' && cd '$AB_DIR' && PYTHONPATH='$PWD/$AB_DIR:/tmp/site' FERRUM_GIT_COMMIT=$AB_BASE \
+            '$PY' benchmarks/quant_bench.py latency --formats $AB_FORMATS --out '$OUT/base' \
+            && mv '$OUT/base/quant_latency.json' '$OUT/quant_latency_base.json'; cd '$PWD' \
+            && '$PY' benchmarks/quant_bench.py latency --formats $AB_FORMATS --out '$OUT'"
         ;;
     tput)
         # shellcheck disable=SC2046

@@ -43,7 +43,7 @@ from ferrum.benchmarks.mbu import (engine_bytes_per_step, mbu_columns, measure_r
 
 FORMATS = {"bf16": None, "fp8": "fp8", "awq": "awq", "gptq": "gptq", "gguf_q4_k": "gguf_q4_k"}
 SPEEDUP_KEY = {"fp8": "fp8", "awq": "w4a16", "gptq": "gptq", "gguf_q4_k": "gguf_q4_k"}
-VLLM_QUANT = {"bf16": "bf16", "fp8": "fp8", "awq": "awq"}  # formats vllm_bench.py runs
+VLLM_QUANT = {"bf16": "bf16", "fp8": "fp8", "awq": "awq", "gguf_q4_k": "gguf_q4_k"}  # vllm_bench.py; gguf: vllm_gguf_peer.py
 
 
 def _vllm(args, section: str, fmt: str) -> dict | None:

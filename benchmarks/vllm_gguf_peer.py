@@ -18,7 +18,7 @@ head). No tokenizer in the file: the metadata holds the llama.* keys and llama.v
 vLLM: the file as the model (vLLM picks quantization / load_format "gguf" for a GGUF file; both
 are also passed), the config from a folder holding the benchmark config.json (`hf_config_path`;
 vLLM's speculators check still parses the GGUF metadata with transformers, hence the llama.* keys),
-skip_tokenizer_init, bf16 activations, and vllm_bench.py's latency settings (batch 1, 128-token
+skip_tokenizer_init, bf16 activations (VB_DTYPE overrides), and vllm_bench.py's latency settings (batch 1, 128-token
 random token-id prompt, max_model_len prompt + 600, gpu_memory_utilization 0.85, max_num_seqs 8;
 TTFT = best of 3 one-token requests, decode tok/s = 511 / (best of 3 times for 512 tokens - TTFT)).
 Prints one `VLLMPEER {json}` line and writes $OUT/vllm_latency_gguf_q4_k_p128_tp1.json in
@@ -189,7 +189,8 @@ def run_vllm(path: str, cfg_dir: str) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")   # no hub on the GPU machine: fail fast, never wait
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-    kw = dict(hf_config_path=cfg_dir, quantization="gguf", load_format="gguf", dtype="bfloat16",
+    kw = dict(hf_config_path=cfg_dir, quantization="gguf", load_format="gguf",
+              dtype=os.environ.get("VB_DTYPE", "bfloat16"),
               tensor_parallel_size=1, max_model_len=P_LAT + 600, skip_tokenizer_init=True,
               gpu_memory_utilization=0.85, max_num_seqs=8)
     llm = LLM(path, **kw)
