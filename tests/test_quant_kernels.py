@@ -138,7 +138,7 @@ def check_int4_gemv(device: str, shapes=((64, 256), (40, 128)), rows=(1, 5), gro
 
 def check_int4_gemv_configs(device: str, N: int = 24, K: int = 384) -> None:
     """The 4-bit GEMV's other paths at explicit configs: tiles inside one group (BLOCK_K <
-    group) and spanning several, split-K (float32 partials + the reduce kernel, with bias),
+    group) and spanning several, split-K (float32 partials summed by the last program, with bias),
     masked tails (N, K not dividing the tile at the default shape), g_idx with split-K and
     with 4 rows, tiles wider than K."""
     from ferrum.ops import int4
@@ -157,6 +157,8 @@ def check_int4_gemv_configs(device: str, N: int = 24, K: int = 384) -> None:
         ref = torch.nn.functional.linear(x.double(), ref_w, b.double())
         got = int4.int4_gemv(x.to(device), qw, s, z, group, g, b.to(device), config=cfg)
         _check(got, ref, torch.bfloat16, f"int4 gemv M={M} g={group} act_order={act_order} config={cfg}")
+    from ferrum.ops.triton_utils import _ARRIVALS   # split-K left its arrival counters at zero
+    assert _ARRIVALS and all(not b.any() for bufs in _ARRIVALS.values() for b in bufs), "arrival counters not reset"
 
 
 def check_int4_gemm(device: str, shapes=((64, 256),), rows=(9, 40)) -> None:
@@ -688,7 +690,7 @@ def check_sm90_compile(device: str) -> None:
                 for sp in sorted({split, 4} if k > n else {split}):  # and a split-K one for down_proj
                     build(int4._w4_gemv_kernel, dict(common, GROUP=128, HAS_GIDX=gidx, BLOCK_N=bn, BLOCK_K=bk,
                                                      GT=gt, SPLIT_K=sp),
-                          dict(w4_ptrs, y_ptr="*bf16" if sp == 1 else "*fp32"), w, st,
+                          dict(w4_ptrs, p_ptr="*fp32", c_ptr="*i32"), w, st,
                           f"int4 gemv M={M} {n}x{k} g_idx={gidx} split={sp}")
             for qtype in gguf.PACKED_TYPES:
                 bn, w, st, *magic = gguf.gguf_gemv_config(qtype, n, k, M)
@@ -726,9 +728,6 @@ def check_sm90_compile(device: str) -> None:
     for bits, q in ((8, "*i8"), (16, "*i16")):
         build(gg._round_x_kernel, dict(BITS=bits, BLOCKS=gg.Q8_BLOCKS, USE_PDL=True),
               dict(x_ptr="*bf16", q_ptr=q, d_ptr="*fp32"), 4, 1, f"round x to {bits} bits")
-    from ferrum.ops import triton_utils
-    build(triton_utils._splitk_reduce_kernel, dict(SPLIT_K=4, HAS_BIAS=True, BLOCK=1024, USE_PDL=True),
-          dict(p_ptr="*fp32", b_ptr="*bf16", y_ptr="*bf16"), 4, 1, "split-K reduce")
     for M in (16, 512):
         bm, bn, bk, w, st = int4.int4_gemm_config(M, 4096, 4096)
         build(int4._w4_gemm_kernel, dict(GROUP=128, HAS_GIDX=True, HAS_BIAS=False, EVEN=True, BLOCK_M=bm,

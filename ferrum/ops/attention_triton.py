@@ -322,21 +322,28 @@ if HAS_TRITON:
                 num_kv = tl.num_programs(1)
             cnt = cnt_ptr + b * num_kv + kvh
             if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-                _merge_splits(o_ptr, lse_ptr, out_ptr, qx_ptr, dx_ptr, cnt, b, heads, g_mask, offs_d, num_kv * GROUP,
+                _merge_splits(o_ptr, lse_ptr, out_ptr, qx_ptr, dx_ptr, cnt, b, kvh, offs_d, num_kv * GROUP,
                               stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
-                              NUM_SPLITS, SPLITS_PAD, GROUP_PAD, HEAD_DIM, QBITS)
+                              GROUP, NUM_SPLITS, SPLITS_PAD, HEAD_DIM, QBITS)
 
     @triton.jit
-    def _merge_splits(o_ptr, lse_ptr, out_ptr, qx_ptr, dx_ptr, cnt, b, heads, g_mask, offs_d, H,
+    def _merge_splits(o_ptr, lse_ptr, out_ptr, qx_ptr, dx_ptr, cnt, b, kvh, offs_d, H,
                       stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
-                      NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
+                      GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
                       HEAD_DIM: tl.constexpr, QBITS: tl.constexpr):
-        """out[b, heads] = sum_s w_s o_s / sum_s w_s over the splits' partials, w_s = 2^(lse_s -
-        max lse), summed in split order; empty splits have lse = -inf (w = 0), and if all are
-        empty (seq_len 0) the output is 0, not NaN. QBITS 8 / 16: also the output as integers
-        q [B, H * D] and float32 d [B, H * D / 32] (act_quant.store_rounded of the rounded
-        output; D % 32 == 0), o_proj's Q4_K / 4-bit GEMV input (H heads per row). Resets the
-        arrival counter cnt."""
+        """out[b, h] for the GROUP query heads h of KV head kvh = sum_s w_s o_s / sum_s w_s over
+        the splits' partials, w_s = 2^(lse_s - max lse), summed in split order; empty splits
+        have lse = -inf (w = 0), and if all are empty (seq_len 0) the output is 0, not NaN.
+        The split loop is unrolled and elementwise (no reduction across threads, so no barrier
+        between its loads: they can all be in flight, about one L2 latency); only the [GROUP,
+        SPLITS] log-sum-exps are reduced across threads, once. QBITS 8 / 16: also the output
+        as integers q [B, H * D] and float32 d [B, H * D / 32] (act_quant.store_rounded of the
+        rounded output; D % 32 == 0), o_proj's Q4_K / 4-bit GEMV input. Resets the arrival
+        counter cnt."""
+        G2: tl.constexpr = triton.next_power_of_2(GROUP)
+        rows = tl.arange(0, G2)
+        heads = kvh * GROUP + rows
+        g_mask = rows < GROUP
         offs_s = tl.arange(0, SPLITS_PAD)
         l_ptrs = lse_ptr + b * stride_lb + heads * stride_lh
         lse = tl.load(l_ptrs[:, None] + offs_s[None, :], mask=g_mask[:, None] & (offs_s < NUM_SPLITS)[None, :],
@@ -345,19 +352,18 @@ if HAS_TRITON:
         m = tl.where(m == float("-inf"), 0.0, m)
         denom = tl.sum(tl.exp2(lse - m[:, None]), 1)
         o_ptrs = o_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        for s in range(NUM_SPLITS):
+        acc = tl.zeros([G2, HEAD_DIM], tl.float32)
+        for s in tl.static_range(NUM_SPLITS):
             w = tl.exp2(tl.load(l_ptrs + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg") - m)
             acc += w[:, None] * tl.load(o_ptrs + s * stride_os, mask=g_mask[:, None], other=0.0, cache_modifier=".cg")
-        out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
-        tl.store(out_ptr + b.to(tl.int64) * stride_outb + heads[:, None] * stride_outh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+        out = (acc / tl.where(denom > 0, denom, 1.0)[:, None]).to(out_ptr.dtype.element_ty)
+        mask = tl.broadcast_to(g_mask[:, None], (G2, HEAD_DIM))
+        tl.store(out_ptr + b.to(tl.int64) * stride_outb + heads[:, None] * stride_outh + offs_d[None, :], out,
+                 mask=mask)
         if QBITS:
             # [B, H * D]: head h of row b is D values at (b * H + h) * D
             offs = (b.to(tl.int64) * H + heads[:, None]) * HEAD_DIM + offs_d[None, :]
-            store_rounded(out.to(out_ptr.dtype.element_ty).to(tl.float32), offs,
-                          tl.broadcast_to(g_mask[:, None], (GROUP_PAD, HEAD_DIM)), qx_ptr, dx_ptr, GROUP_PAD,
-                          HEAD_DIM, QBITS)
+            store_rounded(out.to(tl.float32), offs, mask, qx_ptr, dx_ptr, G2, HEAD_DIM, QBITS)
         tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
 
 

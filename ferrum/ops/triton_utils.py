@@ -12,10 +12,9 @@
   the next GEMV's weight stream starts during this kernel's tail. `pdl_ok(t)` says whether
   kernels on t's device use it; `KERNELS.pdl` (--no-pdl, FERRUM_PDL=0) turns it off. It
   survives CUDA-graph capture.
-- `reduce_splits`: the sum over a split-K GEMV's float32 partials (the Triton 4-bit GEMV).
 - `arrival_counters`: the int32 counters with which the last program of a split reduction
   finds out that it is the last, and does the reduction itself instead of a second kernel
-  (the Gluon GEMVs' split-K, decode attention's split-KV merge).
+  (the split-K GEMVs, decode attention's split-KV merge).
 """
 from __future__ import annotations
 
@@ -93,7 +92,6 @@ def pdl_ok(t: torch.Tensor) -> bool:
 
 
 if HAS_TRITON:
-    import triton.language as tl
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
@@ -103,31 +101,6 @@ if HAS_TRITON:
         gdc_wait()
         gdc_launch_dependents()
 
-    @triton.jit
-    def _splitk_reduce_kernel(p_ptr, b_ptr, y_ptr, MN, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                              BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-        """y [M, N] (contiguous) = sum over the SPLIT_K float32 partials p [SPLIT_K, M, N] + bias."""
-        if USE_PDL:
-            pdl_start()
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < MN
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for i in tl.static_range(SPLIT_K):
-            acc += tl.load(p_ptr + i * MN + offs, mask=mask, other=0.0)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-
 else:  # pragma: no cover
-    pdl_start = _splitk_reduce_kernel = None
+    pdl_start = None
 
-
-def reduce_splits(part: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, pdl: bool) -> torch.Tensor:
-    """The last step of a split-K GEMV: y [M, N] (contiguous, its dtype) = the sum over the
-    float32 partials part [SPLIT_K, M, N] (or [SPLIT_K, N] for M = 1) + bias [N]; returns y."""
-    split, n = part.shape[0], y.shape[-1]
-    mn = y.numel()
-    _splitk_reduce_kernel[(triton.cdiv(mn, 1024),)](
-        part, bias if bias is not None else part, y, mn, n, SPLIT_K=split, HAS_BIAS=bias is not None,
-        BLOCK=1024, USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
-    return y
