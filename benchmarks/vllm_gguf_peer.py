@@ -10,9 +10,12 @@ Options --gguf PATH, --write-only. The file (`write_gguf`, when PATH is absent o
 shapes; default /tmp/models/llama3-8b-q4_k.gguf, ~6 GB): shapes of benchmarks/configs/llama3-8b.json, llama.cpp
 tensor names, every attn_q/k/v/output and ffn_gate/up/down weight Q4_K (random bytes, then each
 144-byte block's fp16 d and dmin at bytes 0 and 2 set to U(0.0005, 0.002), as `init_dummy` in
-ferrum/layers/quantization/gguf.py), norms F32 ones, token_embd and output F16 (small random), so
-the bytes read per decode step are those of ferrum's dummy gguf_q4_k model (bf16 embedding and LM
-head). No tokenizer in the file: the metadata holds the llama.* keys and llama.vocab_size.
+ferrum/layers/quantization/gguf.py), norms F32 ones, output F16 (small random) and token_embd Q4_K,
+so the bytes read per decode step are those of ferrum's dummy gguf_q4_k model (bf16 LM head; a
+decode step reads one embedding row, 2.3 KB in Q4_K, 8 KB in ferrum's bf16). token_embd is Q4_K, as
+in llama.cpp's Q4_K_M files, because vLLM 0.22.1 builds Llama's embedding with an empty module
+prefix, so its GGUF loader never finds an F16 token_embd among the unquantized modules and fails
+(KeyError: 'embed_tokens.weight'). No tokenizer in the file: the metadata holds the llama.* keys and llama.vocab_size.
 `--write-only` writes the file and exits (no vLLM), e.g. to time it.
 
 vLLM: the file as the model (vLLM picks quantization / load_format "gguf" for a GGUF file; both
@@ -59,7 +62,7 @@ def tensor_plan(cfg: dict) -> list[tuple[str, tuple[int, int] | tuple[int], str]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
     shapes = {"attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, q),
               "ffn_gate": (inter, h), "ffn_up": (inter, h), "ffn_down": (h, inter)}
-    plan = [("token_embd.weight", (v, h), "F16")]
+    plan = [("token_embd.weight", (v, h), "Q4_K")]   # not F16: see the module docstring
     for i in range(cfg["num_hidden_layers"]):
         plan.append((f"blk.{i}.attn_norm.weight", (h,), "F32"))
         plan += [(f"blk.{i}.{n}.weight", shapes[n], "Q4_K") for n in LINEARS[:4]]

@@ -38,7 +38,7 @@ def test_names_types_shapes_and_metadata(peer, tiny):
     cfg, path, info = tiny
     r = GGUFReader(path)
     got = {t.name: (t.tensor_type, tuple(int(d) for d in reversed(t.shape))) for t in r.tensors}
-    want = {"token_embd.weight": (QT.F16, (512, 256)), "output.weight": (QT.F16, (512, 256)),
+    want = {"token_embd.weight": (QT.Q4_K, (512, 256)), "output.weight": (QT.F16, (512, 256)),
             "output_norm.weight": (QT.F32, (256,))}
     for i in range(2):
         b = f"blk.{i}."
@@ -48,7 +48,7 @@ def test_names_types_shapes_and_metadata(peer, tiny):
                  b + "ffn_gate.weight": (QT.Q4_K, (512, 256)), b + "ffn_up.weight": (QT.Q4_K, (512, 256)),
                  b + "ffn_down.weight": (QT.Q4_K, (256, 512))}
     assert got == want
-    assert info["tensor_types"] == {"F16": 2, "F32": 5, "Q4_K": 14}
+    assert info["tensor_types"] == {"F16": 1, "F32": 5, "Q4_K": 15}
     assert info["bytes"] == pathlib.Path(path).stat().st_size
     assert peer.check_gguf(path, cfg)["tensor_types"] == info["tensor_types"]   # reused, not rewritten
     f = {k: v.contents() for k, v in r.fields.items()}
@@ -59,8 +59,10 @@ def test_names_types_shapes_and_metadata(peer, tiny):
     assert not any(k.startswith("tokenizer.") for k in f)
     t = {t.name: t for t in r.tensors}
     assert np.all(t["output_norm.weight"].data == 1.0)
-    emb = t["token_embd.weight"].data.astype(np.float32)
-    assert np.isfinite(emb).all() and 0 < np.abs(emb).max() <= 0.0201   # 0.02 rounded to fp16
+    head = t["output.weight"].data.astype(np.float32)
+    assert np.isfinite(head).all() and 0 < np.abs(head).max() <= 0.0201   # 0.02 rounded to fp16
+    emb = gguf_dequantize(torch.from_numpy(np.asarray(t["token_embd.weight"].data).copy()), QT.Q4_K, 256)
+    assert emb.shape == (512, 256) and torch.isfinite(emb).all()
 
 
 def test_q4_k_blocks_have_ferrums_dummy_scales(tiny):
