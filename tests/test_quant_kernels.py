@@ -93,7 +93,8 @@ def _int4_case(N, K, group, act_order, gen, device):
     if act_order:
         g_idx = torch.empty(K, dtype=torch.int32)
         g_idx[torch.randperm(K, generator=gen)] = (torch.arange(K) // group).to(torch.int32)
-    t = [int4.pack_int4_rows(q), scales, zeros, g_idx]
+    # packed where it runs: the LM head's 128256 x 4096 takes minutes to pack on the CPU
+    t = [int4.pack_int4_rows(q.to(device)), scales, zeros, g_idx]
     return [None if x is None else x.to(device) for x in t]
 
 
@@ -550,7 +551,8 @@ def test_gluon_gemv_llama3_8b_shapes_on_gpu():
 @pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUDA + triton")
 def test_split_reductions_repeat_exactly_on_gpu():
     """The reductions done by the last program to arrive (the Gluon GEMVs' split-K at
-    Llama-3-8B's down_proj / LM head shapes, decode attention's split merge) 200 times over,
+    Llama-3-8B's down_proj / LM head shapes, the Triton 4-bit GEMV's split-K, decode attention's
+    split merge) 200 times over,
     interleaved and back to back (PDL launches overlap their predecessors' tails): every output
     bitwise equal to the first (the sum runs in split order whoever arrives last; a lost
     arrival would leave a stale output, an early one a partial sum), the first one right
@@ -571,6 +573,13 @@ def test_split_reductions_repeat_exactly_on_gpu():
         else:
             _check(first, torch.nn.functional.linear(x.double(), ref_w), torch.bfloat16, what)
         calls[what] = (lambda call=call, x=x.cuda(), cfg=cfg: call(x, None, cfg), first)
+    from ferrum.ops import int4   # the Triton 4-bit GEMV (FERRUM_GLUON_GEMV=0, not Hopper): split-K 4
+    qw, s, z, _ = _int4_case(4096, 14336, 128, False, gen, "cuda")
+    x = torch.randn(1, 14336, generator=gen).to(torch.bfloat16)
+    ref = torch.nn.functional.linear(x.double(), int4.dequantize_int4(qw.cpu(), s.cpu(), z.cpu(), 128).double())
+    w4 = lambda x=x.cuda(): int4.int4_gemv(x, qw, s, z, 128, None, config=(16, 256, 4, 1, 4))  # noqa: E731
+    _check(w4(), ref, torch.bfloat16, "triton int4 split-K 4096x14336")
+    calls["triton int4 split-K"] = (w4, w4())
     _decode_case("cuda", torch.bfloat16, 32, 8, 128, 16, [1000, 37, 0, 513], [16, 5], gen)  # vs float64
     seq_lens = [1000, 37, 0, 513]
     cache, bt, _ = _paged_cache(seq_lens, 8, 128, 16, torch.bfloat16, "cuda", gen)
