@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
 # Issue 15's GPU session in four device calls of one lease (each under the 600 s call limit;
 # the machine stays warm 30 s between calls, so send the next call at once). Each call carries
-# one vLLM chunk (../shared/peers/build_vllm_peer.sh .peers/vc) with the wheels:
+# one vLLM chunk (../shared/peers/build_vllm_peer.sh .peers/vc); call 1 also the wheels, which
+# it installs into /tmp/site for the later calls (PYTHONPATH=/tmp/site in front of them):
 #
 #   call 1: carry .whl .peers/vllm_bench.py .peers/vc/part.00        bash benchmarks/quant_gpu_session.sh 1
-#   call 2: carry .whl .old .peers/vc/part.01                        bash benchmarks/quant_gpu_session.sh 2
-#   call 3: carry .whl .peers/vllm_bench.py .peers/vc/part.02 .peers/vc/bin   ... 3
-#   call 4: carry .whl .peers/vllm_bench.py                          bash benchmarks/quant_gpu_session.sh 4
+#   call 2: carry .old .peers/vc/part.01                             bash benchmarks/quant_gpu_session.sh 2
+#   call 3: carry .peers/vllm_bench.py .peers/vc/part.02 .peers/vc/bin       ... 3
+#   call 4: carry .peers/vllm_bench.py                               bash benchmarks/quant_gpu_session.sh 4
 #
 # with OUT set by the device tool and FERRUM_GIT_COMMIT=<sha> in front. The tree (~6 MB) plus
-# what a call carries must stay under 64 MiB.
-#   1: the GPU tests of the decode path and the quantized GEMVs (incl. the split reductions'
-#      repeat test), while the Llama-3-8B-shape Q4_K GGUF for vLLM is written to /tmp/models.
-#   2: ferrum batch-1 latency (bf16, AWQ) from the tree of $AB_BASE (default 7776b56, the
-#      commit before the in-kernel split reductions; `git archive 7776b56 ferrum benchmarks |
-#      tar -x -C .old` here first) and from this tree in one command; decode profiles of AWQ,
-#      FP8 and GGUF Q4_K (profile_decode.py engine, batch 1).
+# what a call carries must stay under 64 MiB (on 2026-12-05 .whl + .old + part.01 did not).
+#   1: the GPU tests of the decode path and the quantized GEMVs, while the Llama-3-8B-shape
+#      Q4_K GGUF for vLLM is written to /tmp/models.
+#   2: ferrum batch-1 latency in $AB_FORMATS (default "bf16 awq") from the tree of $AB_BASE
+#      (required: `git archive $AB_BASE ferrum benchmarks | tar -x -C .old` here first) and
+#      from this tree in one command; decode profiles of AWQ, FP8 and GGUF Q4_K
+#      (profile_decode.py engine, batch 1).
 #   3: vLLM unpacked; vLLM GGUF Q4_K and FP8, then ferrum bf16 / FP8 / Q4_K (one command:
 #      gguf_q4_k_vs_vllm, fp8_vs_vllm, *_speedup_vs_bf16).
 #   4: vLLM AWQ, then ferrum bf16 / AWQ / GPTQ (w4a16_vs_vllm, w4a16_speedup_vs_bf16).
@@ -33,13 +34,14 @@ case $step in
         (sleep 25; PYTHONPATH=/tmp/site python3 benchmarks/vllm_gguf_peer.py --write-only >/tmp/gguf_write.log 2>&1) &
         q=tests/test_quant_kernels.py
         GPU_TESTS="tests/test_gpu.py tests/test_triton_kernels.py tests/test_sliding_window.py \
-$q::test_split_reductions_repeat_exactly_on_gpu $q::test_gluon_gemv_llama3_8b_shapes_on_gpu $q::test_kernel_on_gpu \
+$q::test_gluon_gemv_llama3_8b_shapes_on_gpu $q::test_kernel_on_gpu \
 $q::test_quantized_models_on_gpu $q::test_fp8_kv_attention_on_gpu" LIMIT_tests=470 bash benchmarks/gpu_run.sh tests
         wait
         cp /tmp/gguf_write.log "$OUT/" 2>/dev/null
         ;;
     2)
-        AB_BASE=${AB_BASE:-7776b56} AB_FORMATS="bf16 awq" LIMIT_ab=300 bash benchmarks/gpu_run.sh ab
+        AB_BASE=${AB_BASE:?set AB_BASE to the commit unpacked in .old} AB_FORMATS=${AB_FORMATS:-bf16 awq} LIMIT_ab=300 \
+            bash benchmarks/gpu_run.sh ab
         for q in awq fp8 gguf_q4_k; do
             python3 benchmarks/profile_decode.py engine --tp 1 --engine-batches 1 --async-modes on --steps 64 \
                 --quantization $q --out "$OUT" >"$OUT/profile_$q.log" 2>&1

@@ -42,11 +42,10 @@ def decode_loop(kv: str, block_n: int, splits: int, head_dim: int = 128) -> dict
     out = "*bf16" if splits == 1 else "*fp32"
     _, _, sass = sm90_sass(tb._decode_split_kernel,
                            dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=head_dim, PAGE=16, BLOCK_N=block_n,
-                                NUM_SPLITS=splits, SPLITS_PAD=tb.next_pow2(splits), DIRECT_OUT=splits == 1,
-                                DOT_PREC="tf32", FP8=fp8, USE_PDL=True, WINDOWED=False),
+                                NUM_SPLITS=splits, DIRECT_OUT=splits == 1, DOT_PREC="tf32", FP8=fp8,
+                                USE_PDL=True, WINDOWED=False),
                            dict(q_ptr="*bf16", kc_ptr=c, vc_ptr=c, bt_ptr="*i32", seqlen_ptr="*i32",
-                                ks_ptr="*fp32", vs_ptr="*fp32", o_ptr=out, lse_ptr=out, out_ptr="*bf16",
-                                qx_ptr="*i8", dx_ptr="*fp32", cnt_ptr="*i32"), warps, stages)
+                                ks_ptr="*fp32", vs_ptr="*fp32", o_ptr=out, lse_ptr=out), warps, stages)
     body = max(_sass_loops(sass), key=len)
     kv_bytes = block_n * head_dim * 2 * (1 if fp8 else 2)   # K and V of one tile
     per_byte = len(body) * warps / kv_bytes
@@ -63,19 +62,19 @@ def gemv_loop(kind: str, N: int = 28672, K: int = 4096) -> dict:
     from ferrum.ops import gemv_gluon as gg
     bn, warps, split = gg.default_config(kind, N, K, 1)
     common = dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_C=32 * warps, HAS_BIAS=False, SPLIT_K=split, USE_PDL=True)
-    y = dict(y_ptr="*bf16", p_ptr="*fp32", c_ptr="*i32")   # output, split-K partials, arrival counters
+    y = "*bf16" if split == 1 else "*fp32"
     if kind == "q4_k":
         fn, consts = gg._q4k_gemv_kernel, common
-        ptrs = dict(x_ptr="*i32", d_ptr="*fp32", w_ptr="*i32", b_ptr="*bf16", **y)
+        ptrs = dict(x_ptr="*i32", d_ptr="*fp32", w_ptr="*i32", b_ptr="*bf16", y_ptr=y)
         chunk_bytes = 32 + 16 / 8 * 2  # 64 values: 32 quant bytes + their share of the 144-byte block's header
     elif kind == "w4":
         fn, consts = gg._w4_gemv_kernel, dict(common, GROUP=128)
-        ptrs = dict(x_ptr="*i32", d_ptr="*fp32", qw_ptr="*i32", s_ptr="*fp16", z_ptr="*fp16", b_ptr="*fp16", **y)
+        ptrs = dict(x_ptr="*i32", d_ptr="*fp32", qw_ptr="*i32", s_ptr="*fp16", z_ptr="*fp16", b_ptr="*fp16", y_ptr=y)
         chunk_bytes = 16
     else:
         fn, consts = gg._dense_gemv_kernel, dict(common, E=gg.ELEMENTS[kind], HAS_SCALE=kind == "fp8")
         ptrs = dict(x_ptr="*bf16", w_ptr="*fp8e4nv" if kind == "fp8" else "*bf16", s_ptr="*fp32", b_ptr="*bf16",
-                    **y)
+                    y_ptr=y)
         chunk_bytes = 16
     _, res, sass = sm90_sass(fn, consts, ptrs, warps, 1, no_hint=("M",), maxnreg=gg.Q8_MAXNREG if kind == "q4_k" else None)
     body = max(_sass_loops(sass), key=len)

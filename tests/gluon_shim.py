@@ -71,11 +71,6 @@ class _Shim:
     def num_warps():
         return 4
 
-    @staticmethod
-    def thread_barrier():
-        """The interpreter runs a program's threads as one: nothing to wait for."""
-        return None
-
     def __getattr__(self, name):
         return getattr(tl, name)
 

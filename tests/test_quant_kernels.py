@@ -139,7 +139,7 @@ def check_int4_gemv(device: str, shapes=((64, 256), (40, 128)), rows=(1, 5), gro
 
 def check_int4_gemv_configs(device: str, N: int = 24, K: int = 384) -> None:
     """The 4-bit GEMV's other paths at explicit configs: tiles inside one group (BLOCK_K <
-    group) and spanning several, split-K (float32 partials summed by the last program, with bias),
+    group) and spanning several, split-K (float32 partials + the reduce kernel, with bias),
     masked tails (N, K not dividing the tile at the default shape), g_idx with split-K and
     with 4 rows, tiles wider than K."""
     from ferrum.ops import int4
@@ -158,8 +158,6 @@ def check_int4_gemv_configs(device: str, N: int = 24, K: int = 384) -> None:
         ref = torch.nn.functional.linear(x.double(), ref_w, b.double())
         got = int4.int4_gemv(x.to(device), qw, s, z, group, g, b.to(device), config=cfg)
         _check(got, ref, torch.bfloat16, f"int4 gemv M={M} g={group} act_order={act_order} config={cfg}")
-    from ferrum.ops.triton_utils import _ARRIVALS   # split-K left its arrival counters at zero
-    assert _ARRIVALS and all(not b.any() for bufs in _ARRIVALS.values() for b in bufs), "arrival counters not reset"
 
 
 def check_int4_gemm(device: str, shapes=((64, 256),), rows=(9, 40)) -> None:
@@ -278,9 +276,6 @@ def check_gluon_gemv(device: str, shapes=None) -> None:
                 _check_q8(got, x, ref_w, bias, dtype, what)
             else:
                 _check(got, ref, dtype, what)
-    # split-K launches leave their arrival counters at zero (the next launch counts from there)
-    from ferrum.ops.triton_utils import _ARRIVALS
-    assert _ARRIVALS and all(not b.any() for bufs in _ARRIVALS.values() for b in bufs), "arrival counters not reset"
     # 4-bit with x's int16 rounding (per 32 values) in blocks that hold an outlier 300x the rest, as
     # Llama's down_proj input does: the small values round more coarsely than 16-bit floats, the
     # product stays within the output dtype's bound of the exact one
@@ -547,58 +542,6 @@ def test_gluon_gemv_llama3_8b_shapes_on_gpu():
     check_gluon_gemv("cuda", LLAMA3_8B + ((128256, 4096), (3072, 4096), (4096, 7168)))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUDA + triton")
-def test_split_reductions_repeat_exactly_on_gpu():
-    """The reductions done by the last program to arrive (the Gluon GEMVs' split-K at
-    Llama-3-8B's down_proj / LM head shapes, the Triton 4-bit GEMV's split-K, decode attention's
-    split merge) 200 times over,
-    interleaved and back to back (PDL launches overlap their predecessors' tails): every output
-    bitwise equal to the first (the sum runs in split order whoever arrives last; a lost
-    arrival would leave a stale output, an early one a partial sum), the first one right
-    (against the float64 reference), and every arrival counter back at zero."""
-    from ferrum.ops import attention_triton as tb
-    from ferrum.ops.triton_utils import _ARRIVALS
-    from test_triton_kernels import _decode_case, _md, _paged_cache
-    gen = torch.Generator().manual_seed(5)
-    calls = {}
-    for kind, N, K, cfg in (("w4", 4096, 14336, (4, 1, 2)), ("fp8", 4096, 14336, (4, 2, 2)),
-                            ("bf16", 128256, 4096, (4, 2, 2)), ("q4_k", 28672, 4096, (4, 1, 2))):
-        call, ref_w = _gluon_case(kind, N, K, gen, "cuda", torch.bfloat16)
-        x = torch.randn(1, K, generator=gen).to(torch.bfloat16)
-        first = call(x.cuda(), None, cfg)
-        what = f"split-K {kind} {N}x{K} {cfg}"
-        if kind == "q4_k":
-            _check_q8(first, x, ref_w, None, torch.bfloat16, what)
-        else:
-            _check(first, torch.nn.functional.linear(x.double(), ref_w), torch.bfloat16, what)
-        calls[what] = (lambda call=call, x=x.cuda(), cfg=cfg: call(x, None, cfg), first)
-    from ferrum.ops import int4   # the Triton 4-bit GEMV (FERRUM_GLUON_GEMV=0, not Hopper): split-K 4
-    qw, s, z, _ = _int4_case(4096, 14336, 128, False, gen, "cuda")
-    x = torch.randn(1, 14336, generator=gen).to(torch.bfloat16)
-    ref = torch.nn.functional.linear(x.double(), int4.dequantize_int4(qw.cpu(), s.cpu(), z.cpu(), 128).double())
-    w4 = lambda x=x.cuda(): int4.int4_gemv(x, qw, s, z, 128, None, config=(16, 256, 4, 1, 4))  # noqa: E731
-    _check(w4(), ref, torch.bfloat16, "triton int4 split-K 4096x14336")
-    calls["triton int4 split-K"] = (w4, w4())
-    _decode_case("cuda", torch.bfloat16, 32, 8, 128, 16, [1000, 37, 0, 513], [16, 5], gen)  # vs float64
-    seq_lens = [1000, 37, 0, 513]
-    cache, bt, _ = _paged_cache(seq_lens, 8, 128, 16, torch.bfloat16, "cuda", gen)
-    q = torch.randn(4, 32, 128, generator=gen).to(torch.bfloat16).cuda()
-    md = _md(False, torch.zeros(4, dtype=torch.int64, device="cuda"), bt.cuda(),
-             torch.tensor(seq_lens, dtype=torch.int32, device="cuda"))
-    attend = lambda: tb.decode_attention(q, cache, md, 128 ** -0.5, num_splits=16)  # noqa: E731
-    calls["decode attention, 16 splits"] = (attend, attend())
-    outs = {what: [] for what in calls}
-    for _ in range(200):
-        for what, (f, _) in calls.items():
-            outs[what].append(f())
-    for what, (f, first) in calls.items():
-        bad = sum(not torch.equal(o, first) for o in outs[what])
-        assert bad == 0, f"{what}: {bad} of 200 repeats differ from the first"
-    torch.cuda.synchronize()
-    assert all(not b.any() for bufs in _ARRIVALS.values() for b in bufs), "arrival counters not reset"
-
-
 def _gguf_raw(qtype: int, N: int, K: int, gen: torch.Generator) -> torch.Tensor:
     """Random GGUF blocks: random bytes, with every fp16 scale (d, dmin) set to a small finite
     value so that the decoded weights are O(0.1), as real ones."""
@@ -699,7 +642,7 @@ def check_sm90_compile(device: str) -> None:
                 for sp in sorted({split, 4} if k > n else {split}):  # and a split-K one for down_proj
                     build(int4._w4_gemv_kernel, dict(common, GROUP=128, HAS_GIDX=gidx, BLOCK_N=bn, BLOCK_K=bk,
                                                      GT=gt, SPLIT_K=sp),
-                          dict(w4_ptrs, p_ptr="*fp32", c_ptr="*i32"), w, st,
+                          dict(w4_ptrs, y_ptr="*bf16" if sp == 1 else "*fp32"), w, st,
                           f"int4 gemv M={M} {n}x{k} g_idx={gidx} split={sp}")
             for qtype in gguf.PACKED_TYPES:
                 bn, w, st, *magic = gguf.gguf_gemv_config(qtype, n, k, M)
@@ -718,25 +661,28 @@ def check_sm90_compile(device: str) -> None:
                 continue
             bn, w, split = cfg
             common = dict(BLOCK_M=rows, BLOCK_N=bn, BLOCK_C=32 * w, HAS_BIAS=False, SPLIT_K=split, USE_PDL=True)
-            y = dict(y_ptr="*bf16", p_ptr="*fp32", c_ptr="*i32")   # output, split-K partials, arrival counters
+            y = "*bf16" if split == 1 else "*fp32"
             if kind == "q4_k":  # at the launcher's register cap
                 sm90_compile(gg._q4k_gemv_kernel, common,
-                             dict(x_ptr="*i32", d_ptr="*fp32", w_ptr="*i32", b_ptr="*bf16", **y), w, 1,
+                             dict(x_ptr="*i32", d_ptr="*fp32", w_ptr="*i32", b_ptr="*bf16", y_ptr=y), w, 1,
                              f"gluon q4_k gemv {n}x{k} {cfg} rows {rows}", no_hint=("M",),
                              loop_without_barrier=True, maxnreg=gg.Q8_MAXNREG)
             elif kind == "w4":
                 sm90_compile(gg._w4_gemv_kernel, dict(common, GROUP=128),
                              dict(x_ptr="*i32", d_ptr="*fp32", qw_ptr="*i32", s_ptr="*fp16", z_ptr="*fp16",
-                                  b_ptr="*fp16", **y), w, 1, f"gluon w4 gemv {n}x{k} {cfg} rows {rows}",
+                                  b_ptr="*fp16", y_ptr=y), w, 1, f"gluon w4 gemv {n}x{k} {cfg} rows {rows}",
                              no_hint=("M",), loop_without_barrier=True)
             else:
                 sm90_compile(gg._dense_gemv_kernel, dict(common, E=gg.ELEMENTS[kind], HAS_SCALE=kind == "fp8"),
                              dict(x_ptr="*bf16", w_ptr="*fp8e4nv" if kind == "fp8" else "*bf16", s_ptr="*fp32",
-                                  b_ptr="*bf16", **y), w, 1, f"gluon {kind} gemv {n}x{k} {cfg} rows {rows}",
+                                  b_ptr="*bf16", y_ptr=y), w, 1, f"gluon {kind} gemv {n}x{k} {cfg} rows {rows}",
                              no_hint=("M",), loop_without_barrier=True)
     for bits, q in ((8, "*i8"), (16, "*i16")):
         build(gg._round_x_kernel, dict(BITS=bits, BLOCKS=gg.Q8_BLOCKS, USE_PDL=True),
               dict(x_ptr="*bf16", q_ptr=q, d_ptr="*fp32"), 4, 1, f"round x to {bits} bits")
+    from ferrum.ops import triton_utils
+    build(triton_utils._splitk_reduce_kernel, dict(SPLIT_K=4, HAS_BIAS=True, BLOCK=1024, USE_PDL=True),
+          dict(p_ptr="*fp32", b_ptr="*bf16", y_ptr="*bf16"), 4, 1, "split-K reduce")
     for M in (16, 512):
         bm, bn, bk, w, st = int4.int4_gemm_config(M, 4096, 4096)
         build(int4._w4_gemm_kernel, dict(GROUP=128, HAS_GIDX=True, HAS_BIAS=False, EVEN=True, BLOCK_M=bm,

@@ -806,19 +806,15 @@ def check_sm90_compile(device: str) -> None:
     for dtype, D, fp8 in ((bf16, 128, False), (bf16, 256, False), (f32, 128, False), (bf16, 128, True)):
         t = "*" + tname[dtype]
         c = "*fp8e4nv" if fp8 else t
-        # with several splits the last program of each (sequence, KV head) merges them, with
-        # o_proj's int8 / int16 copy of the output (QBITS) or without
-        for splits, windowed, bits in ((4, False, 0), (1, False, 0), (4, True, 0), (5, False, 8), (5, False, 16)):
+        for splits, windowed in ((4, False), (1, False), (4, True)):
             bn, w, st = tb._decode_config(D, dtype, splits, fp8)
-            part = t if splits == 1 else "*fp32"
             build(tb._decode_split_kernel,
                   dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=D, PAGE=16, BLOCK_N=bn, NUM_SPLITS=splits,
-                       SPLITS_PAD=tb.next_pow2(splits), DIRECT_OUT=splits == 1,
-                       DOT_PREC=tb._dot_precision(dtype), FP8=fp8, USE_PDL=True, WINDOWED=windowed, QBITS=bits),
+                       DIRECT_OUT=splits == 1, DOT_PREC=tb._dot_precision(dtype), FP8=fp8, USE_PDL=True,
+                       WINDOWED=windowed),
                   dict(q_ptr=t, kc_ptr=c, vc_ptr=c, bt_ptr="*i32", seqlen_ptr="*i32", ks_ptr="*fp32",
-                       vs_ptr="*fp32", o_ptr=part, lse_ptr=part, out_ptr=t, qx_ptr={16: "*i16"}.get(bits, "*i8"),
-                       dx_ptr="*fp32", cnt_ptr="*i32"),
-                  w, st, f"decode {dtype} D={D} splits={splits} fp8_kv={fp8} windowed={windowed} qbits={bits}")
+                       vs_ptr="*fp32", o_ptr=t if splits == 1 else "*fp32", lse_ptr=t if splits == 1 else "*fp32"),
+                  w, st, f"decode {dtype} D={D} splits={splits} fp8_kv={fp8} windowed={windowed}")
         bm, bn, w, st = tb._prefill_config(D, dtype)
         for windowed, subset in ((False, False), (True, False), (False, True)):
             build(tb._prefill_kernel,
@@ -828,6 +824,10 @@ def check_sm90_compile(device: str) -> None:
                   dict(q_ptr=t, kc_ptr=c, vc_ptr=c, o_ptr=t, bt_ptr="*i64", seqlen_ptr="*i32", cu_q_ptr="*i64",
                        ks_ptr="*fp32", vs_ptr="*fp32", seq_idx_ptr="*i32"),
                   w, st, f"prefill {dtype} D={D} fp8_kv={fp8} windowed={windowed} subset={subset}")
+    for bits in (0, 8, 16):
+        build(tb._decode_merge_kernel, dict(NUM_SPLITS=5, SPLITS_PAD=8, HEAD_DIM=128, QBITS=bits, USE_PDL=True),
+              dict(o_part_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", qx_ptr={16: "*i16"}.get(bits, "*i8"),
+                   dx_ptr="*fp32"), 4, 2, f"decode merge qbits {bits}")
     for c in ("*bf16", "*fp8e4nv"):
         build(tb._write_kv_kernel, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, FP8=c != "*bf16",
                                         USE_PDL=True),

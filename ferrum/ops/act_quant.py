@@ -12,7 +12,7 @@ scale d per block (x ~ d q):
   that absolute bound), so the products keep 16-bit activations' error.
 
 A decode step would launch `q8_1` / `q16` before each such GEMV (4 per layer); instead the
-RMSNorm before qkv / gate_up (`ferrum.ops.rms_norm`), decode attention's split merge before
+RMSNorm before qkv / gate_up (`ferrum.ops.rms_norm`), the decode attention's merge kernel before
 o_proj (`ferrum.ops.attention_triton`) and the SiLU-mul before down_proj
 (`ferrum.ops.activation`) also write that integer copy of their output when `wants`, through
 `store_rounded`, and attach it to the output tensor; the GEMV takes it from there (`attached`)

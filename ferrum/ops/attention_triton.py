@@ -15,13 +15,11 @@ FP8 decode loop issue-bound (benchmarks/sass_loop.py counts its sm_90 instructio
   (num_kv_heads, B, num_splits) (`DECODE_HEADS_FIRST`); each program takes the query heads that share one KV head
   (GQA, Ainslie et al. 2023) as the rows of one `tl.dot`, walks its share of the sequence
   through the block table with an online softmax (Milakov & Gimelshein 2018; FlashAttention,
-  Dao et al. 2022) and writes a partial output and its log-sum-exp; the last program of a
-  (sequence, KV head) to finish merges its splits (an arrival counter,
-  `triton_utils.arrival_counters`: no second kernel). The split count depends only on static
-  shapes (B, num_kv_heads, M), and each sequence's split boundaries are computed on the device
-  from `seq_lens`, so a captured CUDA graph stays valid when the lengths change. Structure
-  follows the grouped decode kernel of LightLLM / SGLang / vLLM (`triton_decode_attention.py`),
-  written anew here.
+  Dao et al. 2022) and writes a partial output and its log-sum-exp; a second kernel merges the
+  splits. The split count depends only on static shapes (B, num_kv_heads, M), and each
+  sequence's split boundaries are computed on the device from `seq_lens`, so a captured CUDA
+  graph stays valid when the lengths change. Structure follows the grouped decode kernel of
+  LightLLM / SGLang / vLLM (`triton_decode_attention.py`), written anew here.
 - `prefill_attention`: a varlen FlashAttention-2 style kernel, one launch for all sequences,
   grid (query blocks, sequences, heads), K/V read through the block table with the causal offset
   of cached context (query j of a chunk sits at position context_len + j). Each long prompt
@@ -46,8 +44,7 @@ from ferrum.config import KERNELS
 from ferrum.forward_context import AttentionMetadata
 from ferrum.ops import act_quant
 from ferrum.ops.rope_kv import RopeInputs, norm_rope_write_kv
-from ferrum.ops.triton_utils import (HAS_TRITON, arrival_counters, last_dim_contiguous, next_pow2, pdl_ok,
-                                     pdl_start)
+from ferrum.ops.triton_utils import HAS_TRITON, last_dim_contiguous, next_pow2, pdl_ok, pdl_start
 
 if HAS_TRITON:
     import triton
@@ -238,19 +235,17 @@ if HAS_TRITON:
     @triton.jit
     def _decode_split_kernel(
             q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, o_ptr, lse_ptr, ks_ptr, vs_ptr,
-            out_ptr, qx_ptr, dx_ptr, cnt_ptr,
             stride_qb, stride_qh,
             stride_cblk, stride_cslot, stride_ch,
             stride_btb,
             stride_ob, stride_oh, stride_os,
             stride_lb, stride_lh,
-            stride_outb, stride_outh,
             qk_scale,  # softmax scale * log2(e): the kernel works in base 2 (exp2)
             window,    # sliding window in tokens (used when WINDOWED)
             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-            PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+            PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
             DIRECT_OUT: tl.constexpr, DOT_PREC: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr,
-            QBITS: tl.constexpr = 0, WINDOWED: tl.constexpr = False, HEADS_FIRST: tl.constexpr = True):
+            WINDOWED: tl.constexpr = False, HEADS_FIRST: tl.constexpr = True):
         if USE_PDL:  # launched early (PDL, triton_utils.py): wait for q and the cache
             pdl_start()
         if FP8:  # FP8 cache: K's scale folds into the logits' scale, V's into V's tiles or the output
@@ -312,59 +307,39 @@ if HAS_TRITON:
             tl.store(o_ptrs, o, mask=g_mask[:, None])
             lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
             tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
-            # The last of the NUM_SPLITS programs of (b, kvh) to arrive merges them (no merge
-            # launch): the barrier puts every thread's partial stores before the acq_rel atomic
-            # (the CUDA samples' threadfence reduction); L2 loads (.cg) read the others' partials.
-            tl.debug_barrier()
-            if HEADS_FIRST:
-                num_kv = tl.num_programs(0)
-            else:
-                num_kv = tl.num_programs(1)
-            cnt = cnt_ptr + b * num_kv + kvh
-            if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-                _merge_splits(o_ptr, lse_ptr, out_ptr, qx_ptr, dx_ptr, cnt, b, kvh, offs_d, num_kv * GROUP,
-                              stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
-                              GROUP, NUM_SPLITS, SPLITS_PAD, HEAD_DIM, QBITS)
 
     @triton.jit
-    def _merge_splits(o_ptr, lse_ptr, out_ptr, qx_ptr, dx_ptr, cnt, b, kvh, offs_d, H,
-                      stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
-                      GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, QBITS: tl.constexpr):
-        """out[b, h] for the GROUP query heads h of KV head kvh = sum_s w_s o_s / sum_s w_s over
-        the splits' partials, w_s = 2^(lse_s - max lse), summed in split order; empty splits
-        have lse = -inf (w = 0), and if all are empty (seq_len 0) the output is 0, not NaN.
-        The split loop is unrolled and elementwise (no reduction across threads, so no barrier
-        between its loads: they can all be in flight, about one L2 latency); only the [GROUP,
-        SPLITS] log-sum-exps are reduced across threads, once. QBITS 8 / 16: also the output
-        as integers q [B, H * D] and float32 d [B, H * D / 32] (act_quant.store_rounded of the
-        rounded output; D % 32 == 0), o_proj's Q4_K / 4-bit GEMV input. Resets the arrival
-        counter cnt."""
-        G2: tl.constexpr = triton.next_power_of_2(GROUP)
-        rows = tl.arange(0, G2)
-        heads = kvh * GROUP + rows
-        g_mask = rows < GROUP
+    def _decode_merge_kernel(o_part_ptr, lse_ptr, out_ptr, qx_ptr, dx_ptr,
+                             stride_pb, stride_ph, stride_ps,
+                             stride_lb, stride_lh,
+                             stride_ob, stride_oh,
+                             NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                             QBITS: tl.constexpr, USE_PDL: tl.constexpr):
+        if USE_PDL:  # see triton_utils.py, PDL
+            pdl_start()
+        # out = sum_s w_s * o_s / sum_s w_s, w_s = 2^(lse_s - max lse). Empty splits have
+        # lse = -inf (w = 0); if all are empty (seq_len 0) the output is 0, not NaN.
+        # QBITS 8 / 16: also the output as integers q [B, H * D] and float32 d [B, H * D / 32]
+        # (act_quant.store_rounded of the rounded output; D % 32 == 0), o_proj's Q4_K / 4-bit
+        # GEMV input.
+        b = tl.program_id(0)
+        h = tl.program_id(1)
         offs_s = tl.arange(0, SPLITS_PAD)
-        l_ptrs = lse_ptr + b * stride_lb + heads * stride_lh
-        lse = tl.load(l_ptrs[:, None] + offs_s[None, :], mask=g_mask[:, None] & (offs_s < NUM_SPLITS)[None, :],
-                      other=float("-inf"), cache_modifier=".cg")
-        m = tl.max(lse, 1)
+        offs_d = tl.arange(0, HEAD_DIM)
+        s_mask = offs_s < NUM_SPLITS
+        lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
+        m = tl.max(lse, 0)
         m = tl.where(m == float("-inf"), 0.0, m)
-        denom = tl.sum(tl.exp2(lse - m[:, None]), 1)
-        o_ptrs = o_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-        acc = tl.zeros([G2, HEAD_DIM], tl.float32)
-        for s in tl.static_range(NUM_SPLITS):
-            w = tl.exp2(tl.load(l_ptrs + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg") - m)
-            acc += w[:, None] * tl.load(o_ptrs + s * stride_os, mask=g_mask[:, None], other=0.0, cache_modifier=".cg")
-        out = (acc / tl.where(denom > 0, denom, 1.0)[:, None]).to(out_ptr.dtype.element_ty)
-        mask = tl.broadcast_to(g_mask[:, None], (G2, HEAD_DIM))
-        tl.store(out_ptr + b.to(tl.int64) * stride_outb + heads[:, None] * stride_outh + offs_d[None, :], out,
-                 mask=mask)
+        w = tl.exp2(lse - m)
+        denom = tl.sum(w, 0)
+        o = tl.load(o_part_ptr + b.to(tl.int64) * stride_pb + h * stride_ph
+                    + offs_s[:, None] * stride_ps + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+        out = (tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out)
         if QBITS:
-            # [B, H * D]: head h of row b is D values at (b * H + h) * D
-            offs = (b.to(tl.int64) * H + heads[:, None]) * HEAD_DIM + offs_d[None, :]
-            store_rounded(out.to(tl.float32), offs, mask, qx_ptr, dx_ptr, G2, HEAD_DIM, QBITS)
-        tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+            row = b.to(tl.int64) * tl.num_programs(1) + h   # [B, H * D]: head h of row b is D values at row * D
+            store_rounded(tl.reshape(out.to(tl.float32), (1, HEAD_DIM)), tl.reshape(row * HEAD_DIM + offs_d, (1, HEAD_DIM)),
+                          tl.full((1, HEAD_DIM), 1, tl.int1), qx_ptr, dx_ptr, 1, HEAD_DIM, QBITS)
 
 
 def _decode_config(head_dim: int, dtype: torch.dtype, num_splits: int, fp8: bool = False) -> tuple[int, int, int]:
@@ -433,7 +408,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Att
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     scales = (k_scale, v_scale) if fp8 else (q, q)
     common = dict(GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=D, PAGE=page,
-                  BLOCK_N=bn, NUM_SPLITS=S, SPLITS_PAD=next_pow2(S), DOT_PREC=_dot_precision(q.dtype), FP8=fp8,
+                  BLOCK_N=bn, NUM_SPLITS=S, DOT_PREC=_dot_precision(q.dtype), FP8=fp8,
                   WINDOWED=bool(sliding_window), num_warps=warps, num_stages=stages)
     heads_first = DECODE_HEADS_FIRST and B <= 65535   # CUDA's grid y is at most 65535
     common["HEADS_FIRST"] = heads_first
@@ -441,22 +416,26 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Att
     window = sliding_window or 0
     args = (q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), bt.stride(0))
     if S == 1:
-        # One split: normalise in place and write the final output directly (no merge).
+        # One split: normalise in place and write the final output directly (no merge launch).
         _decode_split_kernel[grid](
-            q, kc, vc, bt, attn_metadata.seq_lens, out, out, *scales, out, out, out, out, *args,
-            out.stride(0), out.stride(1), 0, 0, 0, 0, 0, scale * _LOG2E, window, DIRECT_OUT=True,
+            q, kc, vc, bt, attn_metadata.seq_lens, out, out, *scales, *args,
+            out.stride(0), out.stride(1), 0, 0, 0, scale * _LOG2E, window, DIRECT_OUT=True,
             USE_PDL=pdl, launch_pdl=pdl, **common)
         return out
     o_part = torch.empty(B, H, S, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
-    # o_proj's Q4_K / 4-bit GEMV reads the output as integers (ferrum.ops.act_quant): written with it
+    _decode_split_kernel[grid](
+        q, kc, vc, bt, attn_metadata.seq_lens, o_part, lse, *scales, *args,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
+        scale * _LOG2E, window, DIRECT_OUT=False, USE_PDL=pdl, launch_pdl=pdl, **common)
+    # o_proj's Q4_K / 4-bit GEMV reads the output as integers (ferrum.ops.act_quant): written here with it
     bits = act_quant.wants(out.view(B, H * D)) if D % 32 == 0 and out.is_contiguous() else 0
     qx = act_quant.buffers(B, H * D, q.device, bits) if bits else None
-    _decode_split_kernel[grid](
-        q, kc, vc, bt, attn_metadata.seq_lens, o_part, lse, *scales, out, *(qx or (out, out)),
-        arrival_counters(B * hkv, q.device, "decode_attention"), *args,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1), out.stride(0),
-        out.stride(1), scale * _LOG2E, window, DIRECT_OUT=False, QBITS=bits, USE_PDL=pdl, launch_pdl=pdl, **common)
+    _decode_merge_kernel[(B, H)](
+        o_part, lse, out, *(qx or (out, out)), o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+        NUM_SPLITS=S, SPLITS_PAD=next_pow2(S), HEAD_DIM=D, QBITS=bits, USE_PDL=pdl,
+        num_warps=4 if D >= 128 else 2, launch_pdl=pdl)
     return act_quant.attach(out, *qx) if qx is not None else out
 
 

@@ -51,9 +51,8 @@ same int8 x within bf16's bound); llama.cpp and vLLM's GGUF kernels round x the 
 Constraints (else the Triton GEMVs run): N % BLOCK_N == 0, K a multiple of one tile (E * 32 *
 num_warps elements; 1024 * num_warps features for 4-bit, 2048 * num_warps for Q4_K), 4-bit
 groups a multiple of 32 and no act-order g_idx, at most 4 rows of x (`ROWS_BLOCK_N`; bf16: one).
-Split-K (`SPLIT_K` > 1): float32 partials per split, summed in split order by the last program of
-each column tile to finish (`_store_tile`: an arrival counter, no reduce launch). PDL as the
-Triton GEMVs (`triton_utils`): the first weight tile is loaded before waiting for x.
+Split-K (`SPLIT_K` > 1): float32 partials per split, summed by `triton_utils.reduce_splits`. PDL as the Triton GEMVs (`triton_utils`): the first weight tile
+is loaded before waiting for x.
 
 The arithmetic and indexing run on CPU in the tests through `tests/gluon_shim.py` (each gl op
 mapped onto its tl twin under Triton's interpreter); the layouts are checked by compiling for
@@ -65,7 +64,7 @@ import torch
 
 from ferrum.config import KERNELS
 from ferrum.ops import act_quant
-from ferrum.ops.triton_utils import HAS_TRITON, arrival_counters, is_sm90, next_pow2, pdl_ok
+from ferrum.ops.triton_utils import HAS_TRITON, is_sm90, next_pow2, pdl_ok, reduce_splits
 
 try:
     import triton
@@ -120,39 +119,18 @@ if HAS_GLUON:
         return x
 
     @gluon.jit
-    def _write_y(y_ptr, b_ptr, y, offs_m, offs_n, M, stride_ym, HAS_BIAS: gl.constexpr):
-        """y float32 (+ bias) -> rows < M of y_ptr [M, N] in its dtype."""
-        if HAS_BIAS:
-            y += gl.load(b_ptr + offs_n).to(gl.float32)
-        gl.store(y_ptr + offs_m * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_m < M)
-
-    @gluon.jit
-    def _store_tile(y_ptr, p_ptr, c_ptr, b_ptr, y, n0, pid_k, M, N, stride_ym, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, LY: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr):
+    def _store_tile(y_ptr, b_ptr, y, n0, pid_k, M, N, stride_ym, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    LY: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr):
         """y [BLOCK_M, BLOCK_N] float32 (layout LY) -> rows < M of y_ptr [M, N] at columns n0.. (+
-        bias) in y's dtype. Split-K: y is split pid_k's partial, stored at p_ptr [SPLIT_K, M, N]
-        float32; the last of the tile's SPLIT_K programs to arrive sums the partials in split
-        order (the same sum whichever arrives last) and writes y_ptr, so no reduce kernel
-        follows. Arrival: c_ptr[n0 // BLOCK_N] int32, zero between launches (the last program
-        resets it). The barrier puts every thread's partial store before thread 0's acq_rel
-        atomic, whose release makes them visible device-wide; the last program's acquire, then
-        L2 loads (.cg), read them: the threadfence-reduction pattern of the CUDA samples and
-        cooperative groups' grid sync, with the fence in the atomic."""
+        bias) in y's dtype, or the float32 partial of split pid_k (y_ptr [SPLIT_K, M, N])."""
         offs_m = gl.expand_dims(gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LY)), 1)
         offs_n = gl.expand_dims(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, LY)), 0)
         if SPLIT_K == 1:
-            _write_y(y_ptr, b_ptr, y, offs_m, offs_n, M, stride_ym, HAS_BIAS)
+            if HAS_BIAS:
+                y += gl.load(b_ptr + offs_n).to(gl.float32)
+            gl.store(y_ptr + offs_m * stride_ym + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_m < M)
         else:
-            offs_p = offs_m * N + offs_n
-            gl.store(p_ptr + pid_k * M * N + offs_p, y, mask=offs_m < M)
-            gl.thread_barrier()
-            arrived = gl.atomic_add(c_ptr + n0 // BLOCK_N, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT_K - 1:
-                acc = gl.load(p_ptr + offs_p, mask=offs_m < M, other=0.0, cache_modifier=".cg")
-                for i in gl.static_range(1, SPLIT_K):
-                    acc += gl.load(p_ptr + i * M * N + offs_p, mask=offs_m < M, other=0.0, cache_modifier=".cg")
-                _write_y(y_ptr, b_ptr, acc, offs_m, offs_n, M, stride_ym, HAS_BIAS)
-                gl.atomic_xchg(c_ptr + n0 // BLOCK_N, 0, sem="relaxed", scope="gpu")
+            gl.store(y_ptr + pid_k * M * N + offs_m * N + offs_n, y, mask=offs_m < M)
 
     @gluon.jit
     def _widen16(w):
@@ -164,10 +142,10 @@ if HAS_GLUON:
         return out
 
     @gluon.jit
-    def _dense_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, c_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn,
-                           stride_ym, E: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           BLOCK_C: gl.constexpr, HAS_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr,
-                           SPLIT_K: gl.constexpr, USE_PDL: gl.constexpr):
+    def _dense_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym,
+                           E: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_C: gl.constexpr,
+                           HAS_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr,
+                           USE_PDL: gl.constexpr):
         """Program (pid_n, pid_k): rows pid_n * BLOCK_N .. of a bf16 / fp16 (E = 8) or FP8
         (E = 16, HAS_SCALE: one float32 scale per row, applied once at the end) weight against
         the M (<= BLOCK_M) rows of x, K elements pid_k * K_SPLIT .. (a multiple of the tile,
@@ -199,7 +177,7 @@ if HAS_GLUON:
         y = gl.sum(gl.sum(acc, axis=3), axis=2)
         if HAS_SCALE:
             y = y * gl.expand_dims(gl.load(s_ptr + n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, LY))), 0)
-        _store_tile(y_ptr, p_ptr, c_ptr, b_ptr, y, n0, pid_k, M, N, stride_ym, BLOCK_M, BLOCK_N, LY, HAS_BIAS, SPLIT_K)
+        _store_tile(y_ptr, b_ptr, y, n0, pid_k, M, N, stride_ym, BLOCK_M, BLOCK_N, LY, HAS_BIAS, SPLIT_K)
 
     @gluon.constexpr_function
     def _dp2a_asm(hi):
@@ -213,7 +191,7 @@ if HAS_GLUON:
                                          pack=1)
 
     @gluon.jit
-    def _w4_gemv_kernel(x_ptr, d_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, p_ptr, c_ptr, M, N, K, W_SPLIT, stride_xm,
+    def _w4_gemv_kernel(x_ptr, d_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, W_SPLIT, stride_xm,
                         stride_dm, stride_qn, stride_sn, stride_ym, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, BLOCK_C: gl.constexpr, HAS_BIAS: gl.constexpr,
                         SPLIT_K: gl.constexpr, USE_PDL: gl.constexpr):
@@ -275,8 +253,8 @@ if HAS_GLUON:
             acc += (gl.sum(t, axis=3) - z16 * xsum).to(gl.float32) * (s * d)
             if w0 + BLOCK_W < w_end:
                 words = gl.load(q_ptrs + (w0 + BLOCK_W), eviction_policy="evict_first")
-        _store_tile(y_ptr, p_ptr, c_ptr, b_ptr, gl.sum(acc, axis=2) * 0.0625, n0, pid_k, M, N, stride_ym, BLOCK_M,
-                    BLOCK_N, gl.SliceLayout(2, LMNC), HAS_BIAS, SPLIT_K)
+        _store_tile(y_ptr, b_ptr, gl.sum(acc, axis=2) * 0.0625, n0, pid_k, M, N, stride_ym, BLOCK_M, BLOCK_N,
+                    gl.SliceLayout(2, LMNC), HAS_BIAS, SPLIT_K)
 
     @gluon.jit
     def _dp4a(a, b):
@@ -323,10 +301,9 @@ if HAS_GLUON:
                 gl.load(hp + 2, eviction_policy="evict_first"), gl.load(hp + 3, eviction_policy="evict_first"))
 
     @gluon.jit
-    def _q4k_gemv_kernel(x_ptr, d_ptr, w_ptr, b_ptr, y_ptr, p_ptr, c_ptr, M, N, K, C_SPLIT, stride_xm, stride_dm,
-                         stride_wn, stride_ym, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         BLOCK_C: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr,
-                         USE_PDL: gl.constexpr):
+    def _q4k_gemv_kernel(x_ptr, d_ptr, w_ptr, b_ptr, y_ptr, M, N, K, C_SPLIT, stride_xm, stride_dm, stride_wn,
+                         stride_ym, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_C: gl.constexpr,
+                         HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, USE_PDL: gl.constexpr):
         """GGUF Q4_K (ferrum/ops/gguf.py has the block layout) GEMV for M (<= BLOCK_M) rows of x.
         w_ptr: the raw rows viewed as int32 (a 144-byte super-block is 36 words: d | dmin, 3
         words of 6-bit scales, 32 words of quants). A thread's chunk t is the 32 quant bytes of
@@ -394,7 +371,7 @@ if HAS_GLUON:
             if t0 + BLOCK_C < t_end:
                 words = gl.load(q_ptrs + 9 * (t0 + BLOCK_C), eviction_policy="evict_first")
                 h0, h1, h2, h3 = _q4k_header(h_ptrs + 9 * (t0 + BLOCK_C))
-        _store_tile(y_ptr, p_ptr, c_ptr, b_ptr, gl.sum(acc, axis=2), n0, pid_k, M, N, stride_ym, BLOCK_M, BLOCK_N,
+        _store_tile(y_ptr, b_ptr, gl.sum(acc, axis=2), n0, pid_k, M, N, stride_ym, BLOCK_M, BLOCK_N,
                     gl.SliceLayout(2, LMNC), HAS_BIAS, SPLIT_K)
 
 
@@ -520,11 +497,10 @@ def can_use(x: torch.Tensor) -> bool:
 
 
 def _prepare(kind: str, x: torch.Tensor, N: int, K: int, config: tuple[int, int, int] | None, ok: bool):
-    """(BLOCK_M, BLOCK_N, num_warps, SPLIT_K, y [M, N] in x's dtype, split-K's float32 partials
-    [SPLIT_K, M, N] and arrival counters (y for both without split-K), PDL on or off) for a
-    launch over x [M, K]; raises ValueError when the config (`gemv_config` when None) does not
-    tile an [N, K] weight of kind, x has more than `MAX_ROWS` rows, or not `ok` (the
-    launcher's own layout checks)."""
+    """(BLOCK_M, BLOCK_N, num_warps, SPLIT_K, y [M, N] in x's dtype, the kernel's output: y,
+    or [SPLIT_K, M, N] float32 partials, PDL on or off) for a launch over x [M, K]; raises
+    ValueError when the config (`gemv_config` when None) does not tile an [N, K] weight of
+    kind, x has more than `MAX_ROWS` rows, or not `ok` (the launcher's own layout checks)."""
     M = x.shape[0]
     cfg = config or gemv_config(kind, N, K, M)
     if cfg is None or not ok or not 1 <= M <= MAX_ROWS or not fits(kind, N, K, cfg):
@@ -532,11 +508,8 @@ def _prepare(kind: str, x: torch.Tensor, N: int, K: int, config: tuple[int, int,
                          "(or its layout)")
     bn, warps, split = cfg
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    part, arrivals = y, y
-    if split > 1:
-        part = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-        arrivals = arrival_counters(N // bn, x.device, "gemv_gluon")
-    return next_pow2(M), bn, warps, split, y, part, arrivals, pdl_ok(x)
+    out = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    return next_pow2(M), bn, warps, split, y, out, pdl_ok(x)
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
@@ -549,13 +522,13 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
     N, K = weight.shape
     fp8 = weight.dtype == torch.float8_e4m3fn
     kind = "fp8" if fp8 else "bf16"
-    bm, bn, warps, split, y, part, arrivals, pdl = _prepare(kind, x, N, K, config, weight.stride(1) == 1)
+    bm, bn, warps, split, y, out, pdl = _prepare(kind, x, N, K, config, weight.stride(1) == 1)
     _dense_gemv_kernel[(N // bn, split)](
-        x, weight, scale if fp8 else weight, bias if bias is not None else weight, y, part, arrivals, x.shape[0], N,
-        K, K // split, x.stride(0), weight.stride(0), y.stride(0), E=ELEMENTS[kind], BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_C=32 * warps, HAS_SCALE=fp8, HAS_BIAS=bias is not None, SPLIT_K=split, USE_PDL=pdl, num_warps=warps,
+        x, weight, scale if fp8 else weight, bias if bias is not None else weight, out, x.shape[0], N, K, K // split,
+        x.stride(0), weight.stride(0), y.stride(0), E=ELEMENTS[kind], BLOCK_M=bm, BLOCK_N=bn, BLOCK_C=32 * warps,
+        HAS_SCALE=fp8, HAS_BIAS=bias is not None and split == 1, SPLIT_K=split, USE_PDL=pdl, num_warps=warps,
         launch_pdl=pdl)
-    return y
+    return y if split == 1 else reduce_splits(out, y, bias, pdl)
 
 
 def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
@@ -568,15 +541,15 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     ValueError when it does not tile the weight or the group size is not a multiple of 32."""
     N, W = qweight.shape
     K = W * 8
-    bm, bn, warps, split, y, part, arrivals, pdl = _prepare("w4", x, N, K, config,
-                                                            group_size % 32 == 0 and scales.stride(1) == 1)
+    bm, bn, warps, split, y, out, pdl = _prepare("w4", x, N, K, config,
+                                                 group_size % 32 == 0 and scales.stride(1) == 1)
     q, d = act_quant.attached(x, 16) or q16(x)
     _w4_gemv_kernel[(N // bn, split)](
-        q.view(torch.int32), d, qweight, scales, zeros, bias if bias is not None else scales, y, part, arrivals,
-        x.shape[0], N, K, W // split, q.stride(0) // 2, d.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
-        GROUP=group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_C=32 * warps, HAS_BIAS=bias is not None, SPLIT_K=split,
+        q.view(torch.int32), d, qweight, scales, zeros, bias if bias is not None else scales, out, x.shape[0], N, K,
+        W // split, q.stride(0) // 2, d.stride(0), qweight.stride(0), scales.stride(0), y.stride(0), GROUP=group_size,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_C=32 * warps, HAS_BIAS=bias is not None and split == 1, SPLIT_K=split,
         USE_PDL=pdl, num_warps=warps, launch_pdl=pdl)
-    return y
+    return y if split == 1 else reduce_splits(out, y, bias, pdl)
 
 
 Q8_BLOCKS = 32  # 32-value blocks per program of `q8_1` / `q16` (1,024 values)
@@ -617,12 +590,12 @@ def q4k_gemv(x: torch.Tensor, raw: torch.Tensor, bias: torch.Tensor | None = Non
     config as `dense_gemv`'s; raises ValueError when it does not tile the weight."""
     N = raw.shape[0]
     K = raw.shape[1] // 144 * 256
-    bm, bn, warps, split, y, part, arrivals, pdl = _prepare("q4_k", x, N, K, config,
-                                                            raw.stride(1) == 1 and raw.stride(0) % 4 == 0)
+    bm, bn, warps, split, y, out, pdl = _prepare("q4_k", x, N, K, config,
+                                                 raw.stride(1) == 1 and raw.stride(0) % 4 == 0)
     q, d = act_quant.attached(x, 8) or q8_1(x)   # x's int8 copy from the kernel that wrote it, else q8_1's
     _q4k_gemv_kernel[(N // bn, split)](
-        q.view(torch.int32), d, raw.view(torch.int32), bias if bias is not None else x, y, part, arrivals, x.shape[0],
-        N, K, K // 64 // split, K // 4, K // 32, raw.stride(0) // 4, y.stride(0), BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_C=32 * warps, HAS_BIAS=bias is not None, SPLIT_K=split, USE_PDL=pdl, num_warps=warps,
+        q.view(torch.int32), d, raw.view(torch.int32), bias if bias is not None else x, out, x.shape[0], N, K,
+        K // 64 // split, K // 4, K // 32, raw.stride(0) // 4, y.stride(0), BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_C=32 * warps, HAS_BIAS=bias is not None and split == 1, SPLIT_K=split, USE_PDL=pdl, num_warps=warps,
         launch_pdl=pdl, **({"maxnreg": Q8_MAXNREG} if x.is_cuda else {}))
-    return y
+    return y if split == 1 else reduce_splits(out, y, bias, pdl)

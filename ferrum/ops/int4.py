@@ -15,8 +15,8 @@ Rows are output features, so a GEMV program streams whole rows like the bf16 GEM
   becomes a float without an int->float conversion (`_w4_nibble`: masked into the mantissa of
   2^23, the 2^23 folded into the zero point exactly), the scale is applied once per word and
   group (per element, gathered, with act-order g_idx), and with 2-8 rows each nibble is
-  dequantized once per tile for all rows. Optional split-K (float32 partials, summed by the
-  last program to finish) for matrices with few rows; PDL as the bf16 GEMV. Configurations:
+  dequantized once per tile for all rows. Optional split-K (float32 partials, then a small
+  reduce kernel) for matrices with few rows; PDL as the bf16 GEMV. Configurations:
   `W4_GEMV_CONFIGS`.
 - `int4_gemm` (more rows, CUDA): Triton tensor-core GEMM that dequantizes each weight tile in
   registers before `tl.dot` (x [BLOCK_M, BLOCK_K] x w^T [BLOCK_K, BLOCK_N]).
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from ferrum.ops import gemv_gluon
 from ferrum.ops.fp8 import MAX_GEMV_ROWS, gemv_rows_config
-from ferrum.ops.triton_utils import HAS_TRITON, arrival_counters, fit_block, pdl_ok, pdl_start, use_triton
+from ferrum.ops.triton_utils import HAS_TRITON, fit_block, pdl_ok, pdl_start, reduce_splits, use_triton
 
 if HAS_TRITON:
     import triton
@@ -225,18 +225,16 @@ if HAS_TRITON:
         return y
 
     @triton.jit
-    def _w4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, y_ptr, p_ptr, c_ptr, M, N, K, K_SPLIT, magic,
-                        stride_xm, stride_qn, stride_sn, stride_ym,
+    def _w4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, y_ptr, M, N, K, K_SPLIT, magic,
+                        stride_xm, stride_qn, stride_sn, stride_ym, stride_ys,
                         GROUP: tl.constexpr, HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr,
                         EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GT: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr):
         """Program (pid_n, pid_k): rows pid_n * BLOCK_N.., input features pid_k * K_SPLIT ..
         (K_SPLIT a multiple of BLOCK_K). A tile of BLOCK_K features spans GT quantization
-        groups (1 when BLOCK_K <= GROUP or with g_idx). Writes y [M, N] (+ bias) in y's dtype.
-        SPLIT_K > 1: each program stores its float32 partial into p [SPLIT_K, M, N]; the last
-        of a row block's SPLIT_K programs to arrive (arrival counter c_ptr[pid_n], zero between
-        launches: `triton_utils.arrival_counters`) sums them in split order and writes y.
-        magic: 0x4B000000 (`_w4_nibble`)."""
+        groups (1 when BLOCK_K <= GROUP or with g_idx). SPLIT_K == 1 writes y [M, N] (+ bias) in y's dtype;
+        else float32 partial sums into y [SPLIT_K, M, N] (stride_ys), reduced by
+        `triton_utils.reduce_splits`. magic: 0x4B000000 (`_w4_nibble`)."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -269,26 +267,12 @@ if HAS_TRITON:
                                   HAS_GIDX, EVEN, GT, WG, BLOCK_M)
         out_mask = (offs_m < M)[:, None] & n_mask[None, :]
         if SPLIT_K == 1:
-            _w4_store(y_ptr, b_ptr, y, offs_m, offs_n, n_mask, out_mask, stride_ym, HAS_BIAS)
+            if HAS_BIAS:
+                y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
+                     mask=out_mask)
         else:
-            # the last program to arrive sums the partials (as the Gluon GEMVs' `_store_tile`):
-            # the barrier puts every thread's store before the acq_rel atomic
-            p = p_ptr + offs_m[:, None] * N + offs_n[None, :]
-            tl.store(p + pid_k * M * N, y, mask=out_mask)
-            tl.debug_barrier()
-            if tl.atomic_add(c_ptr + pid, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-                total = tl.load(p, mask=out_mask, other=0.0, cache_modifier=".cg")
-                for i in tl.static_range(1, SPLIT_K):
-                    total += tl.load(p + i * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-                _w4_store(y_ptr, b_ptr, total, offs_m, offs_n, n_mask, out_mask, stride_ym, HAS_BIAS)
-                tl.atomic_xchg(c_ptr + pid, 0, sem="relaxed", scope="gpu")
-
-    @triton.jit
-    def _w4_store(y_ptr, b_ptr, y, offs_m, offs_n, n_mask, out_mask, stride_ym, HAS_BIAS: tl.constexpr):
-        """y [BLOCK_M, BLOCK_N] float32 (+ bias) -> y_ptr [M, N] in its dtype, where out_mask."""
-        if HAS_BIAS:
-            y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=out_mask)
 
     @triton.jit
     def _w4_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, b_ptr, y_ptr, M, N, K, magic,
@@ -378,8 +362,8 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     (scales / zeros with unit stride along G; group_size a multiple of 8); bias [N] or None ->
     [M, N] in x's dtype (float32 accumulation). `config` (BLOCK_N, BLOCK_K, warps, stages[,
     SPLIT_K]) overrides `int4_gemv_config`. SPLIT_K > 1 splits K over that many programs per
-    row block (more programs for matrices with few rows), whose float32 partial sums the last
-    of them to finish adds."""
+    row block (more programs for matrices with few rows), whose float32 partial sums a second
+    kernel adds."""
     M, K = x.shape
     N = qweight.shape[0]
     assert M <= MAX_GEMV_ROWS and qweight.shape[1] * 8 == K and x.stride(1) == 1 and group_size % 8 == 0
@@ -390,18 +374,15 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     k_split = triton.cdiv(n_tiles, split) * bk
     split = triton.cdiv(K, k_split)  # every split non-empty
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    part, arrivals = y, y
-    if split > 1:
-        part = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-        arrivals = arrival_counters(triton.cdiv(N, bn), x.device, "int4_gemv")
+    out = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
     pdl = pdl_ok(x)
     _w4_gemv_kernel[(triton.cdiv(N, bn), split)](
         x, qweight, scales, zeros, g_idx if g_idx is not None else qweight,
-        bias if bias is not None else scales, y, part, arrivals, M, N, K, k_split, F32_2P23_BITS, x.stride(0),
-        qweight.stride(0), scales.stride(0), N, GROUP=group_size, HAS_GIDX=g_idx is not None, HAS_BIAS=bias is not None,
+        bias if bias is not None else scales, out, M, N, K, k_split, F32_2P23_BITS, x.stride(0), qweight.stride(0),
+        scales.stride(0), N, M * N, GROUP=group_size, HAS_GIDX=g_idx is not None, HAS_BIAS=bias is not None,
         EVEN=N % bn == 0 and K % bk == 0, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_K=bk,
         GT=gt, SPLIT_K=split, USE_PDL=pdl, num_warps=warps, num_stages=stages, launch_pdl=pdl)
-    return y
+    return y if split == 1 else reduce_splits(out, y, bias, pdl)
 
 
 def int4_gemm_config(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:

@@ -12,9 +12,7 @@
   the next GEMV's weight stream starts during this kernel's tail. `pdl_ok(t)` says whether
   kernels on t's device use it; `KERNELS.pdl` (--no-pdl, FERRUM_PDL=0) turns it off. It
   survives CUDA-graph capture.
-- `arrival_counters`: the int32 counters with which the last program of a split reduction
-  finds out that it is the last, and does the reduction itself instead of a second kernel
-  (the split-K GEMVs, decode attention's split-KV merge).
+- `reduce_splits`: the sum over a split-K GEMV's float32 partials (the 4-bit and Gluon GEMVs).
 """
 from __future__ import annotations
 
@@ -29,7 +27,6 @@ except ImportError:  # pragma: no cover
     HAS_TRITON = False
 
 _SM90: dict[int, bool] = {}
-_ARRIVALS: dict[tuple[str, torch.device], list[torch.Tensor]] = {}
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -72,19 +69,6 @@ def is_sm90(t: torch.Tensor) -> bool:
     return _SM90[idx]
 
 
-def arrival_counters(n: int, device: torch.device | str, user: str) -> torch.Tensor:
-    """int32 zeros [>= n] on device for one kind of kernel (`user`), shared by all its launches:
-    one counter per group of programs that reduce together; the last program of a group to
-    arrive (its atomic add returns the group size - 1) reduces and resets the counter to zero.
-    Launches on one stream run one after another (a PDL launch touches the counters only after
-    its wait), so each finds them at zero. A larger buffer is made when n outgrows the last;
-    the old ones are kept, as captured CUDA graphs still point at them."""
-    bufs = _ARRIVALS.setdefault((user, torch.device(device)), [])
-    if not bufs or bufs[-1].numel() < n:
-        bufs.append(torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device))
-    return bufs[-1]
-
-
 def pdl_ok(t: torch.Tensor) -> bool:
     """True when kernels on t's device may use programmatic dependent launch: KERNELS.pdl,
     triton is installed, t is on CUDA and the device is sm_90 or newer."""
@@ -92,6 +76,7 @@ def pdl_ok(t: torch.Tensor) -> bool:
 
 
 if HAS_TRITON:
+    import triton.language as tl
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
@@ -101,6 +86,31 @@ if HAS_TRITON:
         gdc_wait()
         gdc_launch_dependents()
 
-else:  # pragma: no cover
-    pdl_start = None
+    @triton.jit
+    def _splitk_reduce_kernel(p_ptr, b_ptr, y_ptr, MN, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                              BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+        """y [M, N] (contiguous) = sum over the SPLIT_K float32 partials p [SPLIT_K, M, N] + bias."""
+        if USE_PDL:
+            pdl_start()
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < MN
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for i in tl.static_range(SPLIT_K):
+            acc += tl.load(p_ptr + i * MN + offs, mask=mask, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
+else:  # pragma: no cover
+    pdl_start = _splitk_reduce_kernel = None
+
+
+def reduce_splits(part: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, pdl: bool) -> torch.Tensor:
+    """The last step of a split-K GEMV: y [M, N] (contiguous, its dtype) = the sum over the
+    float32 partials part [SPLIT_K, M, N] (or [SPLIT_K, N] for M = 1) + bias [N]; returns y."""
+    split, n = part.shape[0], y.shape[-1]
+    mn = y.numel()
+    _splitk_reduce_kernel[(triton.cdiv(mn, 1024),)](
+        part, bias if bias is not None else part, y, mn, n, SPLIT_K=split, HAS_BIAS=bias is not None,
+        BLOCK=1024, USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
+    return y
