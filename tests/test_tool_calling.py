@@ -111,10 +111,11 @@ def test_readme_json_schema_example_gives_valid_json(smol):
     assert isinstance(parsed, City) and parsed.name
 
 
-def test_required_cut_off_by_max_tokens_returns_the_finished_calls(smol, smollm2_gguf_path):
+def test_required_cut_off_by_max_tokens_returns_the_calls_as_far_as_they_got(smol, smollm2_gguf_path):
     """With parallel calls allowed (the default) SmolLM2 repeats its call until max_tokens: the
-    calls completed by then come back as tool_calls (content null, finish_reason length), in
-    chat (whole and streamed), Responses and the offline LLM.chat; the cut call is left out."""
+    calls completed by then come back as tool_calls (content null, finish_reason length), then
+    the cut one with its arguments as far as they got (as OpenAI and vLLM answer), the same in
+    chat (whole and streamed), Responses and the offline LLM.chat."""
     from ferrum import LLM, SamplingParams
     body = _readme_required_body()
     body.pop("parallel_tool_calls", None)
@@ -125,10 +126,13 @@ def test_required_cut_off_by_max_tokens_returns_the_finished_calls(smol, smollm2
     choice = smol.chat.completions.create(**kw).choices[0]
     assert choice.finish_reason == "length" and choice.message.content is None
     calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
-    assert len(calls) >= 2 and {name for name, _ in calls} == {"get_weather"}
-    for _, args in calls:
+    *finished, (_, cut) = calls
+    assert len(finished) >= 2 and {name for name, _ in calls} == {"get_weather"}
+    for _, args in finished:
         jsonschema.validate(json.loads(args), params)
-    # streamed: the same calls first, then the one that was cut off, as far as it got
+    with pytest.raises(ValueError):   # the cut call's arguments: JSON text as far as it got
+        json.loads(cut)
+    # streamed: the same calls
     streamed, content, reason = {}, "", None
     for chunk in smol.chat.completions.create(stream=True, **kw):
         for c in chunk.choices:
@@ -139,9 +143,8 @@ def test_required_cut_off_by_max_tokens_returns_the_finished_calls(smol, smollm2
                 streamed[d.index][1] += d.function.arguments or ""
             reason = c.finish_reason or reason
     streamed = [tuple(v) for _, v in sorted(streamed.items())]
-    assert (content, reason, streamed[:len(calls)]) == ("", "length", calls)
-    assert len(streamed) == len(calls) + 1
-    # Responses: one function_call item per finished call, the response incomplete
+    assert (content, reason, streamed) == ("", "length", calls)
+    # Responses: one function_call item per call, the response incomplete
     r = smol.responses.create(model="smollm2", input=body["messages"][0]["content"], temperature=0,
                               tool_choice="required", max_output_tokens=body["max_tokens"],
                               tools=[{"type": "function", **tools[0]["function"]}])
@@ -157,3 +160,27 @@ def test_required_cut_off_by_max_tokens_returns_the_finished_calls(smol, smollm2
                           tools=tools, tool_choice="required", parallel_tool_calls=False)[0].outputs
         assert one.finish_reason == "tool_calls" and one.text == ""
         assert [(t["function"]["name"], t["function"]["arguments"]) for t in one.tool_calls] == calls[:1]
+
+
+def test_named_call_cut_off_by_max_tokens_comes_back_as_far_as_it_got(smol):
+    """A named tool_choice cut off by max_tokens: the call with its arguments so far and
+    finish_reason length, whole and streamed alike (an empty message before)."""
+    kw = dict(model="smollm2", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+              tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+              temperature=0, max_tokens=6)
+    choice = smol.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments.startswith("{")
+    with pytest.raises(ValueError):
+        json.loads(call.function.arguments)
+    got, reason = [], None
+    for chunk in smol.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            assert not c.delta.content
+            for d in c.delta.tool_calls or []:
+                if d.id:
+                    got.append([d.function.name, ""])
+                got[d.index][1] += d.function.arguments or ""
+            reason = c.finish_reason or reason
+    assert (got, reason) == ([["get_weather", call.function.arguments]], "length")

@@ -58,18 +58,20 @@ MALFORMED = [
     (MistralToolParser(), '[TOOL_CALLS]get_weather'),
 ]
 
-# output that constrained decoding wrote, cut off by max_tokens: (parser, output, the calls
-# completed before the cut); never content, the unfinished call left out
+# output that constrained decoding wrote, cut off by max_tokens: (parser, output, the calls);
+# never content; the unfinished call comes last with its arguments as far as they got, unless
+# the cut fell inside its name
 TRUNCATED = [
-    (RequiredToolParser(), '[{"name": "a", "parameters": {"x": 1', []),
+    (RequiredToolParser(), '[{"name": "a", "parameters": {"x": 1', [("a", '{"x": 1')]),
     (RequiredToolParser(), '[', []),
     (RequiredToolParser(), '[{"name": "a", "parameters": {"x": 1}}, {"name": "a", "parameters": {"x": 1}}, '
-                           '{"name": "a", "param', [("a", '{"x": 1}'), ("a", '{"x": 1}')]),
+                           '{"name": "a", "param', [("a", '{"x": 1}'), ("a", '{"x": 1}'), ("a", "")]),
     (RequiredToolParser(), f'[{{"name": "get_weather", "parameters": {ARGS}}}, ', [("get_weather", ARGS)]),
     (RequiredToolParser(), '[{"name": "a", "parameters": {}}, {"na', [("a", "{}")]),
     (RequiredToolParser(max_calls=1), '[{"name": "a", "parameters": {}}, {"name": "b", "parameters": {}}, {',
      [("a", "{}")]),
-    (NamedToolParser("f"), '{"x": ', []),
+    (NamedToolParser("f"), '{"x": ', [("f", '{"x": ')]),
+    (NamedToolParser("f"), '', [("f", "")]),
 ]
 
 PLAIN = [(HermesToolParser(), "No tools needed <tool but not a call."),
@@ -124,17 +126,16 @@ def test_malformed_output_is_content(case):
 
 
 @pytest.mark.parametrize("case", range(len(TRUNCATED)))
-def test_enforced_output_cut_off_keeps_the_finished_calls(case):
+def test_enforced_output_cut_off_keeps_the_calls_as_far_as_they_got(case):
     """tool_choice required / named output that max_tokens cut off: the calls completed before
-    the cut are the calls, content is None (the raw JSON is never content), and the stream
-    sends the same calls first (the cut one follows, as far as it got) and no content."""
+    the cut, then the cut one with its arguments so far (OpenAI's and vLLM's answer); content
+    is None (the raw JSON is never content), and the stream joins to the same calls."""
     parser, text, calls = TRUNCATED[case]
     content, got = parser.extract(text)
     assert content is None and [(c.name, c.arguments) for c in got] == calls
-    for sizes in ([1], [3, 7], [len(text)]):
-        streamed, streamed_calls, _ = stream(parser, text, sizes)
-        assert streamed == "" and streamed_calls[:len(calls)] == calls
-        assert len(streamed_calls) <= len(calls) + 1
+    for sizes in ([1], [3, 7], [max(len(text), 1)]):
+        assert stream(parser, text, sizes) == ("", calls, bool(calls))
+    assert parser.finish_reason("length", called=bool(calls)) == "length"
 
 
 @pytest.mark.parametrize("case", range(len(PLAIN)))

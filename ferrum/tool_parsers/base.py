@@ -11,8 +11,8 @@ Output that claims to be a tool call but is not well formed (bad JSON, no name, 
 are not a JSON object, an unfinished call) is returned as plain content, never half-parsed.
 Output that constrained decoding wrote (`ToolParser.enforced`: tool_choice "required" or a
 named function) is never content: the grammar makes every call in it well formed, so only the
-token limit can leave one unfinished, and that call is left out while the calls before it are
-returned.
+token limit can leave one unfinished, and that call comes last with its arguments as far as
+they got (finish_reason "length"; OpenAI's and vLLM's answer, and what the stream sent).
 """
 from __future__ import annotations
 
@@ -175,12 +175,14 @@ class ToolParser(abc.ABC):
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The whole output -> (the message content or None, calls). Output without calls is
-        all content (`text`), and so is malformed tool-call output; enforced output without a
-        finished call (cut off by the token limit) has no content (None)."""
+        all content (`text`), and so is malformed tool-call output; enforced output is never
+        content (None), and its last call may be unfinished (cut off by the token limit: its
+        arguments are the text so far)."""
         s = self._scan(text, final=True)
         calls = s.calls
+        whole = calls[:-1] if self.enforced and calls and not calls[-1].done else calls
         if (not s.in_calls or s.malformed
-                or not all(c.done and c.name and is_json_object(c.arguments) for c in calls)):
+                or not all(c.done and c.name and is_json_object(c.arguments) for c in whole)):
             return text, []
         if not calls:
             return (None if self.enforced else text), []
@@ -209,8 +211,8 @@ class ToolCallStreamer:
     i). `called` tells whether any call was sent
     (finish_reason "tool_calls"). If the output turns out malformed after a call was sent, the
     rest is sent as content (the stream then differs from the non-streamed answer, which is all
-    content); an enforced call that the token limit cut off was streamed as far as it got,
-    where the non-streamed answer leaves it out.
+    content); an enforced call that the token limit cut off is streamed as far as it got, as
+    the non-streamed answer gives it.
     """
 
     def __init__(self, parser: ToolParser):

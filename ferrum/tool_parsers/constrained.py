@@ -5,12 +5,14 @@ function): the grammar fixes the layout, so no markers are involved.
   schema `ferrum.entrypoints.chat_utils.tool_choice_constraint` builds);
 - a named function: the output is the arguments object itself.
 
-Both are `enforced`: the output is never message content, and where the token limit cut it off
-(finish_reason "length") the unfinished call is left out: under "required" the array elements
-completed before it are the calls (a model may repeat a call until max_tokens when
-parallel_tool_calls allows several), under a named function there is then no call. A
-choice with calls finishes "tool_calls" under "required" and "stop" under a named function, as
-OpenAI's chat completions do.
+Both are `enforced`: the output is never message content. Where the token limit cut it off
+(finish_reason "length") the unfinished call is the last call, with its arguments as far as
+they got (not valid JSON), as OpenAI and vLLM return it and as the stream sent it: under
+"required" after the array elements completed before it (a model may repeat a call until
+max_tokens when parallel_tool_calls allows several), unless the cut fell inside its name;
+under a named function it is the one call. A choice whose calls are complete finishes
+"tool_calls" under "required" and "stop" under a named function, as OpenAI's chat completions
+do; a cut one stays "length".
 """
 from __future__ import annotations
 
@@ -26,8 +28,8 @@ class RequiredToolParser(ToolParser):
         i = skip_ws(text, 0)
         if i < len(text):
             scan_call_array(text, i, s)
-        if final and s.calls and not s.calls[-1].done:
-            s.calls.pop()               # cut off by the token limit
+        if final and s.calls and s.calls[-1].name is None:
+            s.calls.pop()               # cut off inside its name: never sent, no call
         return s
 
 
@@ -43,8 +45,7 @@ class NamedToolParser(ToolParser):
 
     def scan(self, text: str, final: bool) -> Scan:
         args = text[skip_ws(text, 0):]
-        if not final:
-            return Scan(content="", in_calls=True, calls=[PartialCall(self.name, args)])
-        args = args.rstrip()
-        calls = [PartialCall(self.name, args, done=True)] if is_json_object(args) else []
-        return Scan(content="", in_calls=True, calls=calls)    # none: cut off by the token limit
+        done = final and is_json_object(args)
+        # final and not done: cut off by the token limit, the arguments as far as they got (as streamed)
+        call = PartialCall(self.name, args.rstrip() if done else args, done=done)
+        return Scan(content="", in_calls=True, calls=[call])
