@@ -202,7 +202,14 @@ def test_required_schema_accepts_exactly_valid_calls():
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(good, single)
     named = tool_choice_constraint(tools, {"type": "function", "function": {"name": "get_time"}})
-    assert named.json == CLOCK["function"]["parameters"] and named.param == "tool_choice"
+    assert named.json == CLOCK["function"]["parameters"] and named.param == "tools[1].function.parameters"
+    # a $ref into the tool's own root would point into the combined schema under "required"
+    loop = parse_tools([CLOCK, {"type": "function", "function": {"name": "tree", "parameters": {
+        "type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}}}])
+    with pytest.raises(InvalidRequestError, match="defs") as info:
+        tool_choice_constraint(loop, "required")
+    assert info.value.param == "tools[1].function.parameters"
+    assert tool_choice_constraint(loop, {"type": "function", "function": {"name": "tree"}}).json["type"] == "object"
     assert tool_choice_constraint(tools, "auto") is None
     clash = parse_tools([CLOCK, {"type": "function", "function": {"name": "g", "parameters": {
         "type": "object", "$defs": {"zone": {"type": "string"}}}}}])

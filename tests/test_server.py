@@ -308,9 +308,10 @@ def test_bad_inputs(server):
     ok = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
     e = _err(_post(server, "/v1/completions", content=b'{"model": "tiny", "prompt": '), 400)
     assert "JSON" in e["message"] and e["type"] == "invalid_request_error"
-    for body in (b'{"model": "tiny", "prompt": "\xff\xfe"}', b"[" * 100_000 + b"]" * 100_000):
-        e = _err(_post(server, "/v1/completions", content=body), 400)   # not UTF-8; too deep for json
-        assert "UTF-8" in e["message"] and e["type"] == "invalid_request_error", e
+    for body in (b'{"model": "tiny", "prompt": "\xff\xfe"}', b"[" * 100_000 + b"]" * 100_000,
+                 b'{"model": "tiny", "prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}"):
+        e = _err(_post(server, "/v1/completions", content=body), 400)   # not UTF-8; too deep; int too long
+        assert "UTF-8" in e["message"] and "digits" in e["message"] and e["type"] == "invalid_request_error", e
     assert "body is empty" in _err(_post(server, "/v1/chat/completions", content=b""), 400)["message"]
     for body, kind in ((b"[1]", "list"), (b'"hi"', "str"), (b"null", "NoneType")):
         e = _err(_post(server, "/v1/completions", content=body), 400)

@@ -232,10 +232,28 @@ def check_tool_schemas(tools: list[dict] | None, tool_choice) -> None:
         check_json_schema(fn["parameters"], f"tools[{i}].function.parameters", enforced)
 
 
-def _lift_defs(schema: dict, defs: dict) -> dict:
+def _root_refs(schema) -> list[str]:
+    """The "$ref"s in a schema that point into it other than through $defs / definitions ("#",
+    "#/properties/..."): they change meaning once the schema is nested in another."""
+    if isinstance(schema, list):
+        return [r for v in schema for r in _root_refs(v)]
+    if not isinstance(schema, dict):
+        return []
+    refs = [schema["$ref"]] if isinstance(schema.get("$ref"), str) and schema["$ref"].startswith("#") and not \
+        schema["$ref"].startswith(("#/$defs/", "#/definitions/")) else []
+    return refs + [r for k, v in schema.items() if k not in ("const", "enum", "default", "examples")
+                   for r in _root_refs(v)]
+
+
+def _lift_defs(schema: dict, defs: dict, where: str) -> dict:
     """Move a parameter schema's $defs / definitions into `defs` (the combined schema's root,
     where its "#/$defs/..." references resolve). Raises InvalidRequestError on a name two tools
-    define differently."""
+    define differently, and naming `where` on a reference to the schema's own root or to a
+    path outside $defs (it would point into the combined schema)."""
+    refs = _root_refs(schema)
+    if refs:
+        raise _bad(where, f"under tool_choice \"required\" a $ref must point into $defs or definitions, "
+                          f"got {refs[0]!r}")
     schema = dict(schema)
     for key in ("$defs", "definitions"):
         for name, d in (schema.pop(key, None) or {}).items():
@@ -253,14 +271,15 @@ def tool_choice_constraint(tools: list[dict], tool_choice, parallel_tool_calls: 
         return None
     if isinstance(tool_choice, dict):
         name = tool_choice["function"]["name"]
-        params = next(t["function"]["parameters"] for t in tools if t["function"]["name"] == name)
-        return StructuredOutputsParams(json=params, param="tool_choice")
+        i = next(i for i, t in enumerate(tools) if t["function"]["name"] == name)
+        return StructuredOutputsParams(json=tools[i]["function"]["parameters"], param=f"tools[{i}].function.parameters")
     defs: dict = {}
     variants = [{"type": "object",
                  "properties": {"name": {"const": t["function"]["name"]},
-                                "parameters": _lift_defs(t["function"]["parameters"], defs)},
+                                "parameters": _lift_defs(t["function"]["parameters"], defs,
+                                                         f"tools[{i}].function.parameters")},
                  "required": ["name", "parameters"], "additionalProperties": False}
-                for t in tools]
+                for i, t in enumerate(tools)]
     schema = {"type": "array", "minItems": 1, "items": {"anyOf": variants}, **defs}
     if not parallel_tool_calls:
         schema["maxItems"] = 1
@@ -398,7 +417,7 @@ class ChatPrompt:
         changes: dict = {}
         if self.structured_outputs is not None:
             if params.structured_outputs is not None:
-                p = self.structured_outputs.param
+                p = "response_format" if self.structured_outputs.param == "response_format" else "tool_choice"
                 raise _bad(p, f"cannot be combined with {params.structured_outputs.param}: "
                               "give one output constraint")
             changes["structured_outputs"] = self.structured_outputs

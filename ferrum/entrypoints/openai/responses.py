@@ -30,9 +30,9 @@ response.created, response.in_progress, then per item response.output_item.added
 (message) response.content_part.added, response.output_text.delta..., response.output_text.done,
 response.content_part.done / (function call) response.function_call_arguments.delta...,
 response.function_call_arguments.done, and response.output_item.done; last
-response.completed (or response.incomplete). Streamed items equal the whole answer's, but for
-a forced call that max_output_tokens cut off: streamed as far as it got, left out of the whole
-answer (whose other calls stay; `ferrum.tool_parsers.constrained`).
+response.completed (or response.incomplete). Streamed items equal the whole answer's, also
+for a forced call that max_output_tokens cut off: its arguments as far as they got, the
+response incomplete (`ferrum.tool_parsers.constrained`).
 Output_text logprobs cover the message text only.
 """
 from __future__ import annotations
@@ -236,7 +236,7 @@ def prepare_response(serving: OpenAIServing, req: ResponsesRequest) -> ChatPromp
             text = f"{param}:" + text[len(e.param) + 1:]
         raise InvalidRequestError(text, param=param) from e
     if chat.structured_outputs is not None:   # a grammar that fails to compile names the field
-        where = "text.format" if chat.structured_outputs.param == "response_format" else "tool_choice"
+        where = _chat_param(chat.structured_outputs.param)
         chat.structured_outputs = dataclasses.replace(chat.structured_outputs, param=where)
     return chat
 

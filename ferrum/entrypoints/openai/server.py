@@ -250,7 +250,8 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | Non
         detail = str(e.detail)
         if e.status_code == 400 and detail == "There was an error parsing the body":
             # FastAPI's text for a body json.loads fails on other than by a JSONDecodeError
-            detail = "request body is not JSON that can be read: not valid UTF-8, or nested too deep"
+            detail = ("request body is not JSON that can be read: not valid UTF-8, nested too deep, or an "
+                      f"integer of more than {sys.get_int_max_str_digits()} digits")
         return JSONResponse(error_body(detail, kind, e.status_code), status_code=e.status_code,
                             headers=getattr(e, "headers", None))
 
