@@ -209,6 +209,20 @@ def test_required_schema_accepts_exactly_valid_calls():
     with pytest.raises(InvalidRequestError, match="defs") as info:
         tool_choice_constraint(loop, "required")
     assert info.value.param == "tools[1].function.parameters"
+    arr = {"type": "array", "items": {"$ref": "#"}}
+    for bad in ({"properties": {"default": arr}},                       # a property named like a keyword
+                {"properties": {"enum": {"$ref": "#/properties/n"}}},
+                {"$defs": {"examples": {"$ref": "#"}}}, {"properties": {"a": {"$ref": ""}}},
+                {"allOf": [{"properties": {"k": {"$ref": "#"}}}]}):
+        with pytest.raises(InvalidRequestError, match="defs"):
+            tool_choice_constraint(parse_tools([{"type": "function", "function": {
+                "name": "t", "parameters": {"type": "object", **bad}}}]), "required")
+    for good in ({"$defs": {"x": {"type": "string"}}, "properties": {"a": {"$ref": "#/%24defs/x"}}},
+                 {"properties": {"a": {"$anchor": "node", "type": "string"}, "b": {"$ref": "#node"}}},
+                 {"x-meta": {"$ref": "#"}}, {"properties": {"$ref": {"type": "string"}}},
+                 {"properties": {"c": {"const": {"$ref": "#"}}}}):     # data, not references
+        tool_choice_constraint(parse_tools([{"type": "function", "function": {
+            "name": "t", "parameters": {"type": "object", **good}}}]), "required")
     assert tool_choice_constraint(loop, {"type": "function", "function": {"name": "tree"}}).json["type"] == "object"
     assert tool_choice_constraint(tools, "auto") is None
     clash = parse_tools([CLOCK, {"type": "function", "function": {"name": "g", "parameters": {
@@ -287,6 +301,15 @@ def test_prepare_chat_modes(smollm2_tokenizer):
     with pytest.raises(InvalidRequestError) as info:
         required.sampling_params(SamplingParams(structured_outputs={"regex": "a"}))
     assert info.value.param == "tool_choice"
+    with pytest.raises(InvalidRequestError) as info:   # a named function's conflict names tool_choice too
+        named.sampling_params(SamplingParams(structured_outputs={"regex": "a"}))
+    assert info.value.param == "tool_choice"
+    # a forced call's grammar decides where it ends: no stop string or stop token cuts it
+    for forced in (required, named):
+        p = forced.sampling_params(SamplingParams(stop=["}"], stop_token_ids=[7, 8]))
+        assert not p.stop and not p.stop_token_ids and p.structured_outputs is forced.structured_outputs
+    p = fmt.sampling_params(SamplingParams(stop=["}"], stop_token_ids=[7]))
+    assert p.stop == ["}"] and p.stop_token_ids == [7]
 
 
 @pytest.mark.parametrize("kw,param", [

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import urllib.parse
 from dataclasses import dataclass
 
 from ferrum.errors import InvalidRequestError
@@ -232,17 +233,32 @@ def check_tool_schemas(tools: list[dict] | None, tool_choice) -> None:
         check_json_schema(fn["parameters"], f"tools[{i}].function.parameters", enforced)
 
 
+# subschema keywords beyond _SUBSCHEMA / _SUBSCHEMA_LISTS (which closed_objects uses) where
+# _root_refs looks too; keys of neither kind hold data or are unknown
+_MORE_SUBSCHEMA = ("not", "if", "then", "else", "unevaluatedItems", "unevaluatedProperties")
+_MORE_SUBSCHEMA_LISTS = ("allOf", "items")
+
+
 def _root_refs(schema) -> list[str]:
-    """The "$ref"s in a schema that point into it other than through $defs / definitions ("#",
-    "#/properties/..."): they change meaning once the schema is nested in another."""
-    if isinstance(schema, list):
-        return [r for v in schema for r in _root_refs(v)]
+    """The "$ref"s in a schema that point into it by a JSON pointer other than through $defs /
+    definitions ("", "#", "#/properties/..."; percent-encoding decoded): they change meaning
+    once the schema is nested in another. Anchors ("#name") and other documents are left to
+    the grammar engine."""
     if not isinstance(schema, dict):
         return []
-    refs = [schema["$ref"]] if isinstance(schema.get("$ref"), str) and schema["$ref"].startswith("#") and not \
-        schema["$ref"].startswith(("#/$defs/", "#/definitions/")) else []
-    return refs + [r for k, v in schema.items() if k not in ("const", "enum", "default", "examples")
-                   for r in _root_refs(v)]
+    ref = schema.get("$ref")
+    refs = []
+    if isinstance(ref, str) and (ref in ("", "#") or (
+            ref.startswith("#/") and not urllib.parse.unquote(ref).startswith(("#/$defs/", "#/definitions/")))):
+        refs.append(ref)
+    for key, value in schema.items():
+        if key in _SUBSCHEMA or key in _MORE_SUBSCHEMA:
+            refs += _root_refs(value)
+        elif (key in _SUBSCHEMA_LISTS or key in _MORE_SUBSCHEMA_LISTS) and isinstance(value, list):
+            refs += [r for v in value for r in _root_refs(v)]
+        elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            refs += [r for v in value.values() for r in _root_refs(v)]
+    return refs
 
 
 def _lift_defs(schema: dict, defs: dict, where: str) -> dict:
@@ -411,7 +427,7 @@ class ChatPrompt:
 
     def sampling_params(self, params: SamplingParams) -> SamplingParams:
         """`params` with this chat's constraint and detokenization applied (a copy; a forced
-        tool call drops the stop strings, which would cut it). Raises
+        tool call drops the stop strings and stop token ids, which would cut it). Raises
         InvalidRequestError when params already carry a constraint (structured_outputs /
         guided_*) and tool_choice or response_format asks for another one."""
         changes: dict = {}
@@ -423,10 +439,13 @@ class ChatPrompt:
             changes["structured_outputs"] = self.structured_outputs
         if self.skip_special_tokens is not None:
             changes["skip_special_tokens"] = self.skip_special_tokens
-        if self.tool_parser is not None and self.tool_parser.enforced and params.stop:
-            # the forced call's grammar decides where the output ends: a stop string inside
-            # it would cut the call short (a 200 with neither content nor a call)
-            changes["stop"] = None
+        if self.tool_parser is not None and self.tool_parser.enforced:
+            # the forced call's grammar decides where the output ends: a stop string or stop
+            # token inside it would cut the call short and still finish "stop"
+            if params.stop:
+                changes["stop"] = None
+            if params.stop_token_ids:
+                changes["stop_token_ids"] = None
         return dataclasses.replace(params, **changes) if changes else params
 
 
