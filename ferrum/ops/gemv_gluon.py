@@ -163,7 +163,9 @@ if HAS_GLUON:
         x_ptrs = x_ptr + offs_m * stride_xm + gl.expand_dims(_chunk_offsets(BLOCK_C, E, LX), 0)
         k_start = pid_k * K_SPLIT
         k_end = gl.minimum(k_start + K_SPLIT, K)
-        acc = gl.zeros([BLOCK_M, BLOCK_N, BLOCK_C, E], gl.float32, layout=L4)
+        # per-chunk sums: the E products of a chunk fold into one float32 per row pair each tile
+        # (an FFMA chain), so the accumulator takes BLOCK_M * BLOCK_N registers, not E times that
+        acc = gl.zeros([BLOCK_M, BLOCK_N, BLOCK_C], gl.float32, layout=gl.SliceLayout(3, L4))
         # the next tile is loaded during this one's products; FP8 widens to fp16 at the load (the
         # cvt takes byte pairs: a loop-carried fp8 tile would be carried byte by byte)
         w = _widen16(gl.load(w_ptrs + k_start, eviction_policy="evict_first"))  # weights only: before the wait
@@ -171,10 +173,10 @@ if HAS_GLUON:
             _pdl_start()
         for k0 in range(k_start, k_end, BLOCK_K):
             x = _x_tile(x_ptrs + k0, offs_m, M, BLOCK_M).to(gl.float32)
-            acc += gl.expand_dims(w.to(gl.float32), 0) * gl.expand_dims(x, 1)
+            acc += gl.sum(gl.expand_dims(w.to(gl.float32), 0) * gl.expand_dims(x, 1), axis=3)
             if k0 + BLOCK_K < k_end:
                 w = _widen16(gl.load(w_ptrs + (k0 + BLOCK_K), eviction_policy="evict_first"))
-        y = gl.sum(gl.sum(acc, axis=3), axis=2)
+        y = gl.sum(acc, axis=2)
         if HAS_SCALE:
             y = y * gl.expand_dims(gl.load(s_ptr + n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, LY))), 0)
         _store_tile(y_ptr, b_ptr, y, n0, pid_k, M, N, stride_ym, BLOCK_M, BLOCK_N, LY, HAS_BIAS, SPLIT_K)
@@ -230,7 +232,12 @@ if HAS_GLUON:
         w_start = pid_k * W_SPLIT
         w_end = gl.minimum(w_start + W_SPLIT, K // 8)
         acc = gl.zeros([BLOCK_M, BLOCK_N, BLOCK_C], gl.float32, layout=LMNC)
-        words = gl.load(q_ptrs + w_start, eviction_policy="evict_first")  # weights only: before the wait
+        # weights, scales and zero points only (x comes after the wait): each loaded a tile ahead,
+        # so their DRAM latency overlaps this tile's products (scales and zero points used in the
+        # tile they were loaded in stalled the loop on their 2-byte loads)
+        words = gl.load(q_ptrs + w_start, eviction_policy="evict_first")
+        s_raw = gl.load(s_ptr + sz_off + w_start * 8 // GROUP)
+        z_raw = gl.load(z_ptr + sz_off + w_start * 8 // GROUP)
         if USE_PDL:
             _pdl_start()
         for w0 in range(w_start, w_end, BLOCK_W):
@@ -247,12 +254,14 @@ if HAS_GLUON:
             _, b3 = gl.broadcast(hi, gl.expand_dims(x3, 1))
             t = _dp2a(b1, lo, _dp2a(b0, lo, zero, False), True) << 4
             t = _dp2a(b3, hi, _dp2a(b2, hi, t, False), True)
-            z16 = gl.expand_dims((gl.load(z_ptr + sz_off + w0 * 8 // GROUP).to(gl.float32) * 16.0).to(gl.int32), 0)
-            s = gl.expand_dims(gl.load(s_ptr + sz_off + w0 * 8 // GROUP).to(gl.float32), 0)
+            z16 = gl.expand_dims((z_raw.to(gl.float32) * 16.0).to(gl.int32), 0)
+            s = gl.expand_dims(s_raw.to(gl.float32), 0)
             d = gl.expand_dims(gl.load(d_ptrs + w0 // 4, mask=d_mask, other=0.0), 1)
             acc += (gl.sum(t, axis=3) - z16 * xsum).to(gl.float32) * (s * d)
             if w0 + BLOCK_W < w_end:
                 words = gl.load(q_ptrs + (w0 + BLOCK_W), eviction_policy="evict_first")
+                s_raw = gl.load(s_ptr + sz_off + (w0 + BLOCK_W) * 8 // GROUP)
+                z_raw = gl.load(z_ptr + sz_off + (w0 + BLOCK_W) * 8 // GROUP)
         _store_tile(y_ptr, b_ptr, gl.sum(acc, axis=2) * 0.0625, n0, pid_k, M, N, stride_ym, BLOCK_M, BLOCK_N,
                     gl.SliceLayout(2, LMNC), HAS_BIAS, SPLIT_K)
 
