@@ -390,20 +390,22 @@ if HAS_GLUON:
 # `benchmarks/paste_gemv_configs.py`. Shapes not listed take `default_config` (fp8, w4, q4_k)
 # or the Triton GEMV (bf16: it already streams near the roofline). q4_k: timed on x from `q8_1`
 # (since 558bbed); its 4-row (4, 1, 1) keeps 16 bytes of stack at
-# `Q8_MAXNREG` and was still the fastest (h200-2026-12-02d).
+# `Q8_MAXNREG` and was still the fastest (h200-2026-12-02d). One-row bf16 / fp8 / w4 entries of
+# Llama-3-8B's qkv (w4), o, gate_up and down re-timed after 36e37bf (h200-2026-12-05b: FP8 moved
+# to BLOCK_N 8, whose 8 independent per-tile sums hide the FFMA chain's latency).
 GLUON_GEMV_CONFIGS: dict[tuple[str, int, int, int], tuple[int, int, int] | None] = {
     ('bf16', 4096, 4096, 1): None,
-    ('bf16', 4096, 14336, 1): (8, 8, 1),
+    ('bf16', 4096, 14336, 1): (2, 8, 1),
     ('bf16', 6144, 4096, 1): (4, 4, 1),
-    ('bf16', 28672, 4096, 1): (4, 4, 1),
+    ('bf16', 28672, 4096, 1): (2, 8, 1),
     ('bf16', 128256, 4096, 1): (4, 2, 2),
-    ('fp8', 4096, 4096, 1): (4, 2, 1),
+    ('fp8', 4096, 4096, 1): (8, 4, 1),
     ('fp8', 4096, 4096, 4): (2, 1, 1),
-    ('fp8', 4096, 14336, 1): (4, 2, 1),
+    ('fp8', 4096, 14336, 1): (8, 2, 2),
     ('fp8', 4096, 14336, 4): (2, 1, 1),
     ('fp8', 6144, 4096, 1): (2, 2, 1),
     ('fp8', 6144, 4096, 4): (2, 1, 1),
-    ('fp8', 28672, 4096, 1): (2, 2, 1),
+    ('fp8', 28672, 4096, 1): (8, 4, 1),
     ('fp8', 28672, 4096, 4): (2, 1, 1),
     ('q4_k', 4096, 4096, 1): (2, 2, 1),
     ('q4_k', 4096, 4096, 4): (4, 1, 1),
@@ -413,11 +415,11 @@ GLUON_GEMV_CONFIGS: dict[tuple[str, int, int, int], tuple[int, int, int] | None]
     ('q4_k', 6144, 4096, 4): (4, 1, 1),
     ('q4_k', 28672, 4096, 1): (4, 1, 1),
     ('q4_k', 28672, 4096, 4): (4, 1, 1),
-    ('w4', 4096, 4096, 1): (16, 4, 1),
+    ('w4', 4096, 4096, 1): (8, 4, 1),
     ('w4', 4096, 4096, 4): (4, 1, 1),
-    ('w4', 4096, 14336, 1): (4, 1, 2),
+    ('w4', 4096, 14336, 1): (8, 2, 1),
     ('w4', 4096, 14336, 4): (4, 1, 1),
-    ('w4', 6144, 4096, 1): (4, 2, 1),
+    ('w4', 6144, 4096, 1): (8, 2, 1),
     ('w4', 6144, 4096, 4): (4, 2, 1),
     ('w4', 28672, 4096, 1): (8, 1, 1),
     ('w4', 28672, 4096, 4): (4, 1, 1),
@@ -437,20 +439,20 @@ TUNED_ROWS = 4  # most rows `gemv_config` gives a config for (the table's row ke
 
 def default_config(kind: str, N: int, K: int, M: int = 1) -> tuple[int, int, int] | None:
     """(BLOCK_N, num_warps, SPLIT_K) for an [N, K] weight and M rows of x, for what the table
-    lacks (Llama-3-70B, TP shards, 2-4 rows). One row: BLOCK_N 8 (4 for bf16 and FP8: their
-    float32 accumulators take 16 registers per row); the first of 4, 2, 1 warps (FP8 and 4-bit:
-    2, 4, 1) whose tile divides K: in the H200 sweep of benchmarks/results/h200-2026-12-01d, FP8
-    (4, 2, 1) came within 10% of the best on every Llama-3-8B matrix and (4, 4, 1) up to 10%
-    below it, 4-bit (8, 2, 1) within 12%. 2-4 rows: `ROWS_BLOCK_N`, 2 warps first. Split-K until
+    lacks (Llama-3-70B, TP shards, 2-4 rows). One row: BLOCK_N 8 (4 for bf16); the first of 4,
+    2, 1 warps (4-bit: 2, 4, 1) whose tile divides K: in the H200 sweep of
+    benchmarks/results/h200-2026-12-05b (per-tile chunk sums, 36e37bf), FP8 (8, 4, 1) came within
+    15% of the best on every Llama-3-8B matrix and (4, 2, 1), the default before, up to 25%
+    below it; 4-bit (8, 2, 1) within 11%. 2-4 rows: `ROWS_BLOCK_N`, 2 warps first. Split-K until
     the grid has >= 2 programs per SM (264, H200's 132 SMs). None when no tile fits, or for
     more rows than `ROWS_BLOCK_N` lists."""
     e = ELEMENTS[kind]
-    bn = 8 if kind in ("w4", "q4_k") else 4
+    bn = 4 if kind == "bf16" else 8
     if M > 1:
         bn = ROWS_BLOCK_N.get(kind, {}).get(next_pow2(M))
         if bn is None:
             return None
-    order = (2, 4, 1) if kind in ("fp8", "w4") or M > 1 else (4, 2, 1)
+    order = (2, 4, 1) if kind == "w4" or M > 1 else (4, 2, 1)
     warps = next((w for w in order if K % (32 * w * e) == 0), None)
     if warps is None or N % bn:
         return None
