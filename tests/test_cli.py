@@ -286,6 +286,18 @@ def test_unknown_flag_is_reported_by_its_subcommand(capsys):
         assert info.value.code == 2 and f"{prog}: error: unrecognized arguments: {argv[-1]}" in err, err
 
 
+def test_bench_names_an_unknown_flag_and_a_missing_benchmark(capsys):
+    """`ferrum bench --bogus` said only that a benchmark was required; now it names the flag,
+    and `ferrum bench` alone lists the benchmarks (exit status 2 both)."""
+    from ferrum.entrypoints.cli import main
+    for argv, msg in ((["bench", "--bogus"], "unrecognized arguments: --bogus"),
+                      (["bench"], "choose a benchmark: latency, ttft, throughput, sweep, serve")):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and f"ferrum bench: error: {msg}" in err, err
+
+
 def test_threads_below_one_are_refused_while_parsing_every_command(capsys, tmp_path):
     """--threads 0 / -1 is an argparse error naming the flag in every command that takes it,
     before any model loads (it was refused only once the engine set its threads)."""

@@ -152,7 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     from ferrum.benchmarks import BENCHES, add_bench_parsers
     b = command("bench", "benchmarks: " + " | ".join(BENCHES))
-    bsub = b.add_subparsers(dest="bench", required=True)
+    # not required: argparse would report a missing benchmark before an unknown flag
+    # (`ferrum bench --bogus`); main names the unknown flag, the default func the missing benchmark
+    bsub = b.add_subparsers(dest="bench")
+    b.set_defaults(func=lambda args: b.error(f"choose a benchmark: {', '.join(BENCHES)}"))
     add_bench_parsers(bsub, add_engine_args, parents=[verbose], formatter_class=HelpFormatter)
     return p
 
