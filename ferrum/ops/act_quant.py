@@ -46,7 +46,9 @@ if HAS_TRITON:
     def _round_to_bits(x, QMAX: tl.constexpr):
         """x float32 [A, B, 32] -> (q int32 [A, B, 32] = round(x / d) in the low bits, d float32
         [A, B] = max |x| / QMAX per 32 values; d = 0 and q = 0 for all zeros). x / d + 1.5 *
-        2^23 rounds to nearest even and leaves the integer, two's complement, in the low bits."""
+        2^23 rounds to nearest even and leaves the integer, two's complement, in the low bits
+        (on the GPU one FFMA: the exact product rounded once; the interpreter rounds the float32
+        product first, which differs only where that product lands on or across a .5)."""
         amax = tl.max(tl.abs(x), axis=2)
         d = amax * (1.0 / QMAX)
         # 1 / d correctly rounded (div_rn; `/` may take the approximate reciprocal on the GPU), as
