@@ -56,6 +56,12 @@
 # test_structured_output imports): *.whl in WHEELS (default .whl) are installed to /tmp/site first. Outside git (a copied tree) the records name
 # $FERRUM_GIT_COMMIT.
 #
+# Triton's compiled kernels (a fresh machine compiles every config the GPU tests check: most of
+# their time): parts of a cache tarball in TRITON_CACHE_IN (default .triton_cache, carried) seed
+# TRITON_CACHE_DIR (/tmp/triton_cache), which every process of the run uses; TRITON_CACHE_OUT=1
+# packs that cache at the end into $OUT/triton_cache.part.* (15 MB each, at most 4: what the device
+# tool returns), to copy into .triton_cache here and carry in a later lease's first call.
+#
 # Files under $OUT: <section>.log per section (with a header: date, commit, command, hardware,
 # versions), <section>.json per benchmark, tests.xml (JUnit), summary.txt; if more than 8
 # files result, the logs are packed into logs.tar.gz (the device tool returns at most 8).
@@ -102,6 +108,13 @@ if compgen -G "$WHEELS/*.whl" >/dev/null; then
         "$WHEELS"/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+TRITON_CACHE_IN=${TRITON_CACHE_IN:-.triton_cache}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache}
+mkdir -p "$TRITON_CACHE_DIR"
+if compgen -G "$TRITON_CACHE_IN/triton_cache.part.*" >/dev/null; then
+    cat "$TRITON_CACHE_IN"/triton_cache.part.* | tar -xz -C "$TRITON_CACHE_DIR" \
+        && echo "== Triton cache: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files from $TRITON_CACHE_IN"
+fi
 # The real SmolLM2 GGUF for the GPU tests that need it (test_structured_output): the GPU machine
 # cannot download it, so carry it in pieces (`split -b 50000000 <its file> .peers/sm/part.`, one
 # piece per transfer) and copy each to $SMOLLM2_PARTS; it is joined into the model cache here
@@ -343,6 +356,16 @@ for sec in "${sections[@]}"; do
     esac
 done
 
+if [[ ${TRITON_CACHE_OUT:-0} == 1 ]]; then
+    tar -czf - -C "$TRITON_CACHE_DIR" . | split -b 15000000 -a 1 - "$OUT/triton_cache.part."
+    parts=$(find "$OUT" -maxdepth 1 -name 'triton_cache.part.*' | wc -l)
+    if ((parts > 4)); then   # past what comes back: keep none rather than a torn tarball
+        rm -f "$OUT"/triton_cache.part.*
+        echo "Triton cache: $parts parts of 15 MB, more than 4: not kept" | tee -a "$summary"
+    else
+        echo "Triton cache: $parts part(s) in $OUT (copy them into .triton_cache to carry)" | tee -a "$summary"
+    fi
+fi
 # the device tool returns at most 8 files: pack the logs when there are more
 if (($(find "$OUT" -maxdepth 1 -type f | wc -l) > 8)); then
     (cd "$OUT" && tar -czf logs.tar.gz ./*.log ./*.xml 2>/dev/null && rm -f ./*.log ./*.xml)

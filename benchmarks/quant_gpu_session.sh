@@ -11,6 +11,11 @@
 #
 # with OUT set by the device tool and FERRUM_GIT_COMMIT=<sha> in front. The tree (~6 MB) plus
 # what a call carries must stay under 64 MiB (on 2026-12-05 .whl + .old + part.01 did not).
+# Every call needs the wheels installed (llguidance: the engine imports it): a call on a machine
+# that has not run call 1 must carry .whl too (12-05b lost its first call to that). Call 1's
+# tests compile every kernel config they check, most of their time (they outran 420-470 s twice):
+# it packs Triton's cache into $OUT/triton_cache.part.* (TRITON_CACHE_OUT, gpu_run.sh); copy those
+# into .triton_cache here and carry it in the next lease's call 1.
 #   1: the GPU tests of the decode path and the quantized GEMVs, while the Llama-3-8B-shape
 #      Q4_K GGUF for vLLM is written to /tmp/models.
 #   2: ferrum batch-1 latency in $AB_FORMATS (default "bf16 awq") from the tree of $AB_BASE
@@ -35,7 +40,8 @@ case $step in
         q=tests/test_quant_kernels.py
         GPU_TESTS="tests/test_gpu.py tests/test_triton_kernels.py tests/test_sliding_window.py \
 $q::test_gluon_gemv_llama3_8b_shapes_on_gpu $q::test_kernel_on_gpu \
-$q::test_quantized_models_on_gpu $q::test_fp8_kv_attention_on_gpu" LIMIT_tests=470 bash benchmarks/gpu_run.sh tests
+$q::test_quantized_models_on_gpu $q::test_fp8_kv_attention_on_gpu" LIMIT_tests=470 TRITON_CACHE_OUT=1 \
+            bash benchmarks/gpu_run.sh tests
         wait
         cp /tmp/gguf_write.log "$OUT/" 2>/dev/null
         ;;
@@ -59,7 +65,9 @@ $q::test_quantized_models_on_gpu $q::test_fp8_kv_attention_on_gpu" LIMIT_tests=4
     *) echo "step 1-4" >&2; exit 2 ;;
 esac
 # the device tool returns at most 8 files: pack them all when there are more
+# (Triton's cache parts stay out: each is at most 15 MB, the limit of one returned file being 16 MiB)
 if (($(find "$OUT" -type f | wc -l) > 8)); then
-    (cd "$OUT" && tar -czf "step$step.tar.gz" --remove-files -- *)
+    (cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name 'triton_cache.part.*' ! -name "step$step.tar.gz" -print0 \
+        | tar -czf "step$step.tar.gz" --remove-files --null -T -)
 fi
 ls -la "$OUT"

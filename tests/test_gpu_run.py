@@ -138,3 +138,31 @@ def test_gpu_run_tests_section_survives_a_module_that_cannot_be_imported(tmp_pat
     assert "ModuleNotFoundError" in log and "a_module_that_is_not_installed" in log, log[-3000:]
     assert "Interrupted: 1 error during collection" not in log, log[-3000:]
     assert "test_sampler.py" in log and "1 error" in log, log[-3000:]
+
+
+def test_gpu_run_carries_the_triton_cache(tmp_path):
+    """TRITON_CACHE_OUT=1 packs TRITON_CACHE_DIR into $OUT/triton_cache.part.*; a later run with
+    those parts in TRITON_CACHE_IN starts with the same files (what the GPU tests' compiles
+    leave for the next lease). The section run is a one-test pytest (`tests`, GPU_TESTS)."""
+    test = tmp_path / "test_one.py"
+    test.write_text("import os, pytest\n\n@pytest.mark.gpu\ndef test_cache_dir():\n"
+                    "    assert os.environ['TRITON_CACHE_DIR'].endswith('cache1') or "
+                    "os.environ['TRITON_CACHE_DIR'].endswith('cache2')\n")
+    cache1 = tmp_path / "cache1"
+    (cache1 / "ab12").mkdir(parents=True)
+    (cache1 / "ab12" / "k.cubin").write_bytes(os.urandom(3000))
+    proc, out = _run(tmp_path, ["tests"], GPU_TESTS=str(test), TRITON_CACHE_DIR=str(cache1), TRITON_CACHE_OUT="1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = open(os.path.join(out, "summary.txt")).read()
+    assert "tests: exit 0" in summary and "Triton cache: 1 part(s)" in summary, summary
+    parts = tmp_path / "carried"
+    parts.mkdir()
+    for f in pathlib.Path(out).glob("triton_cache.part.*"):
+        (parts / f.name).write_bytes(f.read_bytes())
+    cache2 = tmp_path / "cache2"
+    again = tmp_path / "again"
+    again.mkdir()
+    proc, _ = _run(again, ["tests"], GPU_TESTS=str(test), TRITON_CACHE_DIR=str(cache2), TRITON_CACHE_IN=str(parts))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Triton cache: 1 files from" in proc.stdout, proc.stdout
+    assert (cache2 / "ab12" / "k.cubin").read_bytes() == (cache1 / "ab12" / "k.cubin").read_bytes()
