@@ -34,6 +34,8 @@
 #             per step, then vLLM, in one `ferrum bench throughput` (output_tok_s_vs_vllm) 480 s
 #   fp8       issue 15: the same with FP8 weights + FP8 KV cache, vLLM with VB_QUANT=fp8
 #             VB_KV=fp8 (its driver: quantization="fp8", kv_cache_dtype="fp8")           480 s
+#   silu      the SiLU-mul folded into down_proj's GEMV: its GPU tests, then batch-1 latency in bf16
+#             and FP8 with FERRUM_SILU_GEMV=0 and =1 in one section (quant_latency_silu{0,1}.json)  300 s
 #   gluon     issue 15: the Gluon GEMVs' GPU tests, their sweep at 1 and 4 rows against the Triton
 #             GEMVs (quant_bench.py kernels --grid gluon), GLUON_GEMV_CONFIGS pasted from it into
 #             this tree, then batch-1 latency in bf16 / FP8 / AWQ / GGUF Q4_K with the Gluon GEMVs
@@ -135,8 +137,8 @@ for s in "${@:-all}"; do
     case $s in
         all) sections+=(tests latency ttft nanovllm tp2) ;;
         bench) sections+=(latency ttft nanovllm tp2) ;;
-        tests|latency|ttft|nanovllm|sweep|tp2|tput|quantkern|quant|moe|fp8|attntune|gluon|w4|ab) sections+=("$s") ;;
-        *) echo "unknown section $s (tests latency ttft nanovllm sweep tp2 tput quantkern quant moe fp8 attntune gluon w4 ab | bench | all)" >&2; exit 2 ;;
+        tests|latency|ttft|nanovllm|sweep|tp2|tput|quantkern|quant|moe|fp8|attntune|gluon|silu|w4|ab) sections+=("$s") ;;
+        *) echo "unknown section $s (tests latency ttft nanovllm sweep tp2 tput quantkern quant moe fp8 attntune gluon silu w4 ab | bench | all)" >&2; exit 2 ;;
     esac
 done
 
@@ -187,7 +189,7 @@ free_gpu() {
     fi
 }
 
-declare -A LIMIT=([sweep]=240 [gluon]=540 [quant_vllm_awq]=200 [quant_vllm_fp8]=200 [quant_vllm_gguf_q4_k]=300 [ab]=400 [moe_vllm]=300 [tests]=480 [latency]=330 [ttft]=300 [nanovllm]=240 [tp2]=240 [quantkern]=240 [quant]=420 [moe]=480 [tput]=480 [fp8]=480 [attntune]=300 [w4]=560)
+declare -A LIMIT=([sweep]=240 [gluon]=540 [quant_vllm_awq]=200 [quant_vllm_fp8]=200 [quant_vllm_gguf_q4_k]=300 [ab]=400 [moe_vllm]=300 [tests]=480 [latency]=330 [ttft]=300 [nanovllm]=240 [tp2]=240 [quantkern]=240 [quant]=420 [moe]=480 [tput]=480 [fp8]=480 [attntune]=300 [w4]=560 [silu]=300)
 summary=$OUT/summary.txt
 echo "gpu_run.sh ${sections[*]} at commit $FERRUM_GIT_COMMIT, $(date -u +%FT%TZ), device $DEVICE, $ngpus GPU(s), peers: ${peers[*]:-none}" >>"$summary"
 
@@ -313,6 +315,12 @@ for sec in "${sections[@]}"; do
             --input-len $TPUT_LEN $TPUT_LEN --output-len $TPUT_LEN $TPUT_LEN --max-num-seqs $TPUT_SEQS \
             --max-num-batched-tokens 8192 --max-model-len $((2 * TPUT_LEN + 16)) --no-sequential $(peers_of vllm) \
             "${peer_flags[@]}" --peer-env VB_QUANT=fp8 --peer-env VB_KV=fp8 --peer-timeout 300 --out "$OUT/fp8.json"
+        ;;
+    silu)
+        run_section silu bash -c "'$PY' -m pytest -m gpu -rA -q -p no:cacheprovider tests/test_quant_kernels.py \
+            -k 'silu'; for v in 0 1; do mkdir -p '$OUT'/s\$v && FERRUM_SILU_GEMV=\$v '$PY' benchmarks/quant_bench.py \
+            latency --formats bf16 fp8 --out '$OUT'/s\$v && mv '$OUT'/s\$v/quant_latency.json \
+            '$OUT'/quant_latency_silu\$v.json; done"
         ;;
     gluon)
         run_section gluon bash -c "'$PY' -m pytest -m gpu -rA -q -p no:cacheprovider tests/test_quant_kernels.py -k gluon; \

@@ -9,7 +9,8 @@ warp-instructions per KV byte (x 4.8 TB/s = the issue rate the loop needs at the
 bandwidth, against ~1.05 T/s: 132 SMs x 4 schedulers x ~1.98 GHz), with the most frequent
 opcodes. Llama-3-8B shapes (GQA group 4, head_dim 128, 16-token pages). `--gemv`: the same for
 the batch-1 Gluon GEMVs (ferrum/ops/gemv_gluon.py: bf16, FP8, 4-bit, Q4_K) at their default
-configs on Llama-3-8B's gate_up matrix, per weight byte, with the registers per thread. The
+configs on Llama-3-8B's gate_up matrix (bf16 / FP8 also on down_proj, with and without the
+SiLU-mul folded into the x load), per weight byte, with the registers per thread. The
 compile helpers are the tests'
 (tests/test_triton_kernels.py `sm90_sass`, `_sass_loops`).
 """
@@ -55,10 +56,10 @@ def decode_loop(kv: str, block_n: int, splits: int, head_dim: int = 128) -> dict
             "top_opcodes": collections.Counter(i.split()[0] for i in body).most_common(12)}
 
 
-def gemv_loop(kind: str, N: int = 28672, K: int = 4096) -> dict:
+def gemv_loop(kind: str, N: int = 28672, K: int = 4096, silu_mul: bool = False) -> dict:
     """Counts for the Gluon GEMV of `kind` (bf16 / fp8 / w4 / q4_k) over an [N, K] weight, one row
     of x (bf16; int8 for Q4_K, `gemv_gluon.q8_1`), at `gemv_gluon.default_config`; also the
-    registers per thread."""
+    registers per thread. silu_mul (bf16 / fp8): x computed as silu(gate) * up in the loop."""
     from ferrum.ops import gemv_gluon as gg
     bn, warps, split = gg.default_config(kind, N, K, 1)
     common = dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_C=32 * warps, HAS_BIAS=False, SPLIT_K=split, USE_PDL=True)
@@ -72,7 +73,8 @@ def gemv_loop(kind: str, N: int = 28672, K: int = 4096) -> dict:
         ptrs = dict(x_ptr="*i32", d_ptr="*fp32", qw_ptr="*i32", s_ptr="*fp16", z_ptr="*fp16", b_ptr="*fp16", y_ptr=y)
         chunk_bytes = 16
     else:
-        fn, consts = gg._dense_gemv_kernel, dict(common, E=gg.ELEMENTS[kind], HAS_SCALE=kind == "fp8")
+        fn, consts = gg._dense_gemv_kernel, dict(common, E=gg.ELEMENTS[kind], HAS_SCALE=kind == "fp8",
+                                                 SILU_MUL=silu_mul)
         ptrs = dict(x_ptr="*bf16", w_ptr="*fp8e4nv" if kind == "fp8" else "*bf16", s_ptr="*fp32", b_ptr="*bf16",
                     y_ptr=y)
         chunk_bytes = 16
@@ -83,7 +85,8 @@ def gemv_loop(kind: str, N: int = 28672, K: int = 4096) -> dict:
     per_byte = len(body) * warps / tile_bytes
     values = bn * 32 * warps * gg.ELEMENTS[kind]
     regs = re.search(r"REG:(\d+)", str(res))
-    return {"kind": kind, "config": (bn, warps, split), "loop_instructions": len(body),
+    return {"kind": kind + (" silu-mul" if silu_mul else ""), "config": (bn, warps, split),
+            "shape": (N, K), "loop_instructions": len(body),
             "registers": int(regs.group(1)) if regs else None,
             "per_value_per_thread": len(body) * 32 * warps / values, "warp_instr_per_byte": per_byte,
             "issue_share_at_spec_bw": per_byte * SPEC_BW / ISSUE_RATE,
@@ -98,9 +101,11 @@ def main():
     p.add_argument("--gemv", action="store_true", help="the Gluon GEMVs instead of the decode attention")
     args = p.parse_args()
     if args.gemv:
-        for kind in ("bf16", "fp8", "w4", "q4_k"):
-            r = gemv_loop(kind)
-            print(f"gemv {r['kind']} {r['config']}, {r['registers']} registers: {r['loop_instructions']} instructions per loop, "
+        runs = [(kind, 28672, 4096, False) for kind in ("bf16", "fp8", "w4", "q4_k")]
+        runs += [(kind, 4096, 14336, silu) for kind in ("bf16", "fp8") for silu in (False, True)]  # down_proj
+        for kind, n, k, silu in runs:
+            r = gemv_loop(kind, n, k, silu)
+            print(f"gemv {r['kind']} {n}x{k} {r['config']}, {r['registers']} registers: {r['loop_instructions']} instructions per loop, "
                   f"{r['per_value_per_thread']:.2f} per weight value, {r['warp_instr_per_byte']:.3f} warp-instructions "
                   f"per weight byte = {r['issue_share_at_spec_bw']:.0%} of the issue rate at 4.8 TB/s; {r['top_opcodes']}")
         return

@@ -597,6 +597,11 @@ class KernelConfig:
                               "the shapes its tuning table lists) through the Gluon GEMVs "
                               "(ferrum/ops/gemv_gluon.py; CUDA sm_90+) instead of the Triton ones",
                               env="FERRUM_GLUON_GEMV")
+    silu_gemv: bool = option(
+        False, "down_proj's Gluon GEMV (bf16 / FP8, 1-4 rows) computes silu(gate) * up from gate_up_proj's "
+        "output as it loads x, instead of a SiLU-mul kernel before it (ferrum/ops/gemv_gluon.py; same "
+        "values, one launch fewer per layer; off until timed on the H200)",
+        env="FERRUM_SILU_GEMV")
     q8_from_producers: bool = option(
         True, "the RMSNorm, decode-attention merge and SiLU-mul kernels before a Q4_K or 4-bit Gluon "
         "GEMV also write the int8 / int16 x it reads (ferrum/ops/act_quant.py): one q8_1 / q16 launch "

@@ -452,7 +452,7 @@ def _check_decode_attention_copy(device, rand, bits, rounding) -> None:
 
 
 CHECKS = ["check_fp8_gemv", "check_int4_gemv", "check_int4_gemv_configs", "check_int4_gemm", "check_gluon_gemv",
-          "check_act_quant"]
+          "check_gluon_silu_gemv", "check_act_quant"]
 interp = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUDA + triton")]
 
@@ -548,6 +548,45 @@ def test_gluon_gemv_llama3_8b_shapes_on_gpu():
     """The Gluon GEMVs at every Llama-3-8B matrix (+ the LM head, TP=2 shapes) with the configs
     they run in production, and fp8_linear / int4_linear dispatching one row to them."""
     check_gluon_gemv("cuda", LLAMA3_8B + ((128256, 4096), (3072, 4096), (4096, 7168)))
+
+
+def check_gluon_silu_gemv(device: str) -> None:
+    """down_proj's GEMV with the SiLU-mul folded in (`gemv_gluon.dense_gemv(silu_mul=True)`, bf16
+    and FP8 weights, 1-4 rows, split-K, bias) gives exactly what the SiLU-mul kernel then the
+    GEMV give; `silu_mul_gemv` runs it only with `KERNELS.silu_gemv` and a config for the rows,
+    else returns None; a gate_up that is not [M, 2K] is a ValueError."""
+    from ferrum.config import KERNELS
+    from ferrum.ops import fp8
+    from ferrum.ops.activation import silu_and_mul
+    gg = _gluon_kernels(device)
+    gen = torch.Generator().manual_seed(23)
+    cases = [("bf16", 16, 1024, (4, 1, 1), 1), ("bf16", 16, 1024, (4, 2, 2), 3), ("fp8", 16, 2048, (4, 1, 1), 1),
+             ("fp8", 16, 2048, (2, 2, 2), 2), ("fp8", 16, 2048, (8, 1, 1), 4)]
+    for i, (kind, N, K, cfg, M) in enumerate(cases):
+        dtype = torch.float16 if i == 1 else torch.bfloat16
+        gate_up = (torch.randn(M, 2 * K, generator=gen) * 2).to(dtype).to(device)
+        raw = torch.randn(N, K, generator=gen) * 0.05
+        w, scale = fp8.quantize_fp8_per_channel(raw) if kind == "fp8" else (raw.to(dtype), None)
+        w, scale = w.to(device), None if scale is None else scale.to(device)
+        bias = torch.randn(N, generator=gen).to(dtype).to(device) if i % 2 else None
+        want = gg.dense_gemv(silu_and_mul(gate_up), w, scale, bias, cfg)
+        got = gg.dense_gemv(gate_up, w, scale, bias, cfg, silu_mul=True)
+        assert torch.equal(got, want), f"silu-mul GEMV {kind} {dtype} M={M} config={cfg}: " \
+            f"max diff {(got.float() - want.float()).abs().max().item():.3e}"
+    with pytest.raises(ValueError):
+        gg.dense_gemv(gate_up[:, :K], w, scale, None, cfg, silu_mul=True)
+    saved = KERNELS.silu_gemv
+    try:
+        KERNELS.silu_gemv = False
+        assert gg.silu_mul_gemv(gate_up, w, scale) is None
+        KERNELS.silu_gemv = True
+        if device == "cuda":  # config_for needs CUDA: the default FP8 config of a [16, 2048] weight
+            assert torch.equal(gg.silu_mul_gemv(gate_up, w, scale), gg.dense_gemv(silu_and_mul(gate_up), w, scale))
+        else:
+            assert gg.silu_mul_gemv(gate_up, w, scale) is None   # no Gluon GEMV on CPU tensors
+        assert gg.silu_mul_gemv(gate_up[:, :K], w, scale) is None
+    finally:
+        KERNELS.silu_gemv = saved
 
 
 def _gguf_raw(qtype: int, N: int, K: int, gen: torch.Generator) -> torch.Tensor:
@@ -681,10 +720,13 @@ def check_sm90_compile(device: str) -> None:
                                   b_ptr="*fp16", y_ptr=y), w, 1, f"gluon w4 gemv {n}x{k} {cfg} rows {rows}",
                              no_hint=("M",), loop_without_barrier=True)
             else:
-                sm90_compile(gg._dense_gemv_kernel, dict(common, E=gg.ELEMENTS[kind], HAS_SCALE=kind == "fp8"),
-                             dict(x_ptr="*bf16", w_ptr="*fp8e4nv" if kind == "fp8" else "*bf16", s_ptr="*fp32",
-                                  b_ptr="*bf16", y_ptr=y), w, 1, f"gluon {kind} gemv {n}x{k} {cfg} rows {rows}",
-                             no_hint=("M",), loop_without_barrier=True)
+                for silu in (False, True) if k > n else (False,):   # down_proj: also with the SiLU-mul folded in
+                    sm90_compile(gg._dense_gemv_kernel, dict(common, E=gg.ELEMENTS[kind], HAS_SCALE=kind == "fp8",
+                                                             SILU_MUL=silu),
+                                 dict(x_ptr="*bf16", w_ptr="*fp8e4nv" if kind == "fp8" else "*bf16", s_ptr="*fp32",
+                                      b_ptr="*bf16", y_ptr=y), w, 1,
+                                 f"gluon {kind} gemv {n}x{k} {cfg} rows {rows}{' silu-mul' if silu else ''}",
+                                 no_hint=("M",), loop_without_barrier=True)
     for bits, q in ((8, "*i8"), (16, "*i16")):
         build(gg._round_x_kernel, dict(BITS=bits, BLOCKS=gg.Q8_BLOCKS, USE_PDL=True),
               dict(x_ptr="*bf16", q_ptr=q, d_ptr="*fp32"), 4, 1, f"round x to {bits} bits")
@@ -859,3 +901,42 @@ def test_fp8_kv_attention_in_interpreter(interpreted):
 @pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUDA + triton")
 def test_fp8_kv_attention_on_gpu():
     check_fp8_kv_attention("cuda")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_gated_mlp_folds_silu_mul_into_down_proj(device, monkeypatch):
+    """GatedMLP with `KERNELS.silu_gemv`: down_proj's GEMV computes silu(gate) * up itself
+    (bf16 at Llama-3-8B's MLP shape, whose down_proj the bf16 table lists, and FP8; 1 and 3
+    rows) and the output equals the SiLU-mul kernel then down_proj; where no such GEMV runs (CPU)
+    the layer runs those two."""
+    from ferrum.config import KERNELS
+    from ferrum.layers.mlp import GatedMLP
+    from ferrum.layers.quantization.fp8 import Fp8Config
+    from ferrum.ops import gemv_gluon
+    fused = []
+    real = gemv_gluon.silu_mul_gemv
+    monkeypatch.setattr(gemv_gluon, "silu_mul_gemv", lambda *a: fused.append(real(*a)) or fused[-1])
+    gen = torch.Generator(device).manual_seed(5)
+    hidden, inter = (4096, 14336) if device == "cuda" else (64, 128)
+    for quant in (None, Fp8Config(serialized=False)):
+        saved = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)   # the layers take the model dtype from it
+        try:
+            mlp = GatedMLP(hidden, inter, "silu", quant_config=quant).to(device)
+        finally:
+            torch.set_default_dtype(saved)
+        for lin in (mlp.gate_up_proj, mlp.down_proj):
+            lin.quant_method.init_dummy(lin, gen)
+            lin.quant_method.process_weights_after_loading(lin)
+        for rows in (1, 3):
+            x = torch.randn(rows, hidden, generator=gen, device=device).bfloat16()
+            with torch.inference_mode():
+                monkeypatch.setattr(KERNELS, "silu_gemv", False)
+                want = mlp(x)
+                monkeypatch.setattr(KERNELS, "silu_gemv", True)
+                fused.clear()
+                got = mlp(x)
+            assert torch.equal(got, want), f"{quant} rows={rows}: {(got.float() - want.float()).abs().max()}"
+            ran = [y is not None for y in fused]
+            # bf16: the table's one-row down_proj entry; FP8: 1-4 rows. CPU: never
+            assert ran == [device == "cuda" and (quant is not None or rows == 1)], (quant, rows, ran)

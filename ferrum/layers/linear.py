@@ -21,6 +21,7 @@ from ferrum.distributed.parallel_state import divide, get_tp
 from ferrum.errors import TensorParallelError, WeightLoadError
 from ferrum.layers.quantization.base import QuantConfig, UnquantizedLinearMethod, new_param, shard_spec
 from ferrum.layers.weight_utils import copy_weight
+from ferrum.ops.activation import silu_and_mul
 
 
 class LinearBase(nn.Module):
@@ -192,7 +193,17 @@ class RowParallelLinear(LinearBase):
         """x: [T, in_features / tp] (this rank's slice) -> [T, out_features], summed over the
         TP ranks (one all-reduce), plus the bias; with reduce_results=False this rank's partial
         sum only."""
-        y = self.quant_method.apply(self, x, None)
+        return self._reduce(self.quant_method.apply(self, x, None))
+
+    def forward_silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """`forward(silu_and_mul(gate_up))`, gate_up [T, 2 in_features / tp] = [gate | up]
+        (gate_up_proj's output): one kernel where the weight format has one for these rows
+        (`LinearMethod.apply_silu_and_mul`), else the SiLU-mul kernel and `forward`."""
+        y = self.quant_method.apply_silu_and_mul(self, gate_up, None)
+        return self.forward(silu_and_mul(gate_up)) if y is None else self._reduce(y)
+
+    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product -> the layer's output (see `forward`)."""
         if not self.reduce_results:
             return y
         y = tensor_model_parallel_all_reduce(y, self.tp)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ferrum.config import KERNELS
 from ferrum.layers.activation import get_act_and_mul
 from ferrum.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from ferrum.layers.quantization.base import QuantConfig
@@ -22,7 +23,11 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, quant_config=quant_config,
                                            reduce_results=reduce_results)
         self.act_fn = get_act_and_mul(act)
+        self.silu = act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden] (all-reduced over TP ranks unless reduce_results=False)."""
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.silu and KERNELS.silu_gemv:   # SiLU-mul inside down_proj's GEMV where it has one
+            return self.down_proj.forward_silu_and_mul(gate_up)
+        return self.down_proj(self.act_fn(gate_up))

@@ -48,6 +48,13 @@ and ran slower on every matrix on the H200 (benchmarks/results/README.md). x's i
 of the largest output on random Q4_K weights (tests: vs the exact product within 2e-2; vs the
 same int8 x within bf16's bound); llama.cpp and vLLM's GGUF kernels round x the same way.
 
+SiLU-mul folded in (`silu_mul_gemv`, `KERNELS.silu_gemv`): down_proj's bf16 / FP8 GEMV can read
+gate_up_proj's [gate | up] output and compute silu(gate) * up per x tile with the SiLU-mul
+kernel's ops and roundings (`_silu_mul_tile`), so its output is bit for bit that of the two
+kernels while a decode step launches one kernel fewer per layer. The x work is per thread and
+tile, shared by the BLOCK_N weight rows: ~17 instructions per x value in sm_90 SASS, a loop 2.2x
+(bf16) / 1.7x (FP8) as long (`benchmarks/sass_loop.py --gemv`), hence off by default until timed.
+
 Constraints (else the Triton GEMVs run): N % BLOCK_N == 0, K a multiple of one tile (E * 32 *
 num_warps elements; 1024 * num_warps features for 4-bit, 2048 * num_warps for Q4_K), 4-bit
 groups a multiple of 32 and no act-order g_idx, at most 4 rows of x (`ROWS_BLOCK_N`; bf16: one).
@@ -119,6 +126,16 @@ if HAS_GLUON:
         return x
 
     @gluon.jit
+    def _silu_mul_tile(x_ptrs, offs_m, M, K, BLOCK_M: gl.constexpr):
+        """silu(gate) * up for x_ptrs into [gate | up] rows ([M, 2K]; the tile at x_ptrs, its up
+        K elements on), in x's dtype: the ops and roundings of `ops.activation`'s SiLU-mul kernel
+        (silu rounded to x's dtype before the product), so the GEMV reads the same values."""
+        g_raw = _x_tile(x_ptrs, offs_m, M, BLOCK_M)
+        g = g_raw.to(gl.float32)
+        a = (g * (1 / (1 + gl.exp(-g)))).to(g_raw.dtype).to(gl.float32)
+        return (a * _x_tile(x_ptrs + K, offs_m, M, BLOCK_M).to(gl.float32)).to(g_raw.dtype)
+
+    @gluon.jit
     def _store_tile(y_ptr, b_ptr, y, n0, pid_k, M, N, stride_ym, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     LY: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr):
         """y [BLOCK_M, BLOCK_N] float32 (layout LY) -> rows < M of y_ptr [M, N] at columns n0.. (+
@@ -145,11 +162,12 @@ if HAS_GLUON:
     def _dense_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym,
                            E: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_C: gl.constexpr,
                            HAS_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr,
-                           USE_PDL: gl.constexpr):
+                           USE_PDL: gl.constexpr, SILU_MUL: gl.constexpr = False):
         """Program (pid_n, pid_k): rows pid_n * BLOCK_N .. of a bf16 / fp16 (E = 8) or FP8
         (E = 16, HAS_SCALE: one float32 scale per row, applied once at the end) weight against
         the M (<= BLOCK_M) rows of x, K elements pid_k * K_SPLIT .. (a multiple of the tile,
-        BLOCK_C * E)."""
+        BLOCK_C * E). SILU_MUL: x_ptr holds [gate | up] rows ([M, 2K]) and the product runs on
+        silu(gate) * up (`_silu_mul_tile`), the SiLU-mul kernel before down_proj folded in."""
         L4: gl.constexpr = _tile_layout(BLOCK_M, E, gl.num_warps())
         LW: gl.constexpr = gl.SliceLayout(0, L4)                      # [BLOCK_N, BLOCK_C, E] weights
         LX: gl.constexpr = gl.SliceLayout(1, L4)                      # [BLOCK_M, BLOCK_C, E] x
@@ -172,7 +190,10 @@ if HAS_GLUON:
         if USE_PDL:
             _pdl_start()
         for k0 in range(k_start, k_end, BLOCK_K):
-            x = _x_tile(x_ptrs + k0, offs_m, M, BLOCK_M).to(gl.float32)
+            if SILU_MUL:
+                x = _silu_mul_tile(x_ptrs + k0, offs_m, M, K, BLOCK_M).to(gl.float32)
+            else:
+                x = _x_tile(x_ptrs + k0, offs_m, M, BLOCK_M).to(gl.float32)
             acc += gl.sum(gl.expand_dims(w.to(gl.float32), 0) * gl.expand_dims(x, 1), axis=3)
             if k0 + BLOCK_K < k_end:
                 w = _widen16(gl.load(w_ptrs + (k0 + BLOCK_K), eviction_policy="evict_first"))
@@ -524,22 +545,41 @@ def _prepare(kind: str, x: torch.Tensor, N: int, K: int, config: tuple[int, int,
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
-               bias: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, config: tuple[int, int, int] | None = None,
+               silu_mul: bool = False) -> torch.Tensor:
     """y = x (scale * W)^T + bias. x: [M, K] bf16/fp16 contiguous, M <= `MAX_ROWS` (see
     `can_use`); weight [N, K] in x's dtype or float8_e4m3fn (then scale [N] float32), unit
-    stride along K; bias [N] or None. Returns [M, N] in x's dtype (float32 accumulation).
-    config (BLOCK_N, num_warps, SPLIT_K) overrides `gemv_config`; raises ValueError when it
-    does not tile the weight."""
+    stride along K; bias [N] or None. silu_mul: x is [M, 2K] = [gate | up] and y =
+    silu_and_mul(x) (scale * W)^T + bias, the same values as `ops.activation.silu_and_mul`
+    then this GEMV, without that kernel's launch and its output's round trip. Returns [M, N]
+    in x's dtype (float32 accumulation). config (BLOCK_N, num_warps, SPLIT_K) overrides
+    `gemv_config`; raises ValueError when it does not tile the weight."""
     N, K = weight.shape
     fp8 = weight.dtype == torch.float8_e4m3fn
     kind = "fp8" if fp8 else "bf16"
-    bm, bn, warps, split, y, out, pdl = _prepare(kind, x, N, K, config, weight.stride(1) == 1)
+    ok = weight.stride(1) == 1 and x.shape[1] == (2 * K if silu_mul else K)
+    bm, bn, warps, split, y, out, pdl = _prepare(kind, x, N, K, config, ok)
     _dense_gemv_kernel[(N // bn, split)](
         x, weight, scale if fp8 else weight, bias if bias is not None else weight, out, x.shape[0], N, K, K // split,
         x.stride(0), weight.stride(0), y.stride(0), E=ELEMENTS[kind], BLOCK_M=bm, BLOCK_N=bn, BLOCK_C=32 * warps,
-        HAS_SCALE=fp8, HAS_BIAS=bias is not None and split == 1, SPLIT_K=split, USE_PDL=pdl, num_warps=warps,
-        launch_pdl=pdl)
+        HAS_SCALE=fp8, HAS_BIAS=bias is not None and split == 1, SPLIT_K=split, USE_PDL=pdl, SILU_MUL=silu_mul,
+        num_warps=warps, launch_pdl=pdl)
     return y if split == 1 else reduce_splits(out, y, bias, pdl)
+
+
+def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+                  bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """silu_and_mul(gate_up) (scale * W)^T + bias in one kernel (`dense_gemv(silu_mul=True)`):
+    gate_up [M, 2K] = [gate | up], weight [N, K] in gate_up's dtype or float8_e4m3fn (scale [N]
+    float32). None where that kernel does not run (then the caller launches the SiLU-mul kernel
+    and the linear): `KERNELS.silu_gemv` off, or no Gluon config for these rows and this weight
+    (`config_for`; bf16: the shapes its table lists)."""
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    if (not KERNELS.silu_gemv or gate_up.dim() != 2 or gate_up.shape[1] != 2 * weight.shape[1]
+            or weight.stride(1) != 1 or not (fp8 or weight.dtype == gate_up.dtype)):
+        return None
+    cfg = config_for("fp8" if fp8 else "bf16", gate_up, *weight.shape)
+    return None if cfg is None else dense_gemv(gate_up, weight, scale, bias, cfg, silu_mul=True)
 
 
 def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,

@@ -55,6 +55,12 @@ class LinearMethod(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x: [T, in_features_per_rank] -> [T, out_features_per_rank] in x's dtype."""
 
+    def apply_silu_and_mul(self, layer: nn.Module, gate_up: torch.Tensor,
+                           bias: torch.Tensor | None) -> torch.Tensor | None:
+        """`apply(layer, silu_and_mul(gate_up), bias)` in one kernel where this format has one
+        for these rows, else None (the caller runs the two). gate_up: [T, 2 in_features_per_rank]."""
+        return None
+
     @abstractmethod
     def init_dummy(self, layer: nn.Module, gen: torch.Generator) -> None:
         """Random weights of this format (for `dummy:` models)."""
@@ -69,6 +75,10 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply(self, layer, x, bias):
         from ferrum.ops.linear import linear
         return linear(x, layer.weight, bias, layer.tp.size == 1, layer.weight_packed)
+
+    def apply_silu_and_mul(self, layer, gate_up, bias):
+        from ferrum.ops.gemv_gluon import silu_mul_gemv
+        return silu_mul_gemv(gate_up, layer.weight, None, bias)
 
     def init_dummy(self, layer, gen):
         layer.weight.normal_(0.0, 0.02, generator=gen)

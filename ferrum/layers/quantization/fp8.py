@@ -180,6 +180,10 @@ class Fp8LinearMethod(LinearMethod):
     def apply(self, layer, x, bias):
         return fp8_ops.fp8_linear(x, layer.weight, layer.weight_scale, bias, layer.input_scale)
 
+    def apply_silu_and_mul(self, layer, gate_up, bias):
+        from ferrum.ops.gemv_gluon import silu_mul_gemv
+        return silu_mul_gemv(gate_up, layer.weight, layer.weight_scale, bias)
+
 
 class _Flat:
     """A LazyWeight [n, 1] seen as [n] (compressed-tensors' per-channel scales)."""
