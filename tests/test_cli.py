@@ -286,16 +286,19 @@ def test_unknown_flag_is_reported_by_its_subcommand(capsys):
         assert info.value.code == 2 and f"{prog}: error: unrecognized arguments: {argv[-1]}" in err, err
 
 
-def test_bench_names_an_unknown_flag_and_a_missing_benchmark(capsys):
-    """`ferrum bench --bogus` said only that a benchmark was required; now it names the flag,
-    and `ferrum bench` alone lists the benchmarks (exit status 2 both)."""
+def test_unknown_flag_named_before_a_missing_subcommand(capsys):
+    """`ferrum --bogus` and `ferrum bench --bogus` said only that a command / benchmark was
+    required; now they name the flag, and `ferrum` / `ferrum bench` alone list the choices (exit
+    status 2 each)."""
     from ferrum.entrypoints.cli import main
-    for argv, msg in ((["bench", "--bogus"], "unrecognized arguments: --bogus"),
-                      (["bench"], "choose a benchmark: latency, ttft, throughput, sweep, serve")):
+    for argv, msg in ((["bench", "--bogus"], "ferrum bench: error: unrecognized arguments: --bogus"),
+                      (["bench"], "ferrum bench: error: choose a benchmark: latency, ttft, throughput, sweep, serve"),
+                      (["--bogus"], "ferrum: error: unrecognized arguments: --bogus"),
+                      ([], "ferrum: error: choose a command: run, serve, pull, list, bench")):
         with pytest.raises(SystemExit) as info:
             main(argv)
         err = capsys.readouterr().err
-        assert info.value.code == 2 and f"ferrum bench: error: {msg}" in err, err
+        assert info.value.code == 2 and msg in err, err
 
 
 def test_threads_below_one_are_refused_while_parsing_every_command(capsys, tmp_path):

@@ -69,6 +69,15 @@ def _version() -> str:
         return ferrum.__version__
 
 
+def _choose(parser: argparse.ArgumentParser, dest: str, what: str):
+    """`parser.add_subparsers(dest=dest)`, not argparse-required: argparse would report a missing
+    choice before an unknown flag (`ferrum --bogus`, `ferrum bench --bogus`), so `main` names
+    the flag first and a missing choice runs this default func, which lists the choices."""
+    sub = parser.add_subparsers(dest=dest)
+    parser.set_defaults(func=lambda args: parser.error(f"choose a {what}: {', '.join(sub.choices)}"))
+    return sub
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `ferrum` parser. `-v` is accepted before or after the subcommand."""
     from ferrum.model_store import known_names
@@ -80,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=HelpFormatter)
     p.add_argument("-v", "--verbose", action="store_true", help="log what the engine does (to stderr)")
     p.add_argument("--version", action="version", version=f"ferrum {_version()}")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = _choose(p, "command", "command")
 
     def command(name: str, help: str, **kw) -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=help, description=kw.pop("description", help),
@@ -152,10 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from ferrum.benchmarks import BENCHES, add_bench_parsers
     b = command("bench", "benchmarks: " + " | ".join(BENCHES))
-    # not required: argparse would report a missing benchmark before an unknown flag
-    # (`ferrum bench --bogus`); main names the unknown flag, the default func the missing benchmark
-    bsub = b.add_subparsers(dest="bench")
-    b.set_defaults(func=lambda args: b.error(f"choose a benchmark: {', '.join(BENCHES)}"))
+    bsub = _choose(b, "bench", "benchmark")
     add_bench_parsers(bsub, add_engine_args, parents=[verbose], formatter_class=HelpFormatter)
     return p
 
