@@ -413,7 +413,8 @@ if HAS_GLUON:
 # (since 558bbed); its 4-row (4, 1, 1) keeps 16 bytes of stack at
 # `Q8_MAXNREG` and was still the fastest (h200-2026-12-02d). One-row bf16 / fp8 / w4 entries of
 # Llama-3-8B's qkv (w4), o, gate_up and down re-timed after 36e37bf (h200-2026-12-05b: FP8 moved
-# to BLOCK_N 8, whose 8 independent per-tile sums hide the FFMA chain's latency).
+# to BLOCK_N 8; the likely reason, not measured apart: 8 independent per-tile sums per thread
+# hide the latency of each row's FFMA chain).
 GLUON_GEMV_CONFIGS: dict[tuple[str, int, int, int], tuple[int, int, int] | None] = {
     ('bf16', 4096, 4096, 1): None,
     ('bf16', 4096, 14336, 1): (2, 8, 1),
