@@ -25,11 +25,23 @@
 #   3: vLLM unpacked; vLLM GGUF Q4_K and FP8, then ferrum bf16 / FP8 / Q4_K (one command:
 #      gguf_q4_k_vs_vllm, fp8_vs_vllm, *_speedup_vs_bf16).
 #   4: vLLM AWQ, then ferrum bf16 / AWQ / GPTQ (w4a16_vs_vllm, w4a16_speedup_vs_bf16).
+#
+# The lease of 2026-12-05c (issue 15's GPU suite, the re-timed GEMV table end to end, the FP8-KV
+# decode tile), three calls, each carrying .whl too (a call on a fresh machine needs it):
+#   5: carry .whl .peers/vllm_bench.py .peers/vc/part.00: `pytest -m gpu tests/test_quant_kernels.py`,
+#      then the FP8-KV decode attention over its tiles at 512 and 256 sequences x 1,536 tokens
+#      (tune_attention.py --kv-dtype fp8 --small-grid); the fastest one-split tile at 512 x 1,536,
+#      when >= 2% faster than the default, goes to /tmp/attn_best.txt for step 7.
+#   6: carry .whl .peers/vc/part.01: batch-1 latency of every format with FERRUM_SILU_GEMV=0, then
+#      bf16 / FP8 with 1 and again with 0 (A/B/A), and Llama-3-70B FP8 on an H200.
+#   7: carry .whl .peers/vllm_bench.py .peers/vc/part.02 .peers/vc/bin: vLLM unpacked; FP8 + FP8 KV
+#      1000 x (1000 in, 1000 out), ferrum then vLLM in one command (gpu_run.sh fp8), then ferrum
+#      alone with /tmp/attn_best.txt's tile (FERRUM_DECODE_ATTN_CONFIG; $OUT/tuned/fp8.json).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-step=${1:?step 1-4}
+step=${1:?step 1-7}
 mkdir -p /tmp/vc
 for p in .peers/vc/part.*; do [[ -f $p ]] && cp "$p" /tmp/vc/; done
 [[ -d .peers/vc/bin ]] && cp -r .peers/vc/bin /tmp/vc/
@@ -62,7 +74,43 @@ $q::test_quantized_models_on_gpu $q::test_fp8_kv_attention_on_gpu" LIMIT_tests=4
     4)
         QUANT_VLLM=awq QUANT_FORMATS="bf16 awq gptq" QUANT_BIG=0 bash benchmarks/gpu_run.sh quant
         ;;
-    *) echo "step 1-4" >&2; exit 2 ;;
+    5)
+        GPU_TESTS="tests/test_quant_kernels.py" LIMIT_tests=380 bash benchmarks/gpu_run.sh tests
+        PYTHONPATH=/tmp/site timeout -k 10 150 python3 benchmarks/tune_attention.py --kv-dtype fp8 --small-grid \
+            --cases 512x1536,256x1536 --out "$OUT" >"$OUT/attntune.log" 2>&1
+        python3 - "$OUT/tune_attention_fp8.json" <<'PY' | tee -a "$OUT/attntune.log"
+import json, sys
+case = json.load(open(sys.argv[1]))["cases"]["512x1536"]
+rows = [r for r in case["all"][1:] if "us" in r and r["splits"] == 1]
+best = min(rows, key=lambda r: r["us"])
+print("default", case["default"]["us"], "us; best one-split tile", best)
+if best["us"] < 0.98 * case["default"]["us"]:
+    open("/tmp/attn_best.txt", "w").write(f"{best['block_n']},{best['warps']},{best['stages']}")
+PY
+        ;;
+    6)
+        export PYTHONPATH=/tmp/site:$PWD
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+        {
+            mkdir -p "$OUT/s0" "$OUT/s1" "$OUT/s0b"
+            FERRUM_SILU_GEMV=0 python3 benchmarks/quant_bench.py latency --formats bf16 fp8 awq gptq gguf_q4_k --out "$OUT/s0"
+            FERRUM_SILU_GEMV=1 python3 benchmarks/quant_bench.py latency --formats bf16 fp8 --out "$OUT/s1"
+            FERRUM_SILU_GEMV=0 python3 benchmarks/quant_bench.py latency --formats bf16 fp8 --out "$OUT/s0b"
+            if nvidia-smi -L | grep -q H200; then python3 benchmarks/quant_bench.py big --out "$OUT"; fi
+        } >"$OUT/latency.log" 2>&1
+        ;;
+    7)
+        if [[ ! -d /tmp/vsite ]]; then
+            mkdir -p /tmp/vsite && cat /tmp/vc/part.* | LD_LIBRARY_PATH=/tmp/vc/bin /tmp/vc/bin/zstd -dq | tar -x -C /tmp/vsite
+        fi
+        LIMIT_fp8=400 bash benchmarks/gpu_run.sh fp8
+        if [[ -f /tmp/attn_best.txt ]]; then
+            mkdir -p "$OUT/tuned"
+            OUT=$OUT/tuned VLLM_SITE=/nonexistent FERRUM_DECODE_ATTN_CONFIG=$(cat /tmp/attn_best.txt) \
+                LIMIT_fp8=150 bash benchmarks/gpu_run.sh fp8
+        fi
+        ;;
+    *) echo "step 1-7" >&2; exit 2 ;;
 esac
 # the device tool returns at most 8 files: pack them all when there are more
 # (Triton's cache parts stay out: each is at most 15 MB, the limit of one returned file being 16 MiB)

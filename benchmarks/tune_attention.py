@@ -163,8 +163,8 @@ def main():
     p.add_argument("--heads", default=f"{H},{HKV}", help="query heads,KV heads (Qwen3-0.6B: 16,8)")
     p.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp8"], help="KV cache dtype (fp8: e4m3)")
     p.add_argument("--small-grid", action="store_true",
-                   help="decode: BLOCK_N 32/64/128 x warps 4/8 x stages 2/3 x the two smallest split counts "
-                   "(24 configs); prefill: 3 tile shapes (24 configs with the launch orders)")
+                   help="decode: BLOCK_N 32/64/128 (and 256 with --kv-dtype fp8) x warps 4/8 x stages 2/3 x "
+                   "the two smallest split counts (24 / 32 configs); prefill: 3 tile shapes (24 configs with the launch orders)")
     p.add_argument("--default-only", action="store_true",
                    help="decode: time only the default config (an A/B of two kernel versions, run one after the other)")
     p.add_argument("--grid-orders", default="default", choices=["default", "both"],
@@ -193,7 +193,8 @@ def main():
         base_s = tb.num_decode_splits(B, HKV, md.block_tables.shape[1], PAGE, q.device)
         rows = []
         splits = sorted({1, 2, 4, base_s}) if B >= 64 else sorted({base_s, max(1, base_s // 2), base_s * 2})
-        grid = ((32, 64, 128), (4, 8), (2, 3), splits[:2]) if args.small_grid else ((32, 64, 128), (4, 8), (2, 3, 4), splits)
+        tiles = (32, 64, 128, 256) if fp8 else (32, 64, 128)   # an FP8 tile of 256 tokens: bf16's 128 in bytes
+        grid = (tiles, (4, 8), (2, 3), splits[:2]) if args.small_grid else (tiles, (4, 8), (2, 3, 4), splits)
         configs = [(None, None, None, base_s)] + ([] if args.default_only else list(itertools.product(*grid)))
         orders = [default_order] if args.grid_orders == "default" else [default_order, not default_order]
         for (bn, warps, stages, s), heads_first in itertools.product(configs, orders):

@@ -567,15 +567,26 @@ def parse_count(text: str) -> int:
     return value
 
 
-def parse_gemv_config(text: str) -> tuple[int, int, int, int]:
-    """`"BN,BK,warps,stages"` -> four ints (the Triton GEMV's block shape). Raises ValueError."""
+def _parse_ints(text: str, names: str) -> tuple[int, ...]:
+    """`text` as len(names.split(",")) comma-separated whole numbers >= 1. Raises ValueError."""
     try:
         values = tuple(int(v) for v in text.split(","))
     except ValueError:
         values = ()
-    if len(values) != 4 or min(values) < 1:
-        raise ValueError(f"expected four whole numbers >= 1, BN,BK,warps,stages, got {text!r}")
+    if len(values) != len(names.split(",")) or min(values) < 1:
+        raise ValueError(f"expected {len(names.split(','))} whole numbers >= 1, {names}, got {text!r}")
     return values
+
+
+def parse_gemv_config(text: str) -> tuple[int, int, int, int]:
+    """`"BN,BK,warps,stages"` -> four ints (the Triton GEMV's block shape). Raises ValueError."""
+    return _parse_ints(text, "BN,BK,warps,stages")
+
+
+def parse_decode_attn_config(text: str) -> tuple[int, int, int]:
+    """`"BLOCK_N,warps,stages"` -> three ints (the Triton decode attention's tile). Raises
+    ValueError."""
+    return _parse_ints(text, "BLOCK_N,warps,stages")
 
 
 @dataclass
@@ -593,6 +604,10 @@ class KernelConfig:
         None, "block shape BN,BK,warps,stages of the quantized (FP8, 4-bit) GEMVs (default: "
         "chosen per matrix shape and row count)", env="FERRUM_QGEMV_CONFIG",
         parse=parse_gemv_config, metavar="BN,BK,WARPS,STAGES")
+    decode_attn_config: tuple | None = option(
+        None, "Triton decode attention's tile BLOCK_N,warps,stages, BLOCK_N a power of two >= 16 tokens "
+        "(default: chosen by head size, KV dtype and split count, ferrum/ops/attention_triton.py)",
+        env="FERRUM_DECODE_ATTN_CONFIG", parse=parse_decode_attn_config, metavar="BLOCK_N,WARPS,STAGES")
     gluon_gemv: bool = option(True, "FP8, 4-bit and GGUF Q4_K linears of 1-4 rows (and one-row bf16 on "
                               "the shapes its tuning table lists) through the Gluon GEMVs "
                               "(ferrum/ops/gemv_gluon.py; CUDA sm_90+) instead of the Triton ones",

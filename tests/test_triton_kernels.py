@@ -899,6 +899,25 @@ def test_kernels_compile_for_sm90_without_spills():
     print(_run_interpreted("check_sm90_compile", interpret=False))
 
 
+def test_decode_attn_config_overrides_the_default_tile():
+    """--decode-attn-config / FERRUM_DECODE_ATTN_CONFIG replaces `_decode_config`'s choice for
+    every call (a tile to time end to end); the module knobs (tune_attention.py's sweep) still
+    win over it."""
+    from ferrum.config import KERNELS
+    from ferrum.ops import attention_triton as tb
+    saved = KERNELS.decode_attn_config
+    try:
+        assert tb._decode_config(128, torch.bfloat16, 1, fp8=True) == (128, 4, 3)
+        KERNELS.decode_attn_config = (256, 8, 2)
+        assert tb._decode_config(128, torch.bfloat16, 1, fp8=True) == (256, 8, 2)
+        assert tb._decode_config(128, torch.bfloat16, 4) == (256, 8, 2)
+        tb.DECODE_NUM_STAGES = 4
+        assert tb._decode_config(128, torch.bfloat16, 1) == (256, 8, 4)
+    finally:
+        KERNELS.decode_attn_config = saved
+        tb.DECODE_NUM_STAGES = None
+
+
 def test_sdpa_prefill_gate():
     """`attention_triton._sdpa_sequences`: chunks without cached context of at least
     sdpa_prefill_min_tokens, and none for 0, float32, an FP8 cache, a sliding window, no fresh

@@ -355,7 +355,10 @@ def _decode_config(head_dim: int, dtype: torch.dtype, num_splits: int, fp8: bool
         bn, stages = (64, 3) if num_splits == 1 and head_dim <= 128 else (32, 2)
         if fp8 and head_dim <= 128:
             bn *= 2
-    return DECODE_BLOCK_N or bn, DECODE_NUM_WARPS or 4, DECODE_NUM_STAGES or stages
+    warps = 4
+    if KERNELS.decode_attn_config is not None:   # --decode-attn-config: a tile to time end to end
+        bn, warps, stages = KERNELS.decode_attn_config
+    return DECODE_BLOCK_N or bn, DECODE_NUM_WARPS or warps, DECODE_NUM_STAGES or stages
 
 
 def num_decode_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
