@@ -54,7 +54,7 @@
 # carried); vLLM unpacked into VLLM_SITE beforehand (../shared/peers/README.md). A peer that
 # is missing is left out of that section and said so; ferrum's figures still come.
 # Extra wheels the GPU machine lacks (llguidance; gguf, the GGUF kernel test's reference decoder;
-# jsonschema with attrs, referencing, jsonschema-specifications and rpds-py (cp312), which
+# pytest-xdist + execnet (-n N in GPU_TESTS for the kernel tests); jsonschema with attrs, referencing, jsonschema-specifications and rpds-py (cp312), which
 # test_structured_output imports): *.whl in WHEELS (default .whl) are installed to /tmp/site first. Outside git (a copied tree) the records name
 # $FERRUM_GIT_COMMIT.
 #

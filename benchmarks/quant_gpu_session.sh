@@ -37,11 +37,23 @@
 #   7: carry .whl .peers/vllm_bench.py .peers/vc/part.02 .peers/vc/bin: vLLM unpacked; FP8 + FP8 KV
 #      1000 x (1000 in, 1000 out), ferrum then vLLM in one command (gpu_run.sh fp8), then ferrum
 #      alone with /tmp/attn_best.txt's tile (FERRUM_DECODE_ATTN_CONFIG; $OUT/tuned/fp8.json).
+#
+# The lease of 2026-12-06 (issue 15's whole GPU suite on an H200, the end-to-end table with vLLM
+# in one command, profiles at the current GEMV table), four calls:
+#   8: carry .whl .peers/vllm_bench.py .peers/vc/part.00: every -m gpu test but
+#      test_structured_output (it needs the SmolLM2 GGUF): the kernel tests over 8 pytest-xdist
+#      workers (the pytest_xdist and execnet wheels in .whl: compiling is most of their time, and
+#      the machine has 16 cores), then test_gpu.py alone; meanwhile the Q4_K GGUF for vLLM is written.
+#   9: carry .whl .peers/vc/part.01: decode profiles of bf16 / FP8 / AWQ / GGUF Q4_K at batch 1
+#      (profile_decode.py engine), then Llama-3-70B FP8 on one H200 (quant_bench.py big).
+#  10: carry .whl .peers/vllm_bench.py .peers/vc/part.02 .peers/vc/bin: vLLM unpacked; vLLM FP8,
+#      AWQ and GGUF Q4_K, then ferrum bf16 / FP8 / AWQ / GGUF Q4_K in one command.
+#  11: carry .whl .peers/vllm_bench.py: issue 16's nano-vllm workload vs vLLM (gpu_run.sh nanovllm).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-step=${1:?step 1-7}
+step=${1:?step 1-11}
 mkdir -p /tmp/vc
 for p in .peers/vc/part.*; do [[ -f $p ]] && cp "$p" /tmp/vc/; done
 [[ -d .peers/vc/bin ]] && cp -r .peers/vc/bin /tmp/vc/
@@ -110,7 +122,37 @@ PY
                 LIMIT_fp8=150 bash benchmarks/gpu_run.sh fp8
         fi
         ;;
-    *) echo "step 1-7" >&2; exit 2 ;;
+    8)
+        (sleep 25; PYTHONPATH=/tmp/site python3 benchmarks/vllm_gguf_peer.py --write-only >/tmp/gguf_write.log 2>&1) &
+        # the kernel tests over 8 workers; test_gpu.py's engines size their KV pool from the GPU's
+        # free memory, so they run alone, after
+        OUT=$OUT/kernels GPU_TESTS="-n 8 tests/test_sampler.py tests/test_triton_kernels.py tests/test_quant_kernels.py \
+tests/test_moe.py tests/test_sliding_window.py" LIMIT_tests=330 bash benchmarks/gpu_run.sh tests
+        OUT=$OUT/engine GPU_TESTS="tests/test_gpu.py" LIMIT_tests=200 bash benchmarks/gpu_run.sh tests
+        wait
+        cp /tmp/gguf_write.log "$OUT/" 2>/dev/null
+        ;;
+    9)
+        export PYTHONPATH=/tmp/site:$PWD
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+        for q in none fp8 awq gguf_q4_k; do
+            qa=(--quantization "$q"); [[ $q == none ]] && qa=()
+            timeout -k 10 90 python3 benchmarks/profile_decode.py engine --tp 1 --engine-batches 1 --async-modes on \
+                --steps 64 "${qa[@]}" --out "$OUT" >"$OUT/profile_$q.log" 2>&1
+        done
+        timeout -k 10 240 python3 benchmarks/quant_bench.py big --out "$OUT" >"$OUT/big.log" 2>&1
+        ;;
+    10)
+        if [[ ! -d /tmp/vsite ]]; then
+            mkdir -p /tmp/vsite && cat /tmp/vc/part.* | LD_LIBRARY_PATH=/tmp/vc/bin /tmp/vc/bin/zstd -dq | tar -x -C /tmp/vsite
+        fi
+        LIMIT_quant_vllm_fp8=150 LIMIT_quant_vllm_awq=150 LIMIT_quant_vllm_gguf_q4_k=170 LIMIT_quant=150 \
+            QUANT_VLLM="fp8 awq gguf_q4_k" QUANT_FORMATS="bf16 fp8 awq gguf_q4_k" QUANT_BIG=0 bash benchmarks/gpu_run.sh quant
+        ;;
+    11)
+        LIMIT_nanovllm=300 bash benchmarks/gpu_run.sh nanovllm
+        ;;
+    *) echo "step 1-11" >&2; exit 2 ;;
 esac
 # the device tool returns at most 8 files: pack them all when there are more
 # (Triton's cache parts stay out: each is at most 15 MB, the limit of one returned file being 16 MiB)

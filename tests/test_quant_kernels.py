@@ -775,7 +775,7 @@ def _model_logits(folder: str, device: str, steps: int, kv_cache_dtype: str = "a
     from ferrum.interfaces import DecodeInput, KvCacheHandle, PrefillInput
     from ferrum.loader.resolve import resolve_model
     cfg = EngineConfig(model=folder, device=device, dtype="bfloat16", enforce_eager=True)
-    cfg.cache.num_blocks, cfg.cache.kv_cache_dtype = 16, kv_cache_dtype
+    cfg.cache.num_kv_blocks, cfg.cache.kv_cache_dtype = 16, kv_cache_dtype
     ex = SingleDeviceExecutor(resolve_model(folder), cfg, progress=False)
     try:
         prompts = [list(range(3, 23)), list(range(40, 45))]
