@@ -44,7 +44,9 @@
 #      test_structured_output (it needs the SmolLM2 GGUF): the kernel tests over 8 pytest-xdist
 #      workers (the pytest_xdist and execnet wheels in .whl: compiling is most of their time, and
 #      the machine has 16 cores), then test_gpu.py alone; meanwhile the Q4_K GGUF for vLLM is written.
-#   9: carry .whl .peers/vc/part.01: decode profiles of bf16 / FP8 / AWQ / GGUF Q4_K at batch 1
+#   9: carry .whl .peers/vc/part.01: batch-1 latency of bf16 / FP8 / AWQ with the decode
+#      attention's merge in its split kernel, in a second kernel, in the split kernel again
+#      (FERRUM_FUSED_DECODE_MERGE=1/0/1); decode profiles of FP8 / AWQ / GGUF Q4_K / bf16 at batch 1
 #      (profile_decode.py engine), then Llama-3-70B FP8 on one H200 (quant_bench.py big).
 #  10: carry .whl .peers/vllm_bench.py .peers/vc/part.02 .peers/vc/bin: vLLM unpacked; vLLM FP8,
 #      AWQ and GGUF Q4_K, then ferrum bf16 / FP8 / AWQ / GGUF Q4_K in one command.
@@ -135,7 +137,14 @@ tests/test_moe.py tests/test_sliding_window.py" LIMIT_tests=330 bash benchmarks/
     9)
         export PYTHONPATH=/tmp/site:$PWD
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-        for q in none fp8 awq gguf_q4_k; do
+        {   # the decode attention's merge in its split kernel (default) or a second kernel: A/B/A
+            for m in 1 0 1; do
+                mkdir -p "$OUT/m$m" && FERRUM_FUSED_DECODE_MERGE=$m python3 benchmarks/quant_bench.py latency \
+                    --formats bf16 fp8 awq --out "$OUT/m$m" && mv "$OUT/m$m/quant_latency.json" \
+                    "$OUT/quant_latency_merge$m$( [[ -f $OUT/quant_latency_merge$m.json ]] && echo _again).json"
+            done
+        } >"$OUT/merge_ab.log" 2>&1
+        for q in fp8 awq gguf_q4_k none; do
             qa=(--quantization "$q"); [[ $q == none ]] && qa=()
             timeout -k 10 90 python3 benchmarks/profile_decode.py engine --tp 1 --engine-batches 1 --async-modes on \
                 --steps 64 "${qa[@]}" --out "$OUT" >"$OUT/profile_$q.log" 2>&1

@@ -617,6 +617,10 @@ class KernelConfig:
         "output as it loads x, instead of a SiLU-mul kernel before it (ferrum/ops/gemv_gluon.py; same "
         "values, one launch fewer per layer; off until timed on the H200)",
         env="FERRUM_SILU_GEMV")
+    fused_decode_merge: bool = option(
+        True, "the Triton decode attention merges its KV splits in the split kernel (the last program of "
+        "each sequence and KV head) instead of a second kernel: one launch fewer per layer",
+        env="FERRUM_FUSED_DECODE_MERGE")
     q8_from_producers: bool = option(
         True, "the RMSNorm, decode-attention merge and SiLU-mul kernels before a Q4_K or 4-bit Gluon "
         "GEMV also write the int8 / int16 x it reads (ferrum/ops/act_quant.py): one q8_1 / q16 launch "
