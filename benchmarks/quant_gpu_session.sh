@@ -149,7 +149,9 @@ tests/test_moe.py tests/test_sliding_window.py" LIMIT_tests=330 bash benchmarks/
             timeout -k 10 90 python3 benchmarks/profile_decode.py engine --tp 1 --engine-batches 1 --async-modes on \
                 --steps 64 "${qa[@]}" --out "$OUT" >"$OUT/profile_$q.log" 2>&1
         done
-        timeout -k 10 240 python3 benchmarks/quant_bench.py big --out "$OUT" >"$OUT/big.log" 2>&1
+        if nvidia-smi -L | grep -q H200; then   # 70 GB of FP8 weights: not on an 80 GB H100
+            timeout -k 10 240 python3 benchmarks/quant_bench.py big --out "$OUT" >"$OUT/big.log" 2>&1
+        fi
         ;;
     10)
         if [[ ! -d /tmp/vsite ]]; then
