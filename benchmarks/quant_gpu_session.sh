@@ -51,11 +51,13 @@
 #  10: carry .whl .peers/vllm_bench.py .peers/vc/part.02 .peers/vc/bin: vLLM unpacked; vLLM FP8,
 #      AWQ and GGUF Q4_K, then ferrum bf16 / FP8 / AWQ / GGUF Q4_K in one command.
 #  11: carry .whl .peers/vllm_bench.py: issue 16's nano-vllm workload vs vLLM (gpu_run.sh nanovllm).
+#  12: carry .whl: steps 8 and 9's tests and merge A/B/A in one call, no vLLM (the budget after
+#      failed starts).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-step=${1:?step 1-11}
+step=${1:?step 1-12}
 mkdir -p /tmp/vc
 for p in .peers/vc/part.*; do [[ -f $p ]] && cp "$p" /tmp/vc/; done
 [[ -d .peers/vc/bin ]] && cp -r .peers/vc/bin /tmp/vc/
@@ -163,7 +165,22 @@ tests/test_moe.py tests/test_sliding_window.py" LIMIT_tests=330 bash benchmarks/
     11)
         LIMIT_nanovllm=300 bash benchmarks/gpu_run.sh nanovllm
         ;;
-    *) echo "step 1-11" >&2; exit 2 ;;
+    12)
+        # steps 8 and 9 in one call, without vLLM (when the budget is short): the kernel tests over 8
+        # workers, the merge A/B/A, then test_gpu.py
+        OUT=$OUT/kernels GPU_TESTS="-n 8 tests/test_sampler.py tests/test_triton_kernels.py tests/test_quant_kernels.py \
+tests/test_moe.py tests/test_sliding_window.py" LIMIT_tests=280 bash benchmarks/gpu_run.sh tests
+        export PYTHONPATH=/tmp/site:$PWD
+        {
+            for m in 1 0 1; do
+                mkdir -p "$OUT/m$m" && FERRUM_FUSED_DECODE_MERGE=$m timeout -k 10 90 python3 benchmarks/quant_bench.py \
+                    latency --formats bf16 fp8 awq --out "$OUT/m$m" && mv "$OUT/m$m/quant_latency.json" \
+                    "$OUT/quant_latency_merge$m$( [[ -f $OUT/quant_latency_merge$m.json ]] && echo _again).json"
+            done
+        } >"$OUT/merge_ab.log" 2>&1
+        OUT=$OUT/engine GPU_TESTS="tests/test_gpu.py" LIMIT_tests=$((560 - SECONDS)) bash benchmarks/gpu_run.sh tests
+        ;;
+    *) echo "step 1-12" >&2; exit 2 ;;
 esac
 # the device tool returns at most 8 files: pack them all when there are more
 # (Triton's cache parts stay out: each is at most 15 MB, the limit of one returned file being 16 MiB)
