@@ -618,8 +618,9 @@ class KernelConfig:
         "values, one launch fewer per layer; off until timed on the H200)",
         env="FERRUM_SILU_GEMV")
     fused_decode_merge: bool = option(
-        True, "the Triton decode attention merges its KV splits in the split kernel (the last program of "
-        "each sequence and KV head) instead of a second kernel: one launch fewer per layer",
+        False, "the Triton decode attention merges its KV splits in the split kernel (the last program of "
+        "each sequence and KV head) instead of a second kernel: one launch fewer per layer (off until "
+        "run and timed on a GPU: tested in Triton's interpreter only)",
         env="FERRUM_FUSED_DECODE_MERGE")
     q8_from_producers: bool = option(
         True, "the RMSNorm, decode-attention merge and SiLU-mul kernels before a Q4_K or 4-bit Gluon "

@@ -425,6 +425,7 @@ def _check_decode_attention_copy(device, rand, bits, rounding) -> None:
     from ferrum.layers.attention import Attention
     from ferrum.ops import act_quant, attention_triton
     from ferrum.config import KERNELS
+    saved = KERNELS.fused_decode_merge
     H, Hkv, page, NB = 8, 2, 16, 12
     for D, fused in ((64, True), (128, True), (128, False)):
         KERNELS.fused_decode_merge = fused
@@ -442,7 +443,7 @@ def _check_decode_attention_copy(device, rand, bits, rounding) -> None:
             q, d = rounding(out.view(rows, H * D))
             assert got is not None and torch.equal(got[0], q) and torch.equal(got[1], d), \
                 f"decode {bits} D={D} rows={rows} fused merge {fused}"
-    KERNELS.fused_decode_merge = True
+    KERNELS.fused_decode_merge = saved
     layer = Attention(H, Hkv, 128, 128 ** -0.5)
     layer.kv_cache = rand(2, NB, page, Hkv, 128)
     md = AttentionMetadata(is_prefill=False, slot_mapping=torch.tensor([40], device=device),

@@ -354,14 +354,17 @@ def check_decode(device: str) -> None:
         _decode_case(device, bf16, 8, 2, 128, 16, [5, 100, 0, 64], [1, 4], gen)
     finally:
         tb.DECODE_HEADS_FIRST = True
-    # the splits merged by a second kernel (KERNELS.fused_decode_merge off): the same results
+    # the splits merged the other way (KERNELS.fused_decode_merge: in the split kernel's last
+    # program, or a second kernel): the same results
     from ferrum.config import KERNELS
-    KERNELS.fused_decode_merge = False
+    saved = KERNELS.fused_decode_merge
+    KERNELS.fused_decode_merge = not saved
     try:
         _decode_case(device, bf16, 8, 2, 128, 16, [5, 100, 0, 64], [4], gen)
         _decode_case(device, f32, 6, 2, 64, 16, [33, 0, 70], [2], gen, bt_dtype=torch.int32)
+        _decode_case(device, bf16, 4, 4, 64, 16, [0, 0, 2], [8], gen)
     finally:
-        KERNELS.fused_decode_merge = True
+        KERNELS.fused_decode_merge = saved
 
 
 def _prefill_case(device, dtype, H, Hkv, D, page, ctx_lens, q_lens, gen, impl="triton", blocks=(None, None),

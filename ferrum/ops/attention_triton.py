@@ -15,10 +15,10 @@ FP8 decode loop issue-bound (benchmarks/sass_loop.py counts its sm_90 instructio
   (num_kv_heads, B, num_splits) (`DECODE_HEADS_FIRST`); each program takes the query heads that share one KV head
   (GQA, Ainslie et al. 2023) as the rows of one `tl.dot`, walks its share of the sequence
   through the block table with an online softmax (Milakov & Gimelshein 2018; FlashAttention,
-  Dao et al. 2022) and writes a partial output and its log-sum-exp; the last program of each
-  (sequence, KV head) to finish merges the splits (`_merge_splits`; or a second kernel,
-  `KERNELS.fused_decode_merge` off). The split count depends only on static shapes (B, num_kv_heads, M), and each
-  sequence's split boundaries are computed on the device from `seq_lens`, so a captured CUDA
+  Dao et al. 2022) and writes a partial output and its log-sum-exp; a second kernel merges the
+  splits (or, with `KERNELS.fused_decode_merge`, the last program of each sequence and KV head to
+  finish: `_merge_splits`). The split count depends only on static shapes (B, num_kv_heads, M),
+  and each sequence's split boundaries are computed on the device from `seq_lens`, so a captured CUDA
   graph stays valid when the lengths change. Structure follows the grouped decode kernel of
   LightLLM / SGLang / vLLM (`triton_decode_attention.py`), written anew here.
 - `prefill_attention`: a varlen FlashAttention-2 style kernel, one launch for all sequences,
