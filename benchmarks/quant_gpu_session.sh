@@ -53,11 +53,15 @@
 #  11: carry .whl .peers/vllm_bench.py: issue 16's nano-vllm workload vs vLLM (gpu_run.sh nanovllm).
 #  12: carry .whl: steps 8 and 9's tests and merge A/B/A in one call, no vLLM (the budget after
 #      failed starts).
+#
+# The lease of 2026-12-06 (a fresh 1,800 s budget): call 12 carrying .whl .peers/vc/part.00, then
+#  13: carry .whl .peers/vc/part.01: decode profiles of FP8 / AWQ / GGUF Q4_K / bf16 at batch 1,
+#      then 10 carrying .whl .peers/vllm_bench.py .peers/vc/part.02 .peers/vc/bin.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-step=${1:?step 1-12}
+step=${1:?step 1-13}
 mkdir -p /tmp/vc
 for p in .peers/vc/part.*; do [[ -f $p ]] && cp "$p" /tmp/vc/; done
 [[ -d .peers/vc/bin ]] && cp -r .peers/vc/bin /tmp/vc/
@@ -181,7 +185,16 @@ tests/test_moe.py tests/test_sliding_window.py" LIMIT_tests=280 bash benchmarks/
         lim=$((570 - SECONDS)); ((lim < 30)) && lim=30
         OUT=$OUT/engine GPU_TESTS="tests/test_gpu.py" LIMIT_tests=$lim bash benchmarks/gpu_run.sh tests
         ;;
-    *) echo "step 1-12" >&2; exit 2 ;;
+    13)
+        export PYTHONPATH=/tmp/site:$PWD
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+        for q in fp8 awq gguf_q4_k none; do
+            qa=(--quantization "$q"); [[ $q == none ]] && qa=()
+            timeout -k 10 100 python3 benchmarks/profile_decode.py engine --tp 1 --engine-batches 1 --async-modes on \
+                --steps 64 "${qa[@]}" --out "$OUT" >"$OUT/profile_$q.log" 2>&1
+        done
+        ;;
+    *) echo "step 1-13" >&2; exit 2 ;;
 esac
 # the device tool returns at most 8 files: pack them all when there are more
 # (Triton's cache parts stay out: each is at most 15 MB, the limit of one returned file being 16 MiB)
