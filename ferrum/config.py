@@ -619,8 +619,8 @@ class KernelConfig:
         env="FERRUM_SILU_GEMV")
     fused_decode_merge: bool = option(
         False, "the Triton decode attention merges its KV splits in the split kernel (the last program of "
-        "each sequence and KV head) instead of a second kernel: one launch fewer per layer (off until "
-        "run and timed on a GPU: tested in Triton's interpreter only)",
+        "each sequence and KV head) instead of a second kernel: one launch fewer per layer (off: on an "
+        "H100 it was not faster, AWQ batch 1 2% slower; benchmarks/results/h100-2026-12-06)",
         env="FERRUM_FUSED_DECODE_MERGE")
     q8_from_producers: bool = option(
         True, "the RMSNorm, decode-attention merge and SiLU-mul kernels before a Q4_K or 4-bit Gluon "
