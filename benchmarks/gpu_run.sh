@@ -34,6 +34,9 @@
 #             per step, then vLLM, in one `ferrum bench throughput` (output_tok_s_vs_vllm) 480 s
 #   fp8       issue 15: the same with FP8 weights + FP8 KV cache, vLLM with VB_QUANT=fp8
 #             VB_KV=fp8 (its driver: quantization="fp8", kv_cache_dtype="fp8")           480 s
+#   lpt       issue 16 goal 2: the nano-vllm workload (no peer) with decode rows in arrival order,
+#             longest context first, arrival order again (FERRUM_LONGEST_DECODE_FIRST=0/1/0;
+#             nanovllm_lpt{0,1,0b}.json)                                                  150 s
 #   silu      the SiLU-mul folded into down_proj's GEMV: its GPU tests, then batch-1 latency in bf16
 #             and FP8 with FERRUM_SILU_GEMV=0 and =1 in one section (quant_latency_silu{0,1}.json)  300 s
 #   gluon     issue 15: the Gluon GEMVs' GPU tests, their sweep at 1 and 4 rows against the Triton
@@ -137,8 +140,8 @@ for s in "${@:-all}"; do
     case $s in
         all) sections+=(tests latency ttft nanovllm tp2) ;;
         bench) sections+=(latency ttft nanovllm tp2) ;;
-        tests|latency|ttft|nanovllm|sweep|tp2|tput|quantkern|quant|moe|fp8|attntune|gluon|silu|w4|ab) sections+=("$s") ;;
-        *) echo "unknown section $s (tests latency ttft nanovllm sweep tp2 tput quantkern quant moe fp8 attntune gluon silu w4 ab | bench | all)" >&2; exit 2 ;;
+        tests|latency|ttft|nanovllm|lpt|sweep|tp2|tput|quantkern|quant|moe|fp8|attntune|gluon|silu|w4|ab) sections+=("$s") ;;
+        *) echo "unknown section $s (tests latency ttft nanovllm lpt sweep tp2 tput quantkern quant moe fp8 attntune gluon silu w4 ab | bench | all)" >&2; exit 2 ;;
     esac
 done
 
@@ -189,7 +192,7 @@ free_gpu() {
     fi
 }
 
-declare -A LIMIT=([sweep]=240 [gluon]=540 [quant_vllm_awq]=200 [quant_vllm_fp8]=200 [quant_vllm_gguf_q4_k]=300 [ab]=400 [moe_vllm]=300 [tests]=480 [latency]=330 [ttft]=300 [nanovllm]=240 [tp2]=240 [quantkern]=240 [quant]=420 [moe]=480 [tput]=480 [fp8]=480 [attntune]=300 [w4]=560 [silu]=300)
+declare -A LIMIT=([sweep]=240 [gluon]=540 [quant_vllm_awq]=200 [quant_vllm_fp8]=200 [quant_vllm_gguf_q4_k]=300 [ab]=400 [moe_vllm]=300 [tests]=480 [latency]=330 [ttft]=300 [nanovllm]=240 [lpt]=150 [tp2]=240 [quantkern]=240 [quant]=420 [moe]=480 [tput]=480 [fp8]=480 [attntune]=300 [w4]=560 [silu]=300)
 summary=$OUT/summary.txt
 echo "gpu_run.sh ${sections[*]} at commit $FERRUM_GIT_COMMIT, $(date -u +%FT%TZ), device $DEVICE, $ngpus GPU(s), peers: ${peers[*]:-none}" >>"$summary"
 
@@ -248,6 +251,11 @@ for sec in "${sections[@]}"; do
         run_section nanovllm "${FERRUM[@]}" bench throughput "$SMALL" --load-format dummy --dtype bfloat16 \
             --device "$DEVICE" --max-num-seqs 256 --max-model-len 4096 --max-num-batched-tokens 16384 \
             --workload nanovllm $(peers_of vllm) "${peer_flags[@]}" --peer-timeout 180 --out "$OUT/nanovllm.json"
+        ;;
+    lpt)
+        run_section lpt bash -c "for v in 0 1 0b; do FERRUM_LONGEST_DECODE_FIRST=\${v%b} ${FERRUM[*]} bench throughput \
+            '$SMALL' --load-format dummy --dtype bfloat16 --device '$DEVICE' --max-num-seqs 256 --max-model-len 4096 \
+            --max-num-batched-tokens 16384 --workload nanovllm --out '$OUT'/nanovllm_lpt\$v.json || exit 1; done"
         ;;
     sweep)
         # shellcheck disable=SC2086

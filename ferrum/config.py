@@ -534,6 +534,12 @@ class SchedulerConfig:
     async_scheduling: bool | None = option(
         None, "prepare and launch decode step n+1 while the device runs step n (default: on "
         "for CUDA, off for CPU, where it only delays each token by one step)")
+    longest_decode_first: bool = option(
+        False, "order each step's decode rows by context length, longest first: the decode "
+        "attention starts its programs in row order, so the longest sequences start first and "
+        "the SMs finish together (longest-processing-time-first) instead of idling behind a long "
+        "sequence that started last; changes no value (off until timed on a GPU)",
+        env="FERRUM_LONGEST_DECODE_FIRST")
 
     def __post_init__(self):
         check_positive(self, ("max_num_seqs", "max_num_batched_tokens", "max_waiting",

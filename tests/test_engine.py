@@ -61,6 +61,7 @@ class Watch:
         self.max_running = 0
         self.max_tokens_seen = 0
         self.steps = 0
+        self.reordered = 0   # steps whose decode rows are not in arrival order
         cfg = eng.config.scheduler
         orig_schedule, orig_step = self.sched.schedule, eng.step
 
@@ -80,6 +81,11 @@ class Watch:
             assert len(self.sched.running) <= cfg.max_num_seqs
             ids = [c.seq.seq_id for c in out.decodes + out.prefills]
             assert len(ids) == len(set(ids)), "a sequence scheduled twice in one step"
+            lens = [len(c.seq.token_ids) for c in out.decodes]
+            if cfg.longest_decode_first:
+                assert lens == sorted(lens, reverse=True), f"decode rows not longest first: {lens}"
+            arrivals = [c.seq.arrival for c in out.decodes]
+            self.reordered += arrivals != sorted(arrivals)
             return out
 
         def step(**kw):
@@ -136,6 +142,9 @@ BATCH_CONFIGS = {
     # async scheduling (default on CUDA): step n+1 launched before step n's tokens are read
     "async": dict(async_scheduling=True),
     "async-max-seqs-5": dict(max_num_seqs=5, max_num_batched_tokens=40, block_size=8, async_scheduling=True),
+    # decode rows longest context first (the decode attention's load balance): same tokens
+    "longest-decode-first": dict(longest_decode_first=True),
+    "async-longest-decode-first": dict(longest_decode_first=True, async_scheduling=True),
 }
 
 
@@ -190,6 +199,10 @@ def test_batch_matches_alone(folder, reference, cfg):
         assert llm.engine.executor.status().prefill_steps > 64   # prompts were chunked
     if cfg.endswith("max-seqs-5"):
         assert w.max_running == 5
+    if cfg.endswith("longest-decode-first"):
+        assert w.reordered > 0, "the decode rows never left arrival order"
+    else:
+        assert w.reordered == 0, "decode rows out of arrival order without longest_decode_first"
     if cfg.startswith("async"):
         assert llm.engine.status()["overlapped_steps"] > 0, "no step overlapped the one before"
     else:

@@ -12,6 +12,10 @@ SGLang's "new token ratio"). The ratio is 0 until a step preempts, then 1, decay
 over 600 steps: a pool that has filled up stops admitting instead of preempting and
 recomputing again and again, and a pool that never fills admits as before (figures:
 benchmarks/results/README.md).
+
+With `longest_decode_first` the decode rows go out longest context first (Graham's
+longest-processing-time-first list scheduling): the decode attention's programs start in row
+order, so with mixed lengths the long ones no longer start last and leave SMs idle at the end.
 """
 from __future__ import annotations
 
@@ -26,6 +30,11 @@ from ferrum.engine.sequence import Sequence, SequenceStatus
 
 # Sequence.arrival without the property call (the decode loop sorts every running sequence)
 _arrival = attrgetter("request.metrics.arrival_time")
+
+
+def _minus_context_len(chunk) -> int:
+    """Sort key of a decode row, longest context first (`longest_decode_first`)."""
+    return -len(chunk.seq.token_ids)
 
 # Admission reserve: the expected share of max_tokens still to come. SGLang
 # (python/sglang/srt/managers/scheduler.py) starts it at 0.7 and decays it to 0.1; we keep
@@ -157,6 +166,11 @@ class Scheduler:
             out.decodes.append(ScheduledChunk(seq, 1))
             scheduled.add(seq.seq_id)
             budget -= 1
+        if self.config.longest_decode_first:
+            # Row order is free (each row is computed alone) and the decode attention starts its
+            # programs in row order: longest first balances the SMs. Stable: ties keep arrival
+            # order, and rows that all grow by one keep their order from step to step.
+            out.decodes.sort(key=_minus_context_len)
 
         # 2. Running sequences in the middle of a (chunked) prefill.
         for seq in running:
