@@ -621,7 +621,7 @@ class KernelConfig:
     silu_gemv: bool = option(
         False, "down_proj's Gluon GEMV (bf16 / FP8, 1-4 rows) computes silu(gate) * up from gate_up_proj's "
         "output as it loads x, instead of a SiLU-mul kernel before it (ferrum/ops/gemv_gluon.py; same "
-        "values, one launch fewer per layer; off until timed on the H200)",
+        "values, one launch fewer per layer; off: FP8 batch 1 0.985x on an H100, benchmarks/results/h100-2026-12-05c)",
         env="FERRUM_SILU_GEMV")
     fused_decode_merge: bool = option(
         False, "the Triton decode attention merges its KV splits in the split kernel (the last program of "
