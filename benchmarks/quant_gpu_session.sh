@@ -44,19 +44,18 @@
 #      test_structured_output (it needs the SmolLM2 GGUF): the kernel tests over 8 pytest-xdist
 #      workers (the pytest_xdist and execnet wheels in .whl: compiling is most of their time, and
 #      the machine has 16 cores), then test_gpu.py alone; meanwhile the Q4_K GGUF for vLLM is written.
-#   9: carry .whl .peers/vc/part.01: batch-1 latency of bf16 / FP8 / AWQ with the decode
-#      attention's merge in its split kernel, in a second kernel, in the split kernel again
-#      (FERRUM_FUSED_DECODE_MERGE=1/0/1); decode profiles of FP8 / AWQ / GGUF Q4_K / bf16 at batch 1
-#      (profile_decode.py engine), then Llama-3-70B FP8 on one H200 (quant_bench.py big).
+#   9: carry .whl .peers/vc/part.01: decode profiles of FP8 / AWQ / GGUF Q4_K / bf16 at batch 1
+#      (profile_decode.py engine), then Llama-3-70B FP8 on one H200 (quant_bench.py big). (On
+#      2026-12-06 steps 9 and 12 also timed the decode attention's merge folded into its split
+#      kernel, A/B/A; it lost and was removed.)
 #  10: carry .whl .peers/vllm_bench.py .peers/vc/part.02 .peers/vc/bin: vLLM unpacked; vLLM FP8,
 #      AWQ and GGUF Q4_K, then ferrum bf16 / FP8 / AWQ / GGUF Q4_K in one command.
 #  11: carry .whl .peers/vllm_bench.py: issue 16's nano-vllm workload vs vLLM (gpu_run.sh nanovllm).
-#  12: carry .whl: steps 8 and 9's tests and merge A/B/A in one call, no vLLM (the budget after
-#      failed starts).
+#  12: carry .whl: step 8's tests in one call, without the GGUF writer (the budget after failed
+#      starts).
 #
 # The lease of 2026-12-06 (a fresh 1,800 s budget): call 12 carrying .whl .peers/vc/part.00, then
-#  13: carry .whl .peers/vc/part.01: decode profiles of FP8 / AWQ / GGUF Q4_K / bf16 at batch 1,
-#      then 10 carrying .whl .peers/vllm_bench.py .peers/vc/part.02 .peers/vc/bin.
+#  13: carry .whl .peers/vc/part.01: step 9's profiles without the 70B run, then 10 carrying .whl .peers/vllm_bench.py .peers/vc/part.02 .peers/vc/bin.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
@@ -65,6 +64,14 @@ step=${1:?step 1-13}
 mkdir -p /tmp/vc
 for p in .peers/vc/part.*; do [[ -f $p ]] && cp "$p" /tmp/vc/; done
 [[ -d .peers/vc/bin ]] && cp -r .peers/vc/bin /tmp/vc/
+# batch-1 decode profiles of FP8 / AWQ / GGUF Q4_K / bf16 (profile_decode.py engine)
+profiles() {
+    for q in fp8 awq gguf_q4_k none; do
+        local qa=(--quantization "$q"); [[ $q == none ]] && qa=()
+        timeout -k 10 100 python3 benchmarks/profile_decode.py engine --tp 1 --engine-batches 1 --async-modes on \
+            --steps 64 "${qa[@]}" --out "$OUT" >"$OUT/profile_$q.log" 2>&1
+    done
+}
 case $step in
     1)
         # the GGUF writer needs the gguf wheel, which gpu_run.sh installs into /tmp/site first
@@ -143,18 +150,7 @@ tests/test_moe.py tests/test_sliding_window.py" LIMIT_tests=330 bash benchmarks/
     9)
         export PYTHONPATH=/tmp/site:$PWD
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-        {   # the decode attention's merge in its split kernel (default) or a second kernel: A/B/A
-            for m in 1 0 1; do
-                mkdir -p "$OUT/m$m" && FERRUM_FUSED_DECODE_MERGE=$m python3 benchmarks/quant_bench.py latency \
-                    --formats bf16 fp8 awq --out "$OUT/m$m" && mv "$OUT/m$m/quant_latency.json" \
-                    "$OUT/quant_latency_merge$m$( [[ -f $OUT/quant_latency_merge$m.json ]] && echo _again).json"
-            done
-        } >"$OUT/merge_ab.log" 2>&1
-        for q in fp8 awq gguf_q4_k none; do
-            qa=(--quantization "$q"); [[ $q == none ]] && qa=()
-            timeout -k 10 90 python3 benchmarks/profile_decode.py engine --tp 1 --engine-batches 1 --async-modes on \
-                --steps 64 "${qa[@]}" --out "$OUT" >"$OUT/profile_$q.log" 2>&1
-        done
+        profiles
         if nvidia-smi -L | grep -q H200; then   # 70 GB of FP8 weights: not on an 80 GB H100
             timeout -k 10 240 python3 benchmarks/quant_bench.py big --out "$OUT" >"$OUT/big.log" 2>&1
         fi
@@ -170,29 +166,15 @@ tests/test_moe.py tests/test_sliding_window.py" LIMIT_tests=330 bash benchmarks/
         LIMIT_nanovllm=300 bash benchmarks/gpu_run.sh nanovllm
         ;;
     12)
-        # steps 8 and 9 in one call, without vLLM (when the budget is short): the kernel tests over 8
-        # workers, the merge A/B/A, then test_gpu.py
+        # step 8's tests in one call, without the GGUF writer (when the budget is short)
         OUT=$OUT/kernels GPU_TESTS="-n 8 tests/test_sampler.py tests/test_triton_kernels.py tests/test_quant_kernels.py \
 tests/test_moe.py tests/test_sliding_window.py" LIMIT_tests=280 bash benchmarks/gpu_run.sh tests
-        export PYTHONPATH=/tmp/site:$PWD
-        {
-            for m in 1 0 1; do
-                mkdir -p "$OUT/m$m" && FERRUM_FUSED_DECODE_MERGE=$m timeout -k 10 90 python3 benchmarks/quant_bench.py \
-                    latency --formats bf16 fp8 awq --out "$OUT/m$m" && mv "$OUT/m$m/quant_latency.json" \
-                    "$OUT/quant_latency_merge$m$( [[ -f $OUT/quant_latency_merge$m.json ]] && echo _again).json"
-            done
-        } >"$OUT/merge_ab.log" 2>&1
-        lim=$((570 - SECONDS)); ((lim < 30)) && lim=30
-        OUT=$OUT/engine GPU_TESTS="tests/test_gpu.py" LIMIT_tests=$lim bash benchmarks/gpu_run.sh tests
+        OUT=$OUT/engine GPU_TESTS="tests/test_gpu.py" LIMIT_tests=280 bash benchmarks/gpu_run.sh tests
         ;;
     13)
         export PYTHONPATH=/tmp/site:$PWD
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-        for q in fp8 awq gguf_q4_k none; do
-            qa=(--quantization "$q"); [[ $q == none ]] && qa=()
-            timeout -k 10 100 python3 benchmarks/profile_decode.py engine --tp 1 --engine-batches 1 --async-modes on \
-                --steps 64 "${qa[@]}" --out "$OUT" >"$OUT/profile_$q.log" 2>&1
-        done
+        profiles
         ;;
     *) echo "step 1-13" >&2; exit 2 ;;
 esac

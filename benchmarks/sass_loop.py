@@ -44,7 +44,7 @@ def decode_loop(kv: str, block_n: int, splits: int, head_dim: int = 128) -> dict
     _, _, sass = sm90_sass(tb._decode_split_kernel,
                            dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=head_dim, PAGE=16, BLOCK_N=block_n,
                                 NUM_SPLITS=splits, DIRECT_OUT=splits == 1, DOT_PREC="tf32", FP8=fp8,
-                                USE_PDL=True, WINDOWED=False, HEADS_FIRST=True, MERGE=False, QBITS=0),
+                                USE_PDL=True, WINDOWED=False),
                            dict(q_ptr="*bf16", kc_ptr=c, vc_ptr=c, bt_ptr="*i32", seqlen_ptr="*i32",
                                 ks_ptr="*fp32", vs_ptr="*fp32", o_ptr=out, lse_ptr=out), warps, stages)
     body = max(_sass_loops(sass), key=len)

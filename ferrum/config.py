@@ -621,13 +621,9 @@ class KernelConfig:
     silu_gemv: bool = option(
         False, "down_proj's Gluon GEMV (bf16 / FP8, 1-4 rows) computes silu(gate) * up from gate_up_proj's "
         "output as it loads x, instead of a SiLU-mul kernel before it (ferrum/ops/gemv_gluon.py; same "
-        "values, one launch fewer per layer; off: FP8 batch 1 0.985x on an H100, benchmarks/results/h100-2026-12-05c)",
+        "values, one launch fewer per layer; off: FP8 batch 1 0.985x on an H100, "
+        "benchmarks/results/h100-2026-12-05c)",
         env="FERRUM_SILU_GEMV")
-    fused_decode_merge: bool = option(
-        False, "the Triton decode attention merges its KV splits in the split kernel (the last program of "
-        "each sequence and KV head) instead of a second kernel: one launch fewer per layer (off: on an "
-        "H100 it was not faster, AWQ batch 1 2% slower; benchmarks/results/h100-2026-12-06)",
-        env="FERRUM_FUSED_DECODE_MERGE")
     q8_from_producers: bool = option(
         True, "the RMSNorm, decode-attention merge and SiLU-mul kernels before a Q4_K or 4-bit Gluon "
         "GEMV also write the int8 / int16 x it reads (ferrum/ops/act_quant.py): one q8_1 / q16 launch "

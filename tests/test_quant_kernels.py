@@ -418,17 +418,14 @@ def check_act_quant(device: str) -> None:
 
 
 def _check_decode_attention_copy(device, rand, bits, rounding) -> None:
-    """The decode attention's merge (in the split kernel, or the merge kernel) writes its
-    output's integer copy (`rounding`'s bytes) for 1-4 rows, and the Attention layer moves it
-    onto the [T, H * D] view o_proj gets; none with one split (no merge) or 5 rows."""
+    """The decode attention's merge kernel writes its output's integer copy (`rounding`'s bytes)
+    for 1-4 rows, and the Attention layer moves it onto the [T, H * D] view o_proj gets; none
+    with one split (no merge kernel) or 5 rows."""
     from ferrum.forward_context import AttentionMetadata, forward_context
     from ferrum.layers.attention import Attention
     from ferrum.ops import act_quant, attention_triton
-    from ferrum.config import KERNELS
-    saved = KERNELS.fused_decode_merge
     H, Hkv, page, NB = 8, 2, 16, 12
-    for D, fused in ((64, True), (128, True), (128, False)):
-        KERNELS.fused_decode_merge = fused
+    for D in (64, 128):
         cache = rand(2, NB, page, Hkv, D)
         for rows, splits in ((1, 4), (3, 2), (4, 3), (5, 2), (2, 1)):
             bt = torch.arange(rows * 3, device=device).view(rows, 3) % NB   # 48 slots per row
@@ -442,8 +439,7 @@ def _check_decode_attention_copy(device, rand, bits, rounding) -> None:
                 continue
             q, d = rounding(out.view(rows, H * D))
             assert got is not None and torch.equal(got[0], q) and torch.equal(got[1], d), \
-                f"decode {bits} D={D} rows={rows} fused merge {fused}"
-    KERNELS.fused_decode_merge = saved
+                f"decode {bits} D={D} rows={rows}"
     layer = Attention(H, Hkv, 128, 128 ** -0.5)
     layer.kv_cache = rand(2, NB, page, Hkv, 128)
     md = AttentionMetadata(is_prefill=False, slot_mapping=torch.tensor([40], device=device),

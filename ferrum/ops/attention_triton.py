@@ -16,9 +16,8 @@ FP8 decode loop issue-bound (benchmarks/sass_loop.py counts its sm_90 instructio
   (GQA, Ainslie et al. 2023) as the rows of one `tl.dot`, walks its share of the sequence
   through the block table with an online softmax (Milakov & Gimelshein 2018; FlashAttention,
   Dao et al. 2022) and writes a partial output and its log-sum-exp; a second kernel merges the
-  splits (or, with `KERNELS.fused_decode_merge`, the last program of each sequence and KV head to
-  finish: `_merge_splits`). The split count depends only on static shapes (B, num_kv_heads, M),
-  and each sequence's split boundaries are computed on the device from `seq_lens`, so a captured CUDA
+  splits. The split count depends only on static shapes (B, num_kv_heads, M), and each
+  sequence's split boundaries are computed on the device from `seq_lens`, so a captured CUDA
   graph stays valid when the lengths change. Structure follows the grouped decode kernel of
   LightLLM / SGLang / vLLM (`triton_decode_attention.py`), written anew here.
 - `prefill_attention`: a varlen FlashAttention-2 style kernel, one launch for all sequences,
@@ -246,12 +245,7 @@ if HAS_TRITON:
             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
             PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
             DIRECT_OUT: tl.constexpr, DOT_PREC: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr,
-            WINDOWED: tl.constexpr = False, HEADS_FIRST: tl.constexpr = True,
-            # MERGE: the last split program of each (sequence, KV head) to finish merges the
-            # partials into out_ptr (+ qx / dx with QBITS), counted on cnt_ptr [B * Hkv] int32
-            # (zero before the launch; the merging program zeroes it again)
-            cnt_ptr=None, out_ptr=None, qx_ptr=None, dx_ptr=None, stride_fb=0, stride_fh=0,
-            MERGE: tl.constexpr = False, QBITS: tl.constexpr = 0):
+            WINDOWED: tl.constexpr = False, HEADS_FIRST: tl.constexpr = True):
         if USE_PDL:  # launched early (PDL, triton_utils.py): wait for q and the cache
             pdl_start()
         if FP8:  # FP8 cache: K's scale folds into the logits' scale, V's into V's tiles or the output
@@ -313,48 +307,6 @@ if HAS_TRITON:
             tl.store(o_ptrs, o, mask=g_mask[:, None])
             lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
             tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
-            if MERGE:
-                num_kv_heads = tl.num_programs(0) if HEADS_FIRST else tl.num_programs(1)
-                _merge_splits(o_ptr, lse_ptr, cnt_ptr + b * num_kv_heads + kvh, out_ptr, qx_ptr, dx_ptr, b, heads,
-                              g_mask, offs_d, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb,
-                              stride_fh, GROUP_PAD, NUM_SPLITS, HEAD_DIM, QBITS)
-
-    @triton.jit
-    def _merge_splits(o_ptr, lse_ptr, cnt_ptr, out_ptr, qx_ptr, dx_ptr, b, heads, g_mask, offs_d,
-                      stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
-                      GROUP_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      QBITS: tl.constexpr):
-        """The split-K reduction inside the split kernel (the "last block" pattern of CUDA's
-        threadFenceReduction sample): each program has stored its partial; the barrier orders
-        the CTA's stores before one thread's gpu-scope acq_rel increment of the (sequence, KV
-        head) counter at cnt_ptr; the program that counts last zeroes the counter, reads every
-        partial from L2 (.cg: no stale L1 line) and writes the output as `_decode_merge_kernel`
-        does, in the same order of operations. One launch per layer fewer than a merge kernel."""
-        tl.debug_barrier()
-        done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-        if done == NUM_SPLITS - 1:
-            tl.store(cnt_ptr, 0)
-            lse_row = lse_ptr + b * stride_lb + heads * stride_lh
-            m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-            for s in tl.static_range(NUM_SPLITS):
-                m = tl.maximum(m, tl.load(lse_row + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg"))
-            m = tl.where(m == float("-inf"), 0.0, m)
-            denom = tl.zeros([GROUP_PAD], tl.float32)
-            acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-            o_rows = o_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-            for s in tl.static_range(NUM_SPLITS):
-                w = tl.exp2(tl.load(lse_row + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg") - m)
-                denom += w
-                acc += w[:, None] * tl.load(o_rows + s * stride_os, mask=g_mask[:, None], other=0.0,
-                                            cache_modifier=".cg")
-            out = (acc / tl.where(denom > 0, denom, 1.0)[:, None]).to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + b.to(tl.int64) * stride_fb + heads[:, None] * stride_fh + offs_d[None, :], out,
-                     mask=g_mask[:, None])
-            if QBITS:
-                # [B, H * D]: head h of row b is D values at (b * H + h) * D
-                row = b.to(tl.int64) * (stride_fb // HEAD_DIM) + heads
-                store_rounded(out.to(tl.float32), row[:, None] * HEAD_DIM + offs_d[None, :], g_mask[:, None]
-                              & (offs_d[None, :] < HEAD_DIM), qx_ptr, dx_ptr, GROUP_PAD, HEAD_DIM, QBITS)
 
     @triton.jit
     def _decode_merge_kernel(o_part_ptr, lse_ptr, out_ptr, qx_ptr, dx_ptr,
@@ -425,23 +377,6 @@ def num_decode_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size
     return max(1, min(want, by_len, DECODE_MAX_SPLITS))
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_OLD_COUNTERS: list[torch.Tensor] = []
-
-
-def _split_counters(n: int, device: torch.device) -> torch.Tensor:
-    """n zeroed int32 counters for the fused merge (`KERNELS.fused_decode_merge`), one buffer per
-    device reused by every launch (each merging program leaves its counter at zero again). A
-    larger request gets a new buffer; the old one is kept, since a captured CUDA graph may
-    still point at it."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if buf is not None:
-            _OLD_COUNTERS.append(buf)
-        buf = _COUNTERS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return buf
-
-
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata,
                      scale: float, num_splits: int | None = None, k_scale: torch.Tensor | None = None,
                      v_scale: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
@@ -492,20 +427,13 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Att
         return out
     o_part = torch.empty(B, H, S, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
-    # o_proj's Q4_K / 4-bit GEMV reads the output as integers (ferrum.ops.act_quant): written here with it
-    bits = act_quant.wants(out.view(B, H * D)) if D % 32 == 0 and out.is_contiguous() else 0
-    qx = act_quant.buffers(B, H * D, q.device, bits) if bits else None
-    merge = {}
-    if KERNELS.fused_decode_merge:
-        merge = dict(cnt_ptr=_split_counters(B * hkv, q.device), out_ptr=out, qx_ptr=qx[0] if qx else out,
-                     dx_ptr=qx[1] if qx else out, stride_fb=out.stride(0), stride_fh=out.stride(1),
-                     MERGE=True, QBITS=bits)
     _decode_split_kernel[grid](
         q, kc, vc, bt, attn_metadata.seq_lens, o_part, lse, *scales, *args,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
-        scale * _LOG2E, window, DIRECT_OUT=False, USE_PDL=pdl, launch_pdl=pdl, **merge, **common)
-    if merge:
-        return act_quant.attach(out, *qx) if qx is not None else out
+        scale * _LOG2E, window, DIRECT_OUT=False, USE_PDL=pdl, launch_pdl=pdl, **common)
+    # o_proj's Q4_K / 4-bit GEMV reads the output as integers (ferrum.ops.act_quant): written here with it
+    bits = act_quant.wants(out.view(B, H * D)) if D % 32 == 0 and out.is_contiguous() else 0
+    qx = act_quant.buffers(B, H * D, q.device, bits) if bits else None
     _decode_merge_kernel[(B, H)](
         o_part, lse, out, *(qx or (out, out)), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
