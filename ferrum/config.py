@@ -43,7 +43,7 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 
-@dataclass
+@dataclass(slots=True)
 class ModelConfig:
     """Decoder-only transformer shape. Field names follow HF `config.json`.
 
@@ -489,7 +489,7 @@ def check_positive(cfg, ints: tuple[str, ...] = (), floats: tuple[str, ...] = ()
             raise ConfigError(f"{name} must be a finite number > 0, got {v!r}", param=name)
 
 
-@dataclass
+@dataclass(slots=True)
 class CacheConfig:
     """Paged KV cache: block size and how many blocks the pool gets."""
 
@@ -513,7 +513,7 @@ class CacheConfig:
                               f"{self.gpu_memory_utilization!r}", param="gpu_memory_utilization")
 
 
-@dataclass
+@dataclass(slots=True)
 class SchedulerConfig:
     """How each step is filled: batch limits, context length, queue limit."""
 
@@ -546,7 +546,7 @@ class SchedulerConfig:
                               "long_prefill_token_threshold"))
 
 
-@dataclass
+@dataclass(slots=True)
 class ParallelConfig:
     """Tensor parallelism: how many ranks, and how long a rank may take to answer."""
 
@@ -595,7 +595,7 @@ def parse_decode_attn_config(text: str) -> tuple[int, int, int]:
     return _parse_ints(text, "BLOCK_N,warps,stages")
 
 
-@dataclass
+@dataclass(slots=True)
 class KernelConfig:
     """Which kernels run: switches for speed work and debugging, process-wide (the kernels
     read `KERNELS`, which `set_kernels` fills from the engine's config when it builds its
@@ -683,7 +683,7 @@ def set_kernels(kernels: KernelConfig) -> None:
         setattr(KERNELS, f.name, getattr(kernels, f.name))
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineConfig:
     """Everything needed to build an engine. `model` is a name (`smollm2`), a local HF folder,
     a .gguf file, a hub id, or `dummy:<folder or config.json>` (random weights)."""

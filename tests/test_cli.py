@@ -159,6 +159,19 @@ def test_every_option_field_is_a_flag_and_an_llm_keyword():
     assert {"max_model_len", "threads", "tensor_parallel_size", "pdl", "disable_symm_mem"} <= seen
 
 
+def test_config_rejects_a_field_it_does_not_have():
+    """A misspelt field fails where it is set instead of being ignored (a test once set
+    `cfg.cache.num_blocks`, which no code reads, and its KV pool took 90% of the GPU)."""
+    from ferrum.config import CacheConfig, KERNELS, ModelConfig, ParallelConfig, SchedulerConfig
+    cfg = EngineConfig()
+    for obj in (cfg, cfg.cache, cfg.scheduler, cfg.parallel, cfg.kernels, KERNELS):
+        with pytest.raises(AttributeError):
+            obj.num_blocks = 16
+    assert all("__slots__" in vars(c) for c in (CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig))
+    cfg.cache.num_kv_blocks = 16     # a real field still sets
+    assert cfg.cache.num_kv_blocks == 16
+
+
 def test_environment_overrides_kernel_defaults(monkeypatch):
     """The FERRUM_* kernel switches are config fields whose defaults the environment
     overrides (read when a config is made, not at import)."""
