@@ -454,7 +454,7 @@ def _env_value(name: str, default, parse=None):
     text = os.environ.get(name)
     if text is None or text == "":
         return default
-    if isinstance(default, bool):
+    if isinstance(default, bool) or parse is bool:   # parse=bool: a flag whose default is None
         flag = text.strip().lower()
         if flag in ("1", "true", "yes", "on"):
             return True
@@ -534,12 +534,13 @@ class SchedulerConfig:
     async_scheduling: bool | None = option(
         None, "prepare and launch decode step n+1 while the device runs step n (default: on "
         "for CUDA, off for CPU, where it only delays each token by one step)")
-    longest_decode_first: bool = option(
-        False, "order each step's decode rows by context length, longest first: the decode "
+    longest_decode_first: bool | None = option(
+        None, "order each step's decode rows by context length, longest first: the decode "
         "attention starts its programs in row order, so the longest sequences start first and "
         "the SMs finish together (longest-processing-time-first) instead of idling behind a long "
-        "sequence that started last; changes no value (off until timed on a GPU)",
-        env="FERRUM_LONGEST_DECODE_FIRST")
+        "sequence that started last; changes no value (default: on for CUDA, off for CPU, whose "
+        "attention has no waves of programs)",
+        env="FERRUM_LONGEST_DECODE_FIRST", parse=bool)
 
     def __post_init__(self):
         check_positive(self, ("max_num_seqs", "max_num_batched_tokens", "max_waiting",

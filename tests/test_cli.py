@@ -182,6 +182,11 @@ def test_environment_overrides_kernel_defaults(monkeypatch):
     assert k.pdl is False and k.gemv_config == (16, 256, 4, 4) and k.triton_gemv is True
     assert build_parser().parse_args(["run"]).pdl is False
     assert EngineConfig.from_kwargs(pdl=True).kernels.pdl is True     # an explicit value wins
+    # a flag whose default is None (resolved by device) reads "0" as False, not as a string
+    from ferrum.config import SchedulerConfig
+    assert SchedulerConfig().longest_decode_first is None
+    monkeypatch.setenv("FERRUM_LONGEST_DECODE_FIRST", "0")
+    assert SchedulerConfig().longest_decode_first is False
     monkeypatch.setenv("FERRUM_PDL", "maybe")
     with pytest.raises(InvalidRequestError, match="FERRUM_PDL='maybe': expected 1 or 0"):
         KernelConfig()

@@ -199,6 +199,8 @@ def test_batch_matches_alone(folder, reference, cfg):
         assert llm.engine.executor.status().prefill_steps > 64   # prompts were chunked
     if cfg.endswith("max-seqs-5"):
         assert w.max_running == 5
+    # default (None): on for CUDA, so off here on CPU
+    assert llm.engine.scheduler.config.longest_decode_first is cfg.endswith("longest-decode-first")
     if cfg.endswith("longest-decode-first"):
         assert w.reordered > 0, "the decode rows never left arrival order"
     else:

@@ -13,6 +13,7 @@ TP rank, a device fault: `ModelExecutor.health()`) makes `step` raise.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -144,7 +145,10 @@ class LLMEngine:
         log.info(msg)
         self.block_manager = BlockManager(self.num_blocks, self.block_size,
                                           config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        sched = config.scheduler
+        if sched.longest_decode_first is None:   # on where the decode attention runs in SM waves
+            sched = dataclasses.replace(sched, longest_decode_first=self.executor.info().device.startswith("cuda"))
+        self.scheduler = Scheduler(sched, self.block_manager, self.max_model_len)
         self.sampler = Sampler()
         self.vocab_size = self.model_config.vocab_size
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
