@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import typing
 import time
 import zipfile
 
@@ -133,6 +134,7 @@ def test_every_option_field_is_a_flag_and_an_llm_keyword():
     p = build_parser()
     seen = set()
     for group, cls in config_groups():
+        hints = typing.get_type_hints(cls)
         for f in option_fields(cls):
             if not f.metadata.get("cli", True) or f.metadata.get("positional"):
                 continue
@@ -144,7 +146,7 @@ def test_every_option_field_is_a_flag_and_an_llm_keyword():
             elif f.metadata.get("choices"):       # a non-default choice (e.g. fp8)
                 value = next(c for c in f.metadata["choices"] if c not in (default, "auto"))
                 text, argv = value, [flag, value]
-            elif isinstance(default, bool) or f.name == "async_scheduling":
+            elif hints[f.name] in (bool, bool | None):   # a flag; None: decided by device
                 value = not default
                 argv = [flag if value else flag.replace("--", "--no-", 1)]
             else:
@@ -156,7 +158,8 @@ def test_every_option_field_is_a_flag_and_an_llm_keyword():
                                              f.metadata.get("choices") else value})
             assert getattr(getattr(kw, group) if group else kw, f.name) == value, f.name
             seen.add(f.name)
-    assert {"max_model_len", "threads", "tensor_parallel_size", "pdl", "disable_symm_mem"} <= seen
+    assert {"max_model_len", "threads", "tensor_parallel_size", "pdl", "disable_symm_mem", "async_scheduling",
+            "longest_decode_first"} <= seen
 
 
 def test_config_rejects_a_field_it_does_not_have():
