@@ -448,9 +448,9 @@ def option(default=None, help: str = "", *, default_factory=None, env: str | Non
 
 
 def _env_value(name: str, default, parse=None):
-    """`default`, or the value of environment variable `name` when set: for a bool default
-    "1"/"0" (also true/false, yes/no, on/off), else parsed by `parse` (or the default's type).
-    Raises InvalidRequestError for a value it cannot read."""
+    """`default`, or the value of environment variable `name` when set: for a bool default (or
+    parse=bool) "1"/"0" (also true/false, yes/no, on/off), else parsed by `parse` (or the default's type).
+    Raises ConfigError (an option, not a request) for a value it cannot read."""
     text = os.environ.get(name)
     if text is None or text == "":
         return default
@@ -460,12 +460,12 @@ def _env_value(name: str, default, parse=None):
             return True
         if flag in ("0", "false", "no", "off"):
             return False
-        raise InvalidRequestError(f"environment variable {name}={text!r}: expected 1 or 0 "
-                                  "(or true / false, yes / no, on / off)", param=name)
+        raise ConfigError(f"environment variable {name}={text!r}: expected 1 or 0 "
+                          "(or true / false, yes / no, on / off)", param=name)
     try:
         return (parse or (type(default) if default is not None else str))(text)
     except ValueError as e:
-        raise InvalidRequestError(f"environment variable {name}={text!r}: {e}", param=name) from None
+        raise ConfigError(f"environment variable {name}={text!r}: {e}", param=name) from None
 
 
 def option_default(f: dataclasses.Field):

@@ -207,7 +207,7 @@ def test_bad_environment_value_is_one_error_line_not_a_traceback(tmp_path):
     env = {**os.environ, "FERRUM_PDL": "maybe", "FERRUM_HOME": str(tmp_path)}
     r = subprocess.run(CLI + ["list"], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 1, r
-    assert r.stderr.strip() == ("ferrum: error: InvalidRequestError: environment variable "
+    assert r.stderr.strip() == ("ferrum: error: ConfigError: environment variable "
                                 "FERRUM_PDL='maybe': expected 1 or 0 (or true / false, yes / no, on / off)")
     r = subprocess.run([sys.executable, "-c", "from ferrum.config import KERNELS; print(KERNELS.pdl)"],
                        capture_output=True, text=True, timeout=120, env=env)
