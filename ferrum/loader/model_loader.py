@@ -2,6 +2,8 @@
 reading only its slice through the parameters' `weight_loader`s."""
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 from tqdm.auto import tqdm
@@ -61,7 +63,10 @@ def load_weights(model: nn.Module, source: WeightSource, progress: bool = True) 
     modules = dict(model.named_modules())
     loaded: set[str] = set()
     names = source.names()
-    for full_name in tqdm(names, desc="loading weights", unit="tensor", disable=not progress, leave=False):
+    # a terminal clears the finished bar; a log keeps it, ended by a newline, so the next line
+    # does not run onto it
+    for full_name in tqdm(names, desc="loading weights", unit="tensor", disable=not progress,
+                          leave=not sys.stderr.isatty()):
         if full_name.endswith(_SKIP) or (tied and full_name == "lm_head.weight"):
             continue
         kv = kv_scale_target(full_name)
