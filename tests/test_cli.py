@@ -201,6 +201,24 @@ def test_environment_overrides_kernel_defaults(monkeypatch):
         set_kernels(saved)
 
 
+def test_every_environment_flag_reads_0_and_1_as_bools(monkeypatch):
+    """Each FERRUM_* switch of a bool option, its default False, True or None (decided by
+    device), reads "0" / "1" as False / True, not as the strings (both truthy)."""
+    flags_seen = 0
+    for _, cls in config_groups():
+        hints = typing.get_type_hints(cls)
+        for f in option_fields(cls):
+            env = f.metadata.get("env")
+            if env is None or hints[f.name] not in (bool, bool | None):
+                continue
+            for text, want in (("0", False), ("1", True)):
+                monkeypatch.setenv(env, text)
+                assert option_default(f) is want, (f.name, text)
+            monkeypatch.delenv(env)
+            flags_seen += 1
+    assert flags_seen >= 5
+
+
 def test_bad_environment_value_is_one_error_line_not_a_traceback(tmp_path):
     """A bad FERRUM_* value: importing ferrum still works (the process-wide switches keep
     their plain defaults); the CLI says which variable and what it takes, on one line, exit 1."""
@@ -234,6 +252,15 @@ def tiny(tmp_path_factory):
 def llm(tiny):
     with LLM(tiny, progress=False, device="cpu", max_model_len=128, threads=1) as engine:
         yield engine
+
+
+def test_weight_loading_bar_ends_its_line_in_a_log(tiny, capsys):
+    """With stderr not a terminal (a server's log), the finished "loading weights" bar stays and
+    ends with a newline, so the next log line does not run onto it."""
+    with LLM(tiny, progress=True, device="cpu", max_model_len=64, threads=1):
+        err = capsys.readouterr().err
+    bar = err[err.rindex("loading weights"):]
+    assert "100%" in bar and "\n" in bar, repr(bar)
 
 
 def test_fewer_sampling_params_than_prompts_raises_and_queues_nothing(llm):

@@ -145,9 +145,11 @@ class LLMEngine:
         log.info(msg)
         self.block_manager = BlockManager(self.num_blocks, self.block_size,
                                           config.cache.enable_prefix_caching)
+        self.sample_device = self.executor.info().device   # logits arrive on rank 0's device
+        on_cuda = self.sample_device.startswith("cuda")     # what a None (device-decided) option means
         sched = config.scheduler
         if sched.longest_decode_first is None:   # on where the decode attention runs in SM waves
-            sched = dataclasses.replace(sched, longest_decode_first=self.executor.info().device.startswith("cuda"))
+            sched = dataclasses.replace(sched, longest_decode_first=on_cuda)
         self.scheduler = Scheduler(sched, self.block_manager, self.max_model_len)
         self.sampler = Sampler()
         self.vocab_size = self.model_config.vocab_size
@@ -156,10 +158,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self.stats = {"requests_finished": 0, "requests_aborted": 0, "requests_failed": 0,
                       "prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "overlapped_steps": 0}
-        self.sample_device = self.executor.info().device   # logits arrive on rank 0's device
         self.sampler.warmup(self.vocab_size, self.sample_device)
         a = config.scheduler.async_scheduling
-        self.async_scheduling = self.sample_device.startswith("cuda") if a is None else a
+        self.async_scheduling = on_cuda if a is None else a
         self._in_flight: StepInFlight | None = None
         # (sampled sequences, their SamplingMetadata) of the last step, when it can be reused
         self._metadata_cache: tuple[list[Sequence], SamplingMetadata] | None = None
