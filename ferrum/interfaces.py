@@ -143,13 +143,16 @@ class MemoryRequirements:
     kv_bytes_per_token: K and V of every layer for one token on one rank
         = 2 * num_layers * kv_heads_per_rank * head_dim * dtype_bytes.
     activation_bytes_per_token: rough peak activations of one token in flight
-        (hidden, qkv, mlp intermediate, logits row), used to reserve headroom.
+        (hidden, qkv, mlp intermediate), used to reserve headroom.
+    logits_bytes_per_row: one float32 row of logits over the whole vocabulary (what rank 0
+        holds after gathering the vocab-parallel shards), per row sampled or scored.
     """
 
     param_bytes: int
     kv_bytes_per_token: int
     activation_bytes_per_token: int
     tensor_parallel_size: int
+    logits_bytes_per_row: int
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Bytes of one KV block of `block_size` tokens on one rank."""

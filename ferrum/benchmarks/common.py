@@ -62,6 +62,20 @@ def sync_device(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def cuda_memory(device: str) -> dict | None:
+    """This process's device memory on a CUDA `device` (GiB): the card's total, and the peak
+    the caching allocator reserved and handed out since start-up (the KV pool, weights and
+    CUDA graphs included): the evidence that the pool plan (`executor.memory`) left a step's
+    transient tensors room. None elsewhere."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+    dev = torch.device(device)
+    return {"total_gib": torch.cuda.mem_get_info(dev)[1] / 2**30,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved(dev) / 2**30,
+            "peak_allocated_gib": torch.cuda.max_memory_allocated(dev) / 2**30}
+
+
 def random_prompts(n: int, lengths: list[int] | int, vocab_size: int, seed: int) -> list[list[int]]:
     """n prompts of random token ids in [vocab_size // 10, vocab_size) (away from the special
     tokens at the start of most vocabularies)."""

@@ -37,7 +37,8 @@ import statistics
 import sys
 import time
 
-from ferrum.benchmarks.common import MinMax, add_common_args, llm_from_config, positive_int, random_prompts
+from ferrum.benchmarks.common import (MinMax, add_common_args, cuda_memory, llm_from_config, positive_int,
+                                      random_prompts)
 from ferrum.benchmarks.run_record import record, setup_threads, write_json
 from ferrum.benchmarks.peers import add_peer_args, ratio, run_vllm
 from ferrum.benchmarks.step_log import StepLog, profile_kernels, profile_markdown
@@ -333,13 +334,20 @@ def main(args) -> int:
         sequential.pop("outputs")
         print(f"batched / sequential output throughput: "
               f"{batched['output_tok_s'] / sequential['output_tok_s']:.2f}x")
+    memory = cuda_memory(device)
+    if memory:
+        print(f"KV pool {eng.num_blocks} blocks of {eng.block_size} tokens; device memory peak reserved "
+              f"{memory['peak_reserved_gib']:.1f} of {memory['total_gib']:.1f} GiB "
+              f"(--gpu-memory-utilization {eng.config.cache.gpu_memory_utilization})")
     res = {"model": eng.model_name, "workload": args.workload, "num_prompts": len(prompts),
            "input_len_range": [min(in_lens), max(in_lens)], "output_len_range": [min(out_lens), max(out_lens)],
            "total_input_tokens": sum(in_lens), "total_output_tokens": expected,
            "engine": {"max_num_seqs": eng.config.scheduler.max_num_seqs,
                       "max_num_batched_tokens": eng.config.scheduler.max_num_batched_tokens,
                       "kv_blocks": eng.num_blocks, "block_size": eng.block_size,
-                      "dtype": eng.executor.info().dtype},
+                      "dtype": eng.executor.info().dtype,
+                      "gpu_memory_utilization": eng.config.cache.gpu_memory_utilization,
+                      "cuda_memory": memory},
            "batched": batched, "sequential": sequential,
            "ratio_batched_over_sequential": (batched["output_tok_s"] / sequential["output_tok_s"])
            if sequential else None}

@@ -7,9 +7,21 @@ import logging
 import torch
 
 from ferrum.config import CacheConfig, ModelConfig
+from ferrum.executor.cuda_graph import graph_batch_sizes
+from ferrum.executor.prefill_graph import PREFILL_GRAPH_MAX_TOKENS
+from ferrum.executor.prompt_logprobs import ROWS_PER_SLICE
 from ferrum.interfaces import MemoryRequirements
 
 log = logging.getLogger("ferrum")
+
+# [rows, vocab] float32-sized tensors alive at once in the sampler's widest path
+# (ferrum/layers/sampler.py: the logits and their processed copy, logit_bias, penalty counts and
+# the penalised copy, temperature-scaled, sorted values + int64 order, the top-p mask, softmax,
+# cumsum, the scattered result, probabilities): 16 counts every one of them at once
+SAMPLER_ROW_COPIES = 16
+# the forward's intermediates per token of a step, over `activation_bytes_per_token` (tensors
+# alive across a layer boundary, the caching allocator's rounding)
+ACTIVATION_FACTOR = 4
 
 
 def compute_memory_requirements(cfg: ModelConfig, dtype: torch.dtype, tp: int,
@@ -20,7 +32,8 @@ def compute_memory_requirements(cfg: ModelConfig, dtype: torch.dtype, tp: int,
     `weight_bits` per parameter when quantized (QuantConfig.weight_bits, scales included).
     kv_bytes_per_token: K+V of all layers for this rank's KV heads (replicated when
     num_kv_heads < tp), in `kv_cache_dtype` (default: dtype; 1 byte for fp8).
-    activation_bytes_per_token: hidden + q/k/v + 2x MLP intermediate + fp32 logits row, per rank."""
+    activation_bytes_per_token: hidden + q/k/v + 2x MLP intermediate, per rank.
+    logits_bytes_per_row: a float32 row over the whole vocabulary (rank 0 gathers the shards)."""
     e = torch.finfo(dtype).bits // 8
     kv_e = torch.finfo(kv_cache_dtype or dtype).bits // 8
     h, i, L, D = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.head_dim
@@ -42,16 +55,35 @@ def compute_memory_requirements(cfg: ModelConfig, dtype: torch.dtype, tp: int,
     kv_bytes_per_token = 2 * L * kv * kv_e
     if cfg.num_experts:  # a token's k expert intermediates
         i = max(i, cfg.num_experts_per_tok * cfg.moe_intermediate_size)
-    act = (4 * h + q + 2 * kv + 2 * i // tp) * e + 4 * vocab_rows
-    return MemoryRequirements(param_bytes, kv_bytes_per_token, act, tp)
+    act = (4 * h + q + 2 * kv + 2 * i // tp) * e
+    return MemoryRequirements(param_bytes, kv_bytes_per_token, act, tp, 4 * cfg.vocab_size)
+
+
+def activation_reserve_bytes(mem: MemoryRequirements, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """Device bytes kept out of the KV pool for what a step allocates and frees, per rank:
+    - the forward: ACTIVATION_FACTOR x activation_bytes_per_token x max_num_batched_tokens;
+    - logits and sampling: SAMPLER_ROW_COPIES float32 [rows, vocab] tensors for the most rows
+      whose logits exist at once (max_num_seqs sampled rows, or a prompt-logprobs slice of
+      ROWS_PER_SLICE);
+    - CUDA graphs (their private pool, captured after the pool is allocated): every decode
+      graph keeps its own logits output, one row per captured row (`graph_batch_sizes`,
+      counted in float32), plus the intermediates of the largest capture (a prefill graph
+      of up to PREFILL_GRAPH_MAX_TOKENS tokens or the largest decode batch).
+    Logits rows were once counted per batched token (20 GB at 8,192 tokens for a 128k
+    vocabulary, a third of an 80 GB card's KV pool); at most max(max_num_seqs, 256) rows
+    exist at once."""
+    rows = max(max_num_seqs, ROWS_PER_SLICE)
+    graph_tokens = max(min(max_num_batched_tokens, PREFILL_GRAPH_MAX_TOKENS), max_num_seqs)
+    return (ACTIVATION_FACTOR * mem.activation_bytes_per_token * (max_num_batched_tokens + graph_tokens)
+            + mem.logits_bytes_per_row * (SAMPLER_ROW_COPIES * rows + sum(graph_batch_sizes(max_num_seqs))))
 
 
 def num_kv_blocks(mem: MemoryRequirements, cache: CacheConfig, device: str, max_model_len: int,
                   max_num_seqs: int, max_num_batched_tokens: int) -> int:
     """How many KV blocks this rank's pool gets.
 
-    CUDA: gpu_memory_utilization * total memory, minus what is allocated now (weights), minus
-    activation headroom for max_num_batched_tokens. CPU: `kv_cache_memory` bytes if given,
+    CUDA: gpu_memory_utilization * total memory, minus what is in use now (weights, the CUDA
+    context), minus `activation_reserve_bytes`. CPU: `kv_cache_memory` bytes if given,
     else enough for max_num_seqs * max_model_len tokens capped at 1 GiB."""
     per_block = mem.kv_bytes_per_block(cache.block_size)
     if cache.num_kv_blocks is not None:
@@ -65,7 +97,7 @@ def num_kv_blocks(mem: MemoryRequirements, cache: CacheConfig, device: str, max_
         free, total = torch.cuda.mem_get_info(torch.device(device))
         used = total - free
         budget = int(total * cache.gpu_memory_utilization) - used \
-            - mem.activation_bytes_per_token * max_num_batched_tokens * 4
+            - activation_reserve_bytes(mem, max_num_batched_tokens, max_num_seqs)
     elif cache.kv_cache_memory is not None:
         budget = cache.kv_cache_memory
     else:
