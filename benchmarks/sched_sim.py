@@ -38,8 +38,9 @@ def simulate(requests: int, input_len: int, output_len: int, kv_blocks: int, blo
              kv_bytes_per_token: int = 131072, kv_gbs: float = 3300.0, prefill_tok_s: float = 40000.0,
              sample_every: int = 200) -> dict:
     """Run the workload to the end; returns steps, preemptions, computed / ideal tokens, mean
-    decode rows per step, running sequences every `sample_every` steps, the time estimate (s)
-    and the free blocks left (all of them: nothing leaks)."""
+    decode rows per step, running sequences every `sample_every` steps, the time estimate (s),
+    the free blocks left (all of them: nothing leaks) and the output share the scheduler
+    learned (1: every sequence ran to its max_tokens)."""
     max_len = input_len + output_len + block_size
     sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_len),
@@ -69,13 +70,13 @@ def simulate(requests: int, input_len: int, output_len: int, kv_blocks: int, blo
             if seq.num_computed_tokens == seq.num_tokens:   # the step samples this sequence
                 seq.token_ids.append(5)
                 if seq.num_tokens - seq.num_prompt_tokens >= output_len:
-                    sched.remove(seq)
+                    sched.remove(seq, completed=True)
         if steps % sample_every == 0:
             running.append(len(sched.running))
     return {"steps": steps, "preemptions": sched.num_preemptions, "computed_tokens": computed,
             "ideal_tokens": requests * (input_len + output_len - 1), "decode_rows_per_step": decode_rows / steps,
             "running_sampled": running, "estimated_s": est_s, "estimated_output_tok_s": requests * output_len / est_s,
-            "free_blocks_at_end": sched.bm.num_free_blocks}
+            "free_blocks_at_end": sched.bm.num_free_blocks, "output_share": sched.output_share}
 
 
 def main():

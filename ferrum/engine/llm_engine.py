@@ -240,10 +240,12 @@ class LLMEngine:
         self.stats["requests_aborted"] += 1
         return True
 
-    def _drop(self, seq: Sequence) -> None:
+    def _drop(self, seq: Sequence, completed: bool = False) -> None:
+        """Finish `seq` and free its blocks; `completed`: it stopped on its own (not aborted or
+        failed), which the scheduler's admission reserve learns from."""
         self.structured.release(seq.seq_id)
         if seq.status != SequenceStatus.FINISHED:
-            self.scheduler.remove(seq)
+            self.scheduler.remove(seq, completed)
             self.executor.release_cache(seq.seq_id)
             seq.status = SequenceStatus.FINISHED
 
@@ -523,7 +525,7 @@ class LLMEngine:
                 generated += 1
                 if state.finish_reason is not None:
                     del seq.token_ids[pos + 1:]  # a placeholder of a step launched after this one
-                    self._drop(seq)
+                    self._drop(seq, completed=True)
             except Exception as e:  # noqa: BLE001 - grammar, stop checks, detokenizer: this request only
                 self._fail([seq], e, touched)
             touched[req.request_id] = req

@@ -6,12 +6,17 @@ When blocks run out it preempts by recompute: the
 latest-arrived running sequence gives up its blocks and goes back to the front of the queue.
 
 Admission keeps room for what is admitted to finish: a waiting sequence is admitted beside
-running ones only if the blocks left after its first chunk hold the rest of its prompt and
-`new_token_ratio` x the output tokens every running sequence (and it) may still generate (after
-SGLang's "new token ratio"). The ratio is 0 until a step preempts, then 1, decaying back to 0
-over 600 steps: a pool that has filled up stops admitting instead of preempting and
-recomputing again and again, and a pool that never fills admits as before (figures:
-benchmarks/results/README.md).
+running ones only if the free blocks hold its whole prompt and, with every sequence generating
+`new_token_ratio` x the output tokens it may still generate (after SGLang's "new token ratio"),
+the running sequences and it fit the pool at the step their footprints peak (a sequence frees its
+blocks when it finishes, so staggered ones need less than the sum of their final sizes). The ratio is 1 after a step preempts, then decays over 600 steps
+to its floor, `output_share`: the mean share of its output estimate (max_tokens, at most
+MAX_OUTPUT_ESTIMATE) that a finished sequence generated, over the recent finishes (0 before
+any). A pool that has filled up stops admitting instead of preempting and recomputing again
+and again; when requests run to their max_tokens (share 1) it keeps room for all of it, so the
+next cohort is not over-admitted either; when they stop early (EOS) the floor is low and
+admission stays nearly vLLM's admit-what-fits; a pool that never fills admits as before
+(figures: benchmarks/results/README.md).
 
 With `longest_decode_first` the decode rows go out longest context first (Graham's
 longest-processing-time-first list scheduling): the decode attention's programs start in row
@@ -43,6 +48,7 @@ def _minus_context_len(chunk) -> int:
 # context length but rarely does).
 NEW_TOKEN_RATIO_DECAY = 1 / 600     # per step, from 1 after a preemption
 MAX_OUTPUT_ESTIMATE = 4096
+OUTPUT_SHARE_WINDOW = 64            # finishes the output share averages over (exponentially)
 
 
 @dataclass
@@ -89,6 +95,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.new_token_ratio = 0.0      # admission reserve; see the module docstring
+        self.output_share = 0.0         # its floor: recent finishes' generated / output estimate
+        self.num_finished = 0
 
     def add(self, seq: Sequence, front: bool = False) -> None:
         """Queue `seq` as waiting, at the back (new requests) or the front (preempted)."""
@@ -100,13 +108,33 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
-    def remove(self, seq: Sequence) -> None:
-        """Drop a finished or aborted sequence and free its blocks."""
+    def remove(self, seq: Sequence, completed: bool = False) -> None:
+        """Drop a finished or aborted sequence and free its blocks; `completed` (it stopped on
+        its own: EOS, a stop string, max_tokens) updates `output_share`."""
+        if completed:
+            self._record_share(seq)
         if seq in self.running:
             self.running.remove(seq)
             self.bm.free(seq.seq_id)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+    def _output_estimate(self, seq: Sequence) -> int:
+        """Output tokens `seq` may generate from its prompt: max_tokens (or the context) left,
+        at most MAX_OUTPUT_ESTIMATE."""
+        left = min(self.max_model_len - seq.num_prompt_tokens, MAX_OUTPUT_ESTIMATE)
+        max_tokens = seq.request.params.max_tokens
+        return max(min(left, max_tokens) if max_tokens is not None else left, 0)
+
+    def _record_share(self, seq: Sequence) -> None:
+        """Fold generated / estimate of a sequence that stopped on its own into `output_share`
+        (the mean of the first finishes, then an exponential average over OUTPUT_SHARE_WINDOW)."""
+        estimate = self._output_estimate(seq)
+        if estimate <= 0:
+            return
+        share = min(1.0, (seq.num_tokens - seq.num_prompt_tokens) / estimate)
+        self.num_finished += 1
+        self.output_share += (share - self.output_share) / min(self.num_finished, OUTPUT_SHARE_WINDOW)
 
     def _output_left(self, seq: Sequence) -> int:
         """Tokens `seq` may still generate: its max_tokens (or the context) left, at most
@@ -192,12 +220,12 @@ class Scheduler:
         # 3. Admit waiting sequences (FCFS; stop at the first that does not fit). A request
         #    with n > 1 samples forks them after its prefill: keep their slots free too.
         reserved = 0
-        # tokens kept free for the running sequences' outputs (none needed when nothing runs)
-        growth = 0.0
+        # the running sequences' future footprint (None: admit what fits now; see `_demands`)
+        demands = None
         if self.waiting:
             reserved = sum(s.request.params.n - 1 for s in self.running
                            if s.index == 0 and not s.request.forked)
-            growth = self._running_growth()
+            demands = self._demands()
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             slots = seq.request.params.n if seq.index == 0 and not seq.request.forked else 1
@@ -207,10 +235,8 @@ class Scheduler:
             reuse = not seq.needs_prompt_logprobs
             cached = self.bm.lookup_prefix(seq.token_ids, reuse)
             n = self._chunk(seq.num_tokens - cached, budget, first=not out.prefills)
-            own = self._room_for(seq, cached, n, growth) if n else None
-            if own is None:
+            if not n or not self._room_for(seq, cached, n, demands):
                 break
-            growth += own
             self.waiting.popleft()
             cached = self.bm.allocate(seq.seq_id, seq.token_ids, cached + n, reuse)
             seq.num_computed_tokens = cached
@@ -223,23 +249,50 @@ class Scheduler:
             out.prefills.append(ScheduledChunk(seq, n))
             scheduled.add(seq.seq_id)
             budget -= n
-        self.new_token_ratio = 1.0 if out.preempted else max(0.0, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        self.new_token_ratio = (1.0 if out.preempted
+                                else max(self.output_share, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY))
         return out
 
-    def _running_growth(self) -> float:
-        """Output tokens kept free for the running sequences: new_token_ratio x what each may
-        still generate (0 without a loop over them while no preemption happened lately)."""
+    def _demands(self) -> list[tuple[int, int]] | None:
+        """(decode steps left, tokens now) of each running sequence, longest first, the steps
+        left being new_token_ratio x what it may still generate (`_output_left`); None while
+        the ratio is 0 (admission then asks only for the first chunk's blocks)."""
         ratio = self.new_token_ratio
-        return ratio * sum(self._output_left(s) for s in self.running) if ratio else 0.0
+        if not ratio:
+            return None
+        return sorted(((int(ratio * self._output_left(s)), s.num_tokens) for s in self.running), reverse=True)
 
-    def _room_for(self, seq: Sequence, cached: int, n: int, growth: float) -> float | None:
-        """Admission of waiting `seq` with `n` tokens computed now after a `cached`-token
-        prefix hit: the tokens it keeps free beyond its chunk (the rest of its prompt and its
-        share of outputs), or None when the pool cannot also keep `growth` free for the running
-        sequences (nothing is kept when none runs)."""
-        own = seq.num_tokens - cached - n + self.new_token_ratio * self._output_left(seq)
-        keep = int(growth + own) if self.running else 0
-        return own if self.bm.can_allocate(seq.token_ids, n + keep, not seq.needs_prompt_logprobs) else None
+    def _peak_blocks(self, demands: list[tuple[int, int]]) -> float:
+        """The most blocks the `demands` sequences hold together at any future step, each
+        growing a token a step until its steps run out and then freeing its blocks: at the
+        step the k-th longest (steps e) finishes, the k longest hold sum(tokens) + k e tokens,
+        an upper bound of k + that / block_size blocks. (Shared prefix blocks count once per
+        sequence here: an over-estimate.)"""
+        bs = self.bm.block_size
+        peak = 0.0
+        tokens = 0
+        for k, (e, n) in enumerate(demands, 1):
+            tokens += n
+            peak = max(peak, k + (tokens + k * e) / bs)
+        return peak
+
+    def _room_for(self, seq: Sequence, cached: int, n: int, demands: list[tuple[int, int]] | None) -> bool:
+        """Whether waiting `seq` can be admitted with `n` tokens computed now after a
+        `cached`-token prefix hit: the free blocks hold its whole prompt (its first chunk only
+        when nothing runs), and, while new_token_ratio is above 0 (`demands` not None), the
+        running sequences and it fit the pool at their peak (`_peak_blocks`), each generating
+        that share of what it may. Admitted, it joins `demands`."""
+        rest = seq.num_tokens - cached - n if self.running else 0
+        if not self.bm.can_allocate(seq.token_ids, n + rest, not seq.needs_prompt_logprobs):
+            return False
+        if demands is None or not self.running:
+            return True
+        trial = sorted([*demands, (int(self.new_token_ratio * self._output_left(seq)), seq.num_tokens)],
+                       reverse=True)
+        if self._peak_blocks(trial) > self.bm.num_blocks:
+            return False
+        demands[:] = trial
+        return True
 
     def would_admit_next(self) -> bool:
         """Whether the next `schedule` could admit the first waiting sequence with the blocks
@@ -250,7 +303,7 @@ class Scheduler:
         seq = self.waiting[0]
         cached = self.bm.lookup_prefix(seq.token_ids, not seq.needs_prompt_logprobs)
         n = self._chunk(seq.num_tokens - cached, self.config.max_num_batched_tokens, first=True)
-        return self._room_for(seq, cached, n, self._running_growth()) is not None
+        return self._room_for(seq, cached, n, self._demands())
 
     def _chunk(self, remaining: int, budget: int, first: bool) -> int:
         """Tokens to compute now: with chunked prefill what the budget and
