@@ -9,8 +9,11 @@ Every request is queued at once (greedy, ignore_eos: exactly --output-len tokens
 benchmark does; each step's scheduled prefill chunks and decodes are marked computed, a
 sequence whose tokens are all computed samples one, and one that reaches --output-len is
 removed. The defaults are the bf16 Llama-3-8B pool of benchmarks/results/h200-2026-12-02c
-(46,825 blocks at 512 sequences), whose GPU run this replays step for step (2,879 steps here,
-2,883 there; 236 preemptions in both).
+(46,825 blocks at 512 sequences), whose GPU run the scheduler of then replayed step for step
+(2,879 steps here, 2,883 there; 236 preemptions in both); the scheduler of 869e892 replays
+h100-2026-12-06d's run (22,432 blocks: 6,013 steps here, 6,018 there, no preemptions in
+either), the benchmark's warm-up request included (--warm-finishes 1: it ran to its max_tokens,
+so the scheduler starts with output share 1).
 
 The estimate: per step `--step-ms` (the weights' read: 15 GB at ~3.3 TB/s = 4.6 ms for
 Llama-3-8B bf16) + the decodes' context tokens x `--kv-bytes-per-token` (131,072: 32 layers x
@@ -36,8 +39,10 @@ from ferrum.engine.sequence import Request, Sequence  # noqa: E402
 def simulate(requests: int, input_len: int, output_len: int, kv_blocks: int, block_size: int = 16,
              max_num_seqs: int = 512, max_num_batched_tokens: int = 8192, step_ms: float = 4.6,
              kv_bytes_per_token: int = 131072, kv_gbs: float = 3300.0, prefill_tok_s: float = 40000.0,
-             sample_every: int = 200) -> dict:
-    """Run the workload to the end; returns steps, preemptions, computed / ideal tokens, mean
+             sample_every: int = 200, warm_finishes: int = 0) -> dict:
+    """Run the workload to the end, after `warm_finishes` sequences that ran to their max_tokens
+    (`ferrum bench throughput`'s warm-up request is one: the scheduler learns output share 1 from
+    it before the timed phase); returns steps, preemptions, computed / ideal tokens, mean
     decode rows per step, running sequences every `sample_every` steps, the time estimate (s),
     the free blocks left (all of them: nothing leaks) and the output share the scheduler
     learned (1: every sequence ran to its max_tokens)."""
@@ -46,6 +51,10 @@ def simulate(requests: int, input_len: int, output_len: int, kv_blocks: int, blo
                                       max_model_len=max_len),
                       BlockManager(kv_blocks, block_size, enable_prefix_caching=False), max_len)
     sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    for i in range(warm_finishes):
+        warm = Sequence(f"warm{i}", Request(f"warm{i}", None, [1] * 8, sp), 0)
+        warm.token_ids += [5] * output_len
+        sched.remove(warm, completed=True)
     for i in range(requests):   # distinct prompts (no prefix sharing, as the benchmark's random ids)
         req = Request(str(i), None, [1 + (i * 7 + j) % 1000 for j in range(input_len)], sp)
         seq = Sequence(str(i), req, 0)
@@ -92,9 +101,12 @@ def main():
     p.add_argument("--kv-bytes-per-token", type=int, default=131072)
     p.add_argument("--kv-gbs", type=float, default=3300.0)
     p.add_argument("--prefill-tok-s", type=float, default=40000.0)
+    p.add_argument("--warm-finishes", type=int, default=1,
+                   help="sequences finished at max_tokens before the workload (the benchmark's warm-up: 1)")
     a = p.parse_args()
     r = simulate(a.requests, a.input_len, a.output_len, a.kv_blocks, a.block_size, a.max_num_seqs,
-                 a.max_num_batched_tokens, a.step_ms, a.kv_bytes_per_token, a.kv_gbs, a.prefill_tok_s)
+                 a.max_num_batched_tokens, a.step_ms, a.kv_bytes_per_token, a.kv_gbs, a.prefill_tok_s,
+                 warm_finishes=a.warm_finishes)
     print(f"{r['steps']} steps, {r['preemptions']} preemptions, {r['computed_tokens']:,} tokens computed for "
           f"{r['ideal_tokens']:,}, {r['decode_rows_per_step']:.0f} decode rows per step; estimate "
           f"{r['estimated_s']:.1f} s = {r['estimated_output_tok_s']:,.0f} output tok/s; running every 200 steps "
