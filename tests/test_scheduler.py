@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import random
 
 from ferrum import SamplingParams
 from ferrum.config import SchedulerConfig
 from ferrum.engine.block_manager import BlockManager
-from ferrum.engine.scheduler import Scheduler
+from ferrum.engine.scheduler import Footprints, Scheduler
 from ferrum.engine.sequence import Request, Sequence
 
 
@@ -36,12 +37,35 @@ def make_seq(i: int, prompt_len: int, max_tokens: int | None) -> Sequence:
 def test_peak_blocks_counts_each_sequence_until_it_finishes():
     """Two sequences of 16 and 32 tokens with 16 and 64 steps left, blocks of 16: when the short
     one finishes both hold (16 + 16) + (32 + 16) = 80 tokens (<= 2 + 80 / 16 = 7 blocks); when the
-    long one does it alone holds 96 (<= 7). The peak is the larger bound; the order given does not
-    matter once sorted longest first, as `_demands` does."""
-    sched = make_scheduler()
-    assert sched._peak_blocks([(64, 32), (16, 16)]) == max(1 + (32 + 64) / 16, 2 + (48 + 2 * 16) / 16) == 7.0
-    # a third sequence finishing now adds its tokens to the step-0 bound only
-    assert sched._peak_blocks([(64, 32), (16, 16), (0, 160)]) == 3 + (208 + 0) / 16
+    long one does it alone holds 96 (<= 7)."""
+    f = Footprints(16, [(64, 32), (16, 16)])
+    assert f.peak_blocks() == max(1 + (32 + 64) / 16, 2 + (48 + 2 * 16) / 16) == 7.0
+    assert f.final_blocks == 2 + (96 + 32) / 16
+    # a third sequence finishing now adds its tokens to every bound (it is held at step 0)
+    assert f.try_add(0, 160, 100) and f.entries == [(64, 32), (16, 16), (0, 160)]
+    assert f.peak_blocks() == 3 + (208 + 0) / 16
+
+
+def test_try_add_matches_a_step_by_step_footprint():
+    """`Footprints.try_add` admits exactly when the blocks held at the worst future step,
+    counted step by step (each sequence ceil((n + t) / block_size) blocks while t <= e), fit
+    within the bound's rounding (at most one block per sequence); the sum-of-final-sizes shortcut
+    never changes the answer; refused, the entries are unchanged."""
+    rng = random.Random(0)
+    for _ in range(300):
+        bs = rng.choice([1, 8, 16])
+        entries = sorted(((rng.randrange(0, 60), rng.randrange(1, 90)) for _ in range(rng.randrange(0, 12))),
+                         reverse=True)
+        e, n = rng.randrange(0, 60), rng.randrange(1, 90)
+        both = entries + [(e, n)]
+        exact = max(sum(-(-(n_ + t) // bs) for e_, n_ in both if t <= e_) for t in range(61))
+        bound = max([k + (sum(n_ for _, n_ in sorted(both, reverse=True)[:k]) + k * e_) / bs
+                     for k, (e_, _) in enumerate(sorted(both, reverse=True), 1)])
+        assert exact <= bound < exact + len(both) + 1e-9
+        for num_blocks in (int(bound) - 1, int(bound) + 1, 10_000):
+            f = Footprints(bs, list(entries))
+            assert f.try_add(e, n, num_blocks) == (bound <= num_blocks)
+            assert f.entries == (sorted(both, reverse=True) if bound <= num_blocks else entries)
 
 
 def test_output_share_learns_from_finished_sequences_only():

@@ -24,6 +24,7 @@ order, so with mixed lengths the long ones no longer start last and leave SMs id
 """
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from operator import attrgetter
 from dataclasses import dataclass, field
@@ -81,6 +82,42 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         """True when nothing runs this step."""
         return not self.decodes and not self.prefills
+
+
+class Footprints:
+    """Admission's view of the running sequences: (decode steps left e, tokens now n) each,
+    longest first, growing a token a step until e and then freeing their blocks."""
+
+    def __init__(self, block_size: int, entries: list[tuple[int, int]]):
+        self.block_size = block_size
+        self.entries = entries                      # sorted by (e, n), descending
+        # sum of the final sizes in blocks: an upper bound of the peak, kept in O(1) per admission
+        self.final_blocks = sum(1 + (n + e) / block_size for e, n in entries)
+
+    def peak_blocks(self) -> float:
+        """The most blocks they hold together at any future step: when the k-th longest (steps
+        e) finishes, the k longest hold sum(n) + k e tokens, at most k + that / block_size
+        blocks. (Shared prefix blocks count once per sequence: an over-estimate.)"""
+        bs = self.block_size
+        peak = 0.0
+        tokens = 0
+        for k, (e, n) in enumerate(self.entries, 1):
+            tokens += n
+            peak = max(peak, k + (tokens + k * e) / bs)
+        return peak
+
+    def try_add(self, e: int, n: int, num_blocks: int) -> bool:
+        """Add a sequence (e, n) if all of them then fit `num_blocks` at their peak; the sum of
+        final sizes decides without the O(len) peak while it fits (many admissions in a step)."""
+        final = self.final_blocks + 1 + (n + e) / self.block_size
+        key = (-e, -n)
+        i = bisect.bisect_left(self.entries, key, key=lambda d: (-d[0], -d[1]))
+        self.entries.insert(i, (e, n))
+        if final > num_blocks and self.peak_blocks() > num_blocks:
+            del self.entries[i]
+            return False
+        self.final_blocks = final
+        return True
 
 
 class Scheduler:
@@ -253,46 +290,30 @@ class Scheduler:
                                 else max(self.output_share, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY))
         return out
 
-    def _demands(self) -> list[tuple[int, int]] | None:
-        """(decode steps left, tokens now) of each running sequence, longest first, the steps
-        left being new_token_ratio x what it may still generate (`_output_left`); None while
-        the ratio is 0 (admission then asks only for the first chunk's blocks)."""
+    def _demands(self) -> Footprints | None:
+        """The running sequences' `Footprints`, each generating new_token_ratio x what it may
+        still generate (`_output_left`); None while the ratio is 0 (admission then asks only
+        for the prompt's blocks)."""
         ratio = self.new_token_ratio
         if not ratio:
             return None
-        return sorted(((int(ratio * self._output_left(s)), s.num_tokens) for s in self.running), reverse=True)
+        return Footprints(self.bm.block_size,
+                          sorted(((int(ratio * self._output_left(s)), s.num_tokens) for s in self.running),
+                                 reverse=True))
 
-    def _peak_blocks(self, demands: list[tuple[int, int]]) -> float:
-        """The most blocks the `demands` sequences hold together at any future step, each
-        growing a token a step until its steps run out and then freeing its blocks: at the
-        step the k-th longest (steps e) finishes, the k longest hold sum(tokens) + k e tokens,
-        an upper bound of k + that / block_size blocks. (Shared prefix blocks count once per
-        sequence here: an over-estimate.)"""
-        bs = self.bm.block_size
-        peak = 0.0
-        tokens = 0
-        for k, (e, n) in enumerate(demands, 1):
-            tokens += n
-            peak = max(peak, k + (tokens + k * e) / bs)
-        return peak
-
-    def _room_for(self, seq: Sequence, cached: int, n: int, demands: list[tuple[int, int]] | None) -> bool:
+    def _room_for(self, seq: Sequence, cached: int, n: int, demands: Footprints | None) -> bool:
         """Whether waiting `seq` can be admitted with `n` tokens computed now after a
         `cached`-token prefix hit: the free blocks hold its whole prompt (its first chunk only
         when nothing runs), and, while new_token_ratio is above 0 (`demands` not None), the
-        running sequences and it fit the pool at their peak (`_peak_blocks`), each generating
-        that share of what it may. Admitted, it joins `demands`."""
+        running sequences and it fit the pool at their peak (`Footprints.peak_blocks`), each
+        generating that share of what it may. Admitted, it joins `demands`."""
         rest = seq.num_tokens - cached - n if self.running else 0
         if not self.bm.can_allocate(seq.token_ids, n + rest, not seq.needs_prompt_logprobs):
             return False
         if demands is None or not self.running:
             return True
-        trial = sorted([*demands, (int(self.new_token_ratio * self._output_left(seq)), seq.num_tokens)],
-                       reverse=True)
-        if self._peak_blocks(trial) > self.bm.num_blocks:
-            return False
-        demands[:] = trial
-        return True
+        return demands.try_add(int(self.new_token_ratio * self._output_left(seq)), seq.num_tokens,
+                               self.bm.num_blocks)
 
     def would_admit_next(self) -> bool:
         """Whether the next `schedule` could admit the first waiting sequence with the blocks
