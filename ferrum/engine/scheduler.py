@@ -8,15 +8,16 @@ latest-arrived running sequence gives up its blocks and goes back to the front o
 Admission keeps room for what is admitted to finish: a waiting sequence is admitted beside
 running ones only if the free blocks hold its whole prompt and, with every sequence generating
 `new_token_ratio` x the output tokens it may still generate (after SGLang's "new token ratio"),
-the running sequences and it fit the pool at the step their footprints peak (a sequence frees its
-blocks when it finishes, so staggered ones need less than the sum of their final sizes). The ratio is 1 after a step preempts, then decays over 600 steps
-to its floor, `output_share`: the mean share of its output estimate (max_tokens, at most
-MAX_OUTPUT_ESTIMATE) that a finished sequence generated, over the recent finishes (0 before
-any). A pool that has filled up stops admitting instead of preempting and recomputing again
-and again; when requests run to their max_tokens (share 1) it keeps room for all of it, so the
-next cohort is not over-admitted either; when they stop early (EOS) the floor is low and
-admission stays nearly vLLM's admit-what-fits; a pool that never fills admits as before
-(figures: benchmarks/results/README.md).
+the running sequences and it fit the pool at the step their footprints peak (a sequence frees
+its blocks when it finishes, so staggered ones need less than the sum of their final sizes).
+The ratio is 1 after a step preempts, then decays over 600 steps to its floor, `output_share`:
+the mean share of its output estimate (max_tokens, at most MAX_OUTPUT_ESTIMATE) that a finished
+sequence generated, over the recent finishes (0 before any). A pool that has filled up stops
+admitting instead of preempting and recomputing again and again; when requests run to their
+max_tokens (share 1) it keeps room for all of it, so the next cohort does not over-fill it
+either; when they stop early (EOS) the floor is low and admission stays near vLLM's
+admit-what-fits; a pool that never fills admits as before (figures:
+benchmarks/results/README.md).
 
 With `longest_decode_first` the decode rows go out longest context first (Graham's
 longest-processing-time-first list scheduling): the decode attention's programs start in row
@@ -44,7 +45,8 @@ def _minus_context_len(chunk) -> int:
 
 # Admission reserve: the expected share of max_tokens still to come. SGLang
 # (python/sglang/srt/managers/scheduler.py) starts it at 0.7 and decays it to 0.1; we keep
-# vLLM's admit-what-fits (0) until a preemption shows the pool is short. At most 4096 output
+# vLLM's admit-what-fits (0) until a preemption shows the pool is short, and decay it to what
+# finished requests used rather than to a constant. At most 4096 output
 # tokens count per sequence (SGLang's clip too: a request without max_tokens may run to the
 # context length but rarely does).
 NEW_TOKEN_RATIO_DECAY = 1 / 600     # per step, from 1 after a preemption
