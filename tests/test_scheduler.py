@@ -70,7 +70,9 @@ def test_try_add_matches_a_step_by_step_footprint():
 
 def test_output_share_learns_from_finished_sequences_only():
     """generated / (max_tokens capped at MAX_OUTPUT_ESTIMATE and the context) of sequences that
-    stopped on their own: the mean of the first, aborted ones not counted; the reserve's floor."""
+    stopped on their own: the mean of the first, aborted ones not counted. It is the reserve's
+    floor only once a preemption has shown the pool short: before, admission is vLLM's
+    admit-what-fits (a pool that never fills admits as before)."""
     sched = make_scheduler()
     a, b, c = make_seq(0, 8, 100), make_seq(1, 8, 100), make_seq(2, 8, 100)
     a.token_ids += [5] * 100           # ran to max_tokens
@@ -80,10 +82,49 @@ def test_output_share_learns_from_finished_sequences_only():
     sched.remove(b, completed=True)
     sched.remove(c)                    # aborted: no say
     assert sched.num_finished == 2 and abs(sched.output_share - 0.6) < 1e-12
-    sched.new_token_ratio = 1.0        # as after a preemption
+    sched.schedule()
+    assert sched.new_token_ratio == 0.0            # no preemption yet: no reserve
+    sched.num_preemptions = 1
+    sched.new_token_ratio = 1.0                    # as after a preemption
     for _ in range(1000):              # 600 steps would take it to 0: it stops at the share
         sched.schedule()
     assert abs(sched.new_token_ratio - 0.6) < 1e-12
+
+
+def test_no_reserve_in_a_pool_that_never_preempted():
+    """8 sequences that ran to max_tokens (share 1), then 40 x (8 in, max_tokens 100) that stop
+    at EOS after one token, in 64 blocks of 8, beside one running sequence: with the floor on
+    from the first finish only ~4 were admitted a step (12 steps for the 40, none preempted);
+    admit-what-fits takes them in one step."""
+    sched = make_scheduler(num_blocks=64, block_size=8, max_len=512)
+    for i in range(8):
+        s = make_seq(1000 + i, 8, 4)
+        s.token_ids += [5] * 4
+        sched.remove(s, completed=True)
+    assert sched.output_share == 1.0
+    bg = make_seq(999, 8, 400)
+    sched.add(bg)
+    sched.schedule()
+    bg.num_computed_tokens = bg.num_tokens
+    bg.token_ids.append(5)
+    for i in range(40):
+        sched.add(make_seq(i, 8, 100))
+    out = sched.schedule()
+    assert len(out.prefills) == 40 and not out.preempted
+
+
+def test_first_admission_on_an_idle_engine_counts_for_the_next():
+    """20 x (8 in, 100 out, ignore_eos) in 24 blocks of 8: one such sequence needs 14 blocks, so
+    two never fit together. After a first batch has preempted and taught share 1, a second batch
+    on the idle engine used to admit two at once (the first, admitted with nothing running, was
+    left out of the footprint) and preempt; now it runs them one at a time without preempting."""
+    sim = load_sim()
+    r = sim.simulate(20, 8, 100, kv_blocks=24, block_size=8, max_num_seqs=20, max_num_batched_tokens=4096)
+    assert r["preemptions"] > 0 and r["output_share"] == 1.0      # the first batch: nothing known yet
+    sched = r["scheduler"]
+    before = sched.num_preemptions
+    r2 = sim.run_workload(sched, 20, 8, 100)
+    assert sched.num_preemptions == before and r2["free_blocks_at_end"] == 24
 
 
 def test_admission_after_a_preemption_uses_the_peak_not_the_sum():

@@ -12,12 +12,15 @@ the running sequences and it fit the pool at the step their footprints peak (a s
 its blocks when it finishes, so staggered ones need less than the sum of their final sizes).
 The ratio is 1 after a step preempts, then decays over 600 steps to its floor, `output_share`:
 the mean share of its output estimate (max_tokens, at most MAX_OUTPUT_ESTIMATE) that a finished
-sequence generated, over the recent finishes (0 before any). A pool that has filled up stops
-admitting instead of preempting and recomputing again and again; when requests run to their
-max_tokens (share 1) it keeps room for all of it, so the next cohort does not over-fill it
-either; when they stop early (EOS) the floor is low and admission stays near vLLM's
-admit-what-fits; a pool that never fills admits as before (figures:
-benchmarks/results/README.md).
+sequence generated, over the recent finishes. The floor holds once a preemption has shown the
+pool short (before, the ratio stays 0: a pool that never fills admits as before, vLLM's
+admit-what-fits). A pool that has filled up stops admitting instead of preempting and
+recomputing again and again; when requests run to their max_tokens (share 1) it keeps room for
+all of it, so later cohorts do not over-fill it again; when they stop early (EOS) the floor is
+low. Holding the floor from the first finish instead avoided the first cohort's preemptions too
+(1.014x on an H100's 1000 x 1000 bf16 run) but halved the rows of short-prompt, long-output
+workloads where recomputing is cheap (benchmarks/sched_sim.py: 40 x (32 in, 700 out) 1.6x the
+steps); figures: benchmarks/results/README.md.
 
 With `longest_decode_first` the decode rows go out longest context first (Graham's
 longest-processing-time-first list scheduling): the decode attention's programs start in row
@@ -108,14 +111,15 @@ class Footprints:
             peak = max(peak, k + (tokens + k * e) / bs)
         return peak
 
-    def try_add(self, e: int, n: int, num_blocks: int) -> bool:
-        """Add a sequence (e, n) if all of them then fit `num_blocks` at their peak; the sum of
-        final sizes decides without the O(len) peak while it fits (many admissions in a step)."""
+    def try_add(self, e: int, n: int, num_blocks: int | None) -> bool:
+        """Add a sequence (e, n) if all of them then fit `num_blocks` at their peak (None: add
+        it unchecked); the sum of final sizes decides without the O(len) peak while it fits
+        (many admissions in a step)."""
         final = self.final_blocks + 1 + (n + e) / self.block_size
         key = (-e, -n)
         i = bisect.bisect_left(self.entries, key, key=lambda d: (-d[0], -d[1]))
         self.entries.insert(i, (e, n))
-        if final > num_blocks and self.peak_blocks() > num_blocks:
+        if num_blocks is not None and final > num_blocks and self.peak_blocks() > num_blocks:
             del self.entries[i]
             return False
         self.final_blocks = final
@@ -174,6 +178,8 @@ class Scheduler:
         share = min(1.0, (seq.num_tokens - seq.num_prompt_tokens) / estimate)
         self.num_finished += 1
         self.output_share += (share - self.output_share) / min(self.num_finished, OUTPUT_SHARE_WINDOW)
+        if self.num_preemptions:   # the floor holds from the next step
+            self.new_token_ratio = max(self.new_token_ratio, self.output_share)
 
     def _output_left(self, seq: Sequence) -> int:
         """Tokens `seq` may still generate: its max_tokens (or the context) left, at most
@@ -289,7 +295,8 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             budget -= n
         self.new_token_ratio = (1.0 if out.preempted
-                                else max(self.output_share, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY))
+                                else max(self.output_share if self.num_preemptions else 0.0,
+                                         self.new_token_ratio - NEW_TOKEN_RATIO_DECAY))
         return out
 
     def _demands(self) -> Footprints | None:
@@ -312,10 +319,11 @@ class Scheduler:
         rest = seq.num_tokens - cached - n if self.running else 0
         if not self.bm.can_allocate(seq.token_ids, n + rest, not seq.needs_prompt_logprobs):
             return False
-        if demands is None or not self.running:
+        if demands is None:
             return True
+        # alone it always runs (max_model_len fits the pool), but it counts for the next ones
         return demands.try_add(int(self.new_token_ratio * self._output_left(seq)), seq.num_tokens,
-                               self.bm.num_blocks)
+                               self.bm.num_blocks if self.running else None)
 
     def would_admit_next(self) -> bool:
         """Whether the next `schedule` could admit the first waiting sequence with the blocks
