@@ -1,7 +1,7 @@
 """Prometheus metrics of the server (prometheus-client), served at GET /metrics.
 
-Counters and histograms are updated by the serving layer as requests finish; the gauges are
-read from `AsyncLLMEngine.status()` when /metrics is scraped. Each server owns its registry
+Counters and histograms are updated by the serving layer as requests finish; the gauges (and
+the preemption counter) are read from `AsyncLLMEngine.status()` when /metrics is scraped. Each server owns its registry
 (several apps can live in one test process). Latencies are seconds, measured on the server
 from the moment a request was parsed:
 
@@ -48,7 +48,11 @@ class Metrics:
                                 lab, registry=r)
         self.healthy = Gauge("ferrum_engine_healthy", "1 while the engine loop is alive", lab,
                              registry=r)
+        self.preemptions = Counter("ferrum_num_preemptions", "sequences preempted (their KV freed, "
+                                   "recomputed later) since the engine started", lab, registry=r)
+        self._preemptions_seen = 0
         self.model_name = model_name
+        self._l(self.preemptions)   # exported as 0 before the first preemption
 
     def _l(self, metric, **labels):
         return metric.labels(model_name=self.model_name, **labels)
@@ -88,4 +92,8 @@ class Metrics:
         self._l(self.kv_free).set(status.get("kv_blocks_free", 0))
         self._l(self.prefix_hit).set(status.get("prefix_cache_hit_rate", 0.0))
         self._l(self.healthy).set(1 if status.get("healthy", True) else 0)
+        preemptions = status.get("num_preemptions", 0)   # the engine's running total
+        if preemptions > self._preemptions_seen:
+            self._l(self.preemptions).inc(preemptions - self._preemptions_seen)
+            self._preemptions_seen = preemptions
         return generate_latest(self.registry)

@@ -611,7 +611,7 @@ def test_metrics_parse_and_move(server, client):
     before = _metrics(server)
     for name in ("ferrum_num_requests_running{}", "ferrum_num_requests_waiting{}",
                  "ferrum_kv_cache_usage_ratio{}", "ferrum_prefix_cache_hit_rate{}",
-                 "ferrum_kv_blocks_free{}"):
+                 "ferrum_kv_blocks_free{}", "ferrum_num_preemptions_total{}"):
         assert name in before
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=7, extra_body={"ignore_eos": True})
     after = _metrics(server)
@@ -626,6 +626,21 @@ def test_metrics_parse_and_move(server, client):
         before.get("ferrum_request_success_total{finish_reason=length}", 0) + 1
     _post(server, "/v1/completions", {"model": "nope", "prompt": "x"})
     assert _metrics(server)["ferrum_requests_total{endpoint=/v1/completions,status=404}"] >= 1
+
+
+def test_preemption_counter_follows_the_engine_total():
+    """ferrum_num_preemptions_total adds what the engine's running total gained since the last
+    scrape (a Prometheus counter: it never goes down)."""
+    from ferrum.metrics import Metrics
+    m = Metrics("m")
+
+    def scrape(status):
+        fams = text_string_to_metric_families(m.render(status).decode())
+        return next(s.value for f in fams for s in f.samples if s.name == "ferrum_num_preemptions_total")
+    assert scrape({}) == 0
+    assert scrape({"num_preemptions": 3}) == 3
+    assert scrape({"num_preemptions": 3}) == 3
+    assert scrape({"num_preemptions": 8}) == 8
 
 
 def test_bench_client_against_the_server(server):
