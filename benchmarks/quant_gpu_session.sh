@@ -56,11 +56,19 @@
 #
 # The lease of 2026-12-06 (a fresh 1,800 s budget): call 12 carrying .whl .peers/vc/part.00, then
 #  13: carry .whl .peers/vc/part.01: step 9's profiles without the 70B run, then 10 carrying .whl .peers/vllm_bench.py .peers/vc/part.02 .peers/vc/bin.
+#
+# Issue 16's admission A/B at main (after h100-2026-12-06d, whose timed policy main changed), after
+# call 12 (carry .whl .peers/vllm_bench.py .peers/vc/part.00) on the same warm machine:
+#  14: carry .old .peers/vc/part.01 (`git archive 2d19606 ferrum | tar -x -C .old` here first):
+#      benchmarks/sched_ab.sh, main / 2d19606 / main, 1000 x 1000 bf16, ferrum alone.
+#  15: carry .peers/vllm_bench.py .peers/vc/part.02 .peers/vc/bin: vLLM unpacked, then
+#      `gpu_run.sh tput` (ferrum, then vLLM: output_tok_s_vs_vllm).
+# Both need the wheels call 12 installed in /tmp/site (PYTHONPATH below).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-step=${1:?step 1-13}
+step=${1:?step 1-15}
 mkdir -p /tmp/vc
 for p in .peers/vc/part.*; do [[ -f $p ]] && cp "$p" /tmp/vc/; done
 [[ -d .peers/vc/bin ]] && cp -r .peers/vc/bin /tmp/vc/
@@ -176,7 +184,16 @@ tests/test_moe.py tests/test_sliding_window.py" LIMIT_tests=280 bash benchmarks/
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
         profiles
         ;;
-    *) echo "step 1-13" >&2; exit 2 ;;
+    14)
+        AB_COMMIT=${AB_COMMIT:-2d19606} bash benchmarks/sched_ab.sh
+        ;;
+    15)
+        if [[ ! -d /tmp/vsite ]]; then
+            mkdir -p /tmp/vsite && cat /tmp/vc/part.* | LD_LIBRARY_PATH=/tmp/vc/bin /tmp/vc/bin/zstd -dq | tar -x -C /tmp/vsite
+        fi
+        PYTHONPATH=/tmp/site LIMIT_tput=470 bash benchmarks/gpu_run.sh tput
+        ;;
+    *) echo "step 1-15" >&2; exit 2 ;;
 esac
 # the device tool returns at most 8 files: pack them all when there are more
 # (Triton's cache parts stay out: each is at most 15 MB, the limit of one returned file being 16 MiB)

@@ -166,3 +166,27 @@ def test_gpu_run_carries_the_triton_cache(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Triton cache: 1 files from" in proc.stdout, proc.stdout
     assert (cache2 / "ab12" / "k.cubin").read_bytes() == (cache1 / "ab12" / "k.cubin").read_bytes()
+
+
+def test_sched_ab_runs_each_tree_from_its_own_folder(tmp_path):
+    """benchmarks/sched_ab.sh, dry-run on CPU with a tiny dummy Llama: the old run imports the
+    tree in AB_DIR (a marker printed by that tree's ferrum/__init__.py shows in its log only; run
+    from the repository root, `python3 -m` would import this tree instead), every run writes its
+    JSON under the commit it was given, and the third run (new again) happens."""
+    old = tmp_path / "old"
+    old.mkdir()
+    subprocess.run(f"git -C {ROOT} archive HEAD ferrum | tar -x -C {old}", shell=True, check=True)
+    init = old / "ferrum" / "__init__.py"
+    init.write_text(init.read_text() + "\nprint('FERRUM OLD TREE')\n")
+    cfg = tmp_path / "tiny_llama.json"
+    cfg.write_text(json.dumps({**TINY, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "DEVICE": "cpu", "CFG": str(cfg), "AB_N": "4", "AB_LEN": "8",
+           "AB_DIR": str(old), "FERRUM_GIT_COMMIT": "newsha", "AB_COMMIT": "oldsha",
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    r = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "sched_ab.sh")], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for name, commit in (("new", "newsha"), ("old", "oldsha"), ("new_b", "newsha")):
+        assert json.loads((out / f"sched_{name}.json").read_text())["git_commit"] == commit
+        assert ("FERRUM OLD TREE" in (out / f"sched_{name}.log").read_text()) == (name == "old"), name
