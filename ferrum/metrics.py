@@ -1,8 +1,8 @@
 """Prometheus metrics of the server (prometheus-client), served at GET /metrics.
 
 Counters and histograms are updated by the serving layer as requests finish; the gauges (and
-the preemption counter) are read from `AsyncLLMEngine.status()` when /metrics is scraped. Each server owns its registry
-(several apps can live in one test process). Latencies are seconds, measured on the server
+the preemption counter) are read from `AsyncLLMEngine.status()` when /metrics is scraped. Each
+server owns its registry (several apps can live in one test process). Latencies are seconds, measured on the server
 from the moment a request was parsed:
 
 - TTFT: until the first generated token reached the HTTP layer;

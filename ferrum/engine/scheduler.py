@@ -162,32 +162,30 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
-    def _output_estimate(self, seq: Sequence) -> int:
-        """Output tokens `seq` may generate from its prompt: max_tokens (or the context) left,
-        at most MAX_OUTPUT_ESTIMATE."""
-        left = min(self.max_model_len - seq.num_prompt_tokens, MAX_OUTPUT_ESTIMATE)
-        max_tokens = seq.request.params.max_tokens
-        return max(min(left, max_tokens) if max_tokens is not None else left, 0)
-
     def _record_share(self, seq: Sequence) -> None:
         """Fold generated / estimate of a sequence that stopped on its own into `output_share`
         (the mean of the first finishes, then an exponential average over OUTPUT_SHARE_WINDOW)."""
-        estimate = self._output_estimate(seq)
+        estimate = self._output_left(seq, generated=0)
         if estimate <= 0:
             return
         share = min(1.0, (seq.num_tokens - seq.num_prompt_tokens) / estimate)
         self.num_finished += 1
         self.output_share += (share - self.output_share) / min(self.num_finished, OUTPUT_SHARE_WINDOW)
-        if self.num_preemptions:   # the floor holds from the next step
-            self.new_token_ratio = max(self.new_token_ratio, self.output_share)
+        self.new_token_ratio = max(self.new_token_ratio, self._ratio_floor())   # from the next step
 
-    def _output_left(self, seq: Sequence) -> int:
-        """Tokens `seq` may still generate: its max_tokens (or the context) left, at most
-        MAX_OUTPUT_ESTIMATE."""
-        left = min(self.max_model_len - seq.num_tokens, MAX_OUTPUT_ESTIMATE)
+    def _ratio_floor(self) -> float:
+        """What new_token_ratio decays to: `output_share` once a step has preempted, else 0."""
+        return self.output_share if self.num_preemptions else 0.0
+
+    def _output_left(self, seq: Sequence, generated: int | None = None) -> int:
+        """Tokens `seq` may still generate after `generated` output tokens (default: those it
+        has): its max_tokens (or the context) left, at most MAX_OUTPUT_ESTIMATE."""
+        if generated is None:
+            generated = seq.num_tokens - seq.num_prompt_tokens
+        left = min(self.max_model_len - seq.num_prompt_tokens - generated, MAX_OUTPUT_ESTIMATE)
         max_tokens = seq.request.params.max_tokens
         if max_tokens is not None:
-            left = min(left, max_tokens - (seq.num_tokens - seq.num_prompt_tokens))
+            left = min(left, max_tokens - generated)
         return max(left, 0)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -295,8 +293,7 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             budget -= n
         self.new_token_ratio = (1.0 if out.preempted
-                                else max(self.output_share if self.num_preemptions else 0.0,
-                                         self.new_token_ratio - NEW_TOKEN_RATIO_DECAY))
+                                else max(self._ratio_floor(), self.new_token_ratio - NEW_TOKEN_RATIO_DECAY))
         return out
 
     def _demands(self) -> Footprints | None:
