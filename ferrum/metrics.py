@@ -2,8 +2,8 @@
 
 Counters and histograms are updated by the serving layer as requests finish; the gauges (and
 the preemption counter) are read from `AsyncLLMEngine.status()` when /metrics is scraped. Each
-server owns its registry (several apps can live in one test process). Latencies are seconds, measured on the server
-from the moment a request was parsed:
+server owns its registry (several apps can live in one test process). Latencies are seconds,
+measured on the server from the moment a request was parsed:
 
 - TTFT: until the first generated token reached the HTTP layer;
 - TPOT: (e2e - TTFT) / (output tokens - 1) of each finished sample with >= 2 tokens;
