@@ -79,6 +79,12 @@ def test_mbu_definition():
     assert cols["read_gbs"] == pytest.approx(4000.0)
     assert cols["mbu"] == pytest.approx(4000 / 4800) and cols["mbu_vs_roofline"] == pytest.approx(4000 / 4350)
     assert mbu_columns(w, 1.0, None, None)["mbu"] is None
+    # a throughput run's decode phase: the per-step bytes summed over its steps
+    from types import SimpleNamespace
+    from ferrum.benchmarks.mbu import decode_phase_bytes
+    engine = SimpleNamespace(model_config=cfg, executor=SimpleNamespace(
+        dtype=torch.bfloat16, capabilities=lambda: SimpleNamespace(memory=mem)))
+    assert decode_phase_bytes(engine, 3, 1000) == 3 * w + 1000 * 32 * 2 * 8 * 128 * 2
     assert spec_bandwidth_gbs("cpu")[0] is None and spec_bandwidth_gbs("cpu", 100.0)[0] == 100.0
 
 
@@ -151,6 +157,45 @@ def test_failing_peer_is_reported_not_fatal(tmp_path, monkeypatch):
     split = thr["batched"]["step_time_split"]
     assert split["prefill"]["prefill_tokens"] == thr["total_input_tokens"]
     assert split["decode"]["steps"] + split["prefill"]["steps"] == thr["batched"]["steps"]
+    assert thr["batched"]["decode_mbu"]["mbu"] is None     # CPU: no spec bandwidth, no headline
+
+
+def test_throughput_decode_phase_mbu(tmp_path):
+    """The decode rows' KV context is counted row by row (a sequence of p prompt tokens and o
+    outputs has p, ..., p + o - 2 tokens cached before its o - 1 decode rows, and each row
+    attends to one more, its own) and the MBU is the bytes read over the decode steps' time
+    and the given spec bandwidth."""
+    import argparse
+    from ferrum.benchmarks.throughput import workload
+    folder = make_tiny_model(str(tmp_path / "m"), "llama", layers=2, vocab=300, max_pos=512)
+    out = tmp_path / "thr.json"
+    assert main(["bench", "throughput", folder, "--num-prompts", "3", "--threads", "1", "--no-sequential",
+                 "--input-len", "10", "20", "--output-len", "5", "9", "--spec-bandwidth-gbs", "100",
+                 "--out", str(out)]) == 0
+    thr = json.loads(out.read_text())
+    _, _, ins, outs = workload(argparse.Namespace(workload="random", seed=0, num_prompts=3,
+                                                  input_len=[10, 20], output_len=[5, 9]), 300)
+    split = thr["batched"]["step_time_split"]
+    ctx = split["prefill"]["decode_ctx"] + split["decode"]["decode_ctx"]
+    assert ctx == sum(p * (o - 1) + (o - 1) * (o - 2) // 2 for p, o in zip(ins, outs))
+    assert split["prefill"]["decode_rows"] + split["decode"]["decode_rows"] == sum(o - 1 for o in outs)
+    m = thr["batched"]["decode_mbu"]
+    assert m["s"] == pytest.approx(split["decode"]["s"]) and m["bytes"] > 0
+    # weights (without the untied input embedding, 300 x 64 fp32) each step + the KV read
+    from ferrum.benchmarks.throughput import decode_phase_mbu
+    from ferrum.config import ModelConfig
+    from ferrum.executor.memory import compute_memory_requirements
+    from types import SimpleNamespace
+    import torch
+    cfg = ModelConfig.from_hf_dict(json.load(open(os.path.join(folder, "config.json"))))
+    mem = compute_memory_requirements(cfg, torch.float32, 1)
+    engine = SimpleNamespace(model_config=cfg, executor=SimpleNamespace(
+        dtype=torch.float32, capabilities=lambda: SimpleNamespace(memory=mem)))
+    d = split["decode"]
+    assert m["bytes"] == decode_phase_mbu(engine, d, 100.0, "")["bytes"] == \
+        d["steps"] * (mem.param_bytes - 300 * 64 * 4) + (d["decode_ctx"] + d["decode_rows"]) * mem.kv_bytes_per_token
+    assert m["read_gbs"] == pytest.approx(m["bytes"] / m["s"] / 1e9)
+    assert m["mbu"] == pytest.approx(m["read_gbs"] / 100) and m["floor_s"] == pytest.approx(m["bytes"] / 100e9)
 
 
 def test_ttft_cached_mode_hits_the_prefix_cache(tmp_path):

@@ -5,7 +5,9 @@
 Bytes per step (`decode_bytes_per_step`): the weights one rank holds (`MemoryRequirements.
 param_bytes`) minus the input-embedding table when it is not tied to the LM head (a lookup
 reads only the batch's rows), plus the KV cache the step's attention reads (context tokens of
-every sequence x `kv_bytes_per_token`). Two bandwidth denominators, two columns:
+every sequence x `kv_bytes_per_token`); a throughput run's decode phase reads the sum of its
+steps' bytes (`decode_phase_bytes`) in the decode steps' wall time. Two bandwidth denominators,
+two columns:
 
 - `mbu` (the headline): over the device's **spec** bandwidth (`SPEC_BANDWIDTH_GBS`, matched on
   the CUDA device name; `--spec-bandwidth-gbs` overrides it). CPUs have no entry: their
@@ -89,6 +91,14 @@ def engine_bytes_per_step(engine, context_tokens: int = 0) -> int:
     dtype)."""
     ex = engine.executor
     return decode_bytes_per_step(ex.capabilities().memory, engine.model_config, ex.dtype, context_tokens)
+
+
+def decode_phase_bytes(engine, steps: int, context_tokens: int) -> int:
+    """Bytes `steps` decode steps of an LLMEngine read in all, their rows attending to
+    `context_tokens` KV tokens summed over the steps: the per-step definition above summed,
+    steps x the weights + context_tokens x KV bytes per token (`ferrum bench throughput`)."""
+    weights = engine_bytes_per_step(engine)
+    return steps * weights + engine_bytes_per_step(engine, context_tokens) - weights
 
 
 def mbu_columns(bytes_per_step: int, step_s: float, spec_gbs: float | None,

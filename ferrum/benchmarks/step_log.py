@@ -15,7 +15,8 @@ row per step:
   prefill_tokens, prefill_seqs, decode_rows, sampled (rows sampled: output tokens, and under
                  async scheduling one wasted row per sequence finished by the step before);
                  tokens_out: tokens delivered by this call (those of the step launched before)
-  decode_ctx     KV tokens the decode rows attend to (sum of their context lengths)
+  decode_ctx     KV tokens cached before the step for the decode rows (the sum of their
+                 context lengths; each row also attends to the token it decodes)
   bucket         decode CUDA-graph batch size replayed (padded rows = bucket - decode_rows),
                  "eager" without graphs; prefill_graph: a prefill CUDA graph ran
   overlapped     launched while the previous step was still on the device (async scheduling)

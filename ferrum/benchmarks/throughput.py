@@ -11,7 +11,9 @@ request generates exactly its output length.
 The prefix cache is cleared before each phase (the prompts are random, so it only matters for
 the repeat). The JSON keeps a timeline of each phase, (seconds, generated tokens, running
 sequences) at up to 100 steps (`--plot FILE.png` draws it, needs matplotlib), and the batched
-phase's wall time split into steps that ran a prefill chunk and decode-only steps.
+phase's wall time split into steps that ran a prefill chunk and decode-only steps, and the
+decode-only steps' MBU (`decode_mbu`: weights each step plus the KV their rows attend to, over
+their wall time and the spec bandwidth, `ferrum.benchmarks.mbu`).
 
 `--workload nanovllm` is nano-vllm's bench.py workload, exactly as the vLLM peer driver builds
 it: 256 prompts of ids uniform in [0, 10000] with lengths uniform in [100, 1024], output lengths
@@ -37,8 +39,9 @@ import statistics
 import sys
 import time
 
-from ferrum.benchmarks.common import (MinMax, add_common_args, cuda_memory, llm_from_config, positive_int,
-                                      random_prompts)
+from ferrum.benchmarks.common import (MinMax, add_common_args, cuda_memory, llm_from_config, positive_float,
+                                      positive_int, random_prompts)
+from ferrum.benchmarks.mbu import decode_phase_bytes, mbu_columns, spec_bandwidth_gbs
 from ferrum.benchmarks.run_record import record, setup_threads, write_json
 from ferrum.benchmarks.peers import add_peer_args, ratio, run_vllm
 from ferrum.benchmarks.step_log import StepLog, profile_kernels, profile_markdown
@@ -75,6 +78,9 @@ def add_parser(subparsers, add_engine_args) -> None:
                    help="--step-log: decode rows for the kernel profile (default: 90%% of the batch)")
     p.add_argument("--profile-context", type=positive_int, default=600,
                    help="--step-log: mean context (tokens) of the decode steps profiled")
+    p.add_argument("--spec-bandwidth-gbs", type=positive_float, default=None,
+                   help="the decode phase's MBU denominator (default: the device's spec sheet, "
+                        "ferrum.benchmarks.mbu; none on CPU)")
     add_common_args(p)
     p.set_defaults(func=main)
 
@@ -107,16 +113,32 @@ def nanovllm_workload():
 
 def step_time_split(log) -> dict:
     """The batched phase's wall time split into steps that ran a prefill chunk ("prefill",
-    possibly with decodes) and decode-only steps ("decode"), with the prefill tokens and
-    decode rows they ran, from a `StepLog`'s rows."""
-    split = {kind: {"steps": 0, "s": 0.0, "prefill_tokens": 0, "decode_rows": 0} for kind in ("prefill", "decode")}
+    possibly with decodes) and decode-only steps ("decode"), with the prefill tokens, decode
+    rows and the KV tokens cached for those rows (`decode_ctx`) they ran, from a `StepLog`'s
+    rows."""
+    split = {kind: {"steps": 0, "s": 0.0, "prefill_tokens": 0, "decode_rows": 0, "decode_ctx": 0}
+             for kind in ("prefill", "decode")}
     for r in log.rows:
         row = split["prefill" if r["prefill_tokens"] else "decode"]
         row["steps"] += 1
         row["s"] += r["wall_ms"] / 1e3
-        row["prefill_tokens"] += r["prefill_tokens"]
-        row["decode_rows"] += r["decode_rows"]
+        for key in ("prefill_tokens", "decode_rows", "decode_ctx"):
+            row[key] += r[key]
     return split
+
+
+def decode_phase_mbu(engine, decode: dict, spec_gbs: float | None, spec_source: str) -> dict:
+    """MBU of the batched phase's decode-only steps (`step_time_split(...)["decode"]`): the bytes
+    they read (`ferrum.benchmarks.mbu.decode_phase_bytes`: weights each step, plus the KV
+    tokens their rows attend to: the cached ones and each row's own) over their wall time, in GB/s and over the spec bandwidth;
+    `floor_s`: the time those bytes take at the spec bandwidth (None without one). Under async
+    scheduling a step's wall time is one step of the host-device pipeline, so the sum is the
+    decode phase's share of the elapsed time."""
+    nbytes = decode_phase_bytes(engine, decode["steps"], decode["decode_ctx"] + decode["decode_rows"])
+    cols = mbu_columns(nbytes, decode["s"], spec_gbs, None)
+    cols.pop("mbu_vs_roofline")
+    return {"bytes": nbytes, "s": decode["s"], **cols, "spec_gbs": spec_gbs, "spec_source": spec_source,
+            "floor_s": nbytes / (spec_gbs * 1e9) if spec_gbs else None}
 
 
 class _Timeline:
@@ -321,6 +343,13 @@ def main(args) -> int:
     log.unwrap()
     after = eng.status()
     batched["step_time_split"] = step_time_split(log)
+    batched["decode_mbu"] = decode_phase_mbu(eng, batched["step_time_split"]["decode"],
+                                             *spec_bandwidth_gbs(device, args.spec_bandwidth_gbs))
+    m = batched["decode_mbu"]
+    print(f"    decode: {batched['step_time_split']['decode']['steps']} steps in {m['s']:.2f} s read "
+          f"{m['bytes'] / 1e12:.3f} TB = {m['read_gbs']:.1f} GB/s"
+          + (f", MBU {m['mbu']:.1%} of spec {m['spec_gbs']:.0f} GB/s (floor {m['floor_s']:.2f} s)"
+             if m["mbu"] is not None else f" (no MBU: {m['spec_source']})"), flush=True)
     if args.step_log:
         write_step_log(args, llm, log, prompts, params)
     batched.update({k: after[key] - before[key] for k, key in (("preemptions", "num_preemptions"),
