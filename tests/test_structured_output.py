@@ -333,3 +333,29 @@ def test_cuda_async_constrained_equals_sync(byte_tiny_dir):
     """`_async_constrained_equals_sync` on CUDA: the bitmask applied on the device, CUDA
     graphs, async scheduling on by default."""
     _async_constrained_equals_sync(byte_tiny_dir, "cuda")
+
+
+def test_engine_runs_without_llguidance_until_a_constrained_request(tiny_dir, tmp_path):
+    """llguidance is imported by the first constrained request, not by the engine: a machine
+    without it (the GPU benchmark hosts carry no wheels) still runs unconstrained generation."""
+    import subprocess
+    import sys
+    folder = tiny_dir
+    code = f"""
+import sys
+sys.modules["llguidance"] = None          # as if not installed: any import of it raises
+from ferrum import LLM, SamplingParams
+from ferrum.structured_output import StructuredOutputsParams
+llm = LLM({folder!r}, device="cpu", progress=False, max_model_len=256)
+out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+assert len(out[0].outputs[0].token_ids) == 4
+try:
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(choice=["a"])),
+                 use_tqdm=False)
+except ImportError as e:
+    print("constrained:", e)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=str(tmp_path), env={**__import__("os").environ, "PYTHONPATH": ":".join(sys.path)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "constrained: import of llguidance halted" in r.stdout, r.stdout

@@ -14,7 +14,9 @@ A step with a constrained row is never overlapped with the next (async schedulin
 mask needs this step's token in the matcher.
 
 The grammar compiler (which builds llguidance's view of the vocabulary, about a second) is
-created on the first constrained request, so engines that never see one never pay for it.
+created on the first constrained request, so engines that never see one never pay for it;
+llguidance itself is imported then too, so an engine runs (and benchmarks) where it is not
+installed, and only a constrained request needs it.
 `compile` and the compiler are thread-safe; everything else belongs to the engine thread.
 """
 from __future__ import annotations
@@ -23,13 +25,15 @@ import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
-import llguidance
-import llguidance.torch as llt
+from typing import TYPE_CHECKING
+
 import torch
 
 from ferrum.errors import FerrumError, InvalidRequestError
-from ferrum.structured_output.grammar import CompiledGrammar, GrammarCompiler
 from ferrum.structured_output.params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from ferrum.structured_output.grammar import CompiledGrammar, GrammarCompiler
 
 log = logging.getLogger("ferrum")
 
@@ -62,6 +66,7 @@ class StructuredOutputManager:
     def compiler(self) -> GrammarCompiler:
         with self._compiler_lock:
             if self._compiler is None:
+                from ferrum.structured_output.grammar import GrammarCompiler
                 self._compiler = GrammarCompiler(self.tokenizer.hf, self.vocab_size, self.eos_token_ids)
             return self._compiler
 
@@ -114,6 +119,8 @@ class StructuredOutputManager:
             self._pending = None
 
     def _fill(self, rows: list[int], matchers: list) -> tuple[list[int], torch.Tensor]:
+        import llguidance
+        import llguidance.torch as llt
         mask = torch.empty(len(rows), bitmask_width(self.vocab_size), dtype=torch.int32)
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
