@@ -2,7 +2,8 @@
 # A scheduler change A/B on one machine: issue 16's 1000 x (1000 in, 1000 out) bf16 Llama-3-8B
 # run, ferrum alone, from this tree (sched_new.json), then from the tree of an earlier commit in
 # $AB_DIR (sched_old.json; carried: `git archive $AB_COMMIT ferrum | tar -x -C .old` here
-# first), then this tree again (sched_new_b.json) when the first two took under 300 s.
+# first), then this tree again (sched_new_b.json) when the first two took under $AB_THIRD_BEFORE_S
+# (default 300; each run has 240 s, the device call 600).
 #   OUT=DIR FERRUM_GIT_COMMIT=sha AB_COMMIT=sha [AB_DIR=.old] bash benchmarks/sched_ab.sh
 # The wheels of .whl must be in /tmp/site (gpu_run.sh installs them). CPU dry run:
 #   DEVICE=cpu CFG=benchmarks/configs/tiny_llama.json AB_N=8 AB_LEN=16 OUT=/tmp/o bash benchmarks/sched_ab.sh
@@ -31,4 +32,4 @@ run() {  # run NAME TREE COMMIT; from inside TREE: `python3 -m` puts the working
 start=$SECONDS
 run new "$NEW" "${FERRUM_GIT_COMMIT:-new}"
 run old "$OLD" "${AB_COMMIT:-old}"
-if ((SECONDS - start < 300)); then run new_b "$NEW" "${FERRUM_GIT_COMMIT:-new}"; fi
+if ((SECONDS - start < ${AB_THIRD_BEFORE_S:-300})); then run new_b "$NEW" "${FERRUM_GIT_COMMIT:-new}"; fi
