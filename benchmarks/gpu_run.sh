@@ -56,7 +56,8 @@
 # Peers: PEERS_DIR holds copies of ../shared/peers/vllm_bench.py and gptfast/ (untracked,
 # carried); vLLM unpacked into VLLM_SITE beforehand (../shared/peers/README.md). A peer that
 # is missing is left out of that section and said so; ferrum's figures still come.
-# Extra wheels the GPU machine lacks (llguidance; gguf, the GGUF kernel test's reference decoder;
+# Extra wheels the GPU machine lacks, for the tests (benchmarks of unconstrained generation need
+# none: llguidance is imported by a first constrained request) (llguidance; gguf, the GGUF kernel test's reference decoder;
 # pytest-xdist + execnet (-n N in GPU_TESTS for the kernel tests); jsonschema with attrs, referencing, jsonschema-specifications and rpds-py (cp312), which
 # test_structured_output imports): *.whl in WHEELS (default .whl) are installed to /tmp/site first. Outside git (a copied tree) the records name
 # $FERRUM_GIT_COMMIT.
