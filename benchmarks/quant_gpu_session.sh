@@ -11,8 +11,8 @@
 #
 # with OUT set by the device tool and FERRUM_GIT_COMMIT=<sha> in front. The tree (~6 MB) plus
 # what a call carries must stay under 64 MiB (on 2026-12-05 .whl + .old + part.01 did not).
-# Every call needs the wheels installed (llguidance: the engine imports it): a call on a machine
-# that has not run call 1 must carry .whl too (12-05b lost its first call to that). Call 1's
+# Until 3c3d8b1 every call needed the wheels installed (the engine imported llguidance; 12-05b
+# lost its first call to that); since then only the tests and the GGUF writer do. Call 1's
 # tests compile every kernel config they check, most of their time (they outran 420-470 s twice):
 # it packs Triton's cache into $OUT/triton_cache.part.* (TRITON_CACHE_OUT, gpu_run.sh); copy those
 # into .triton_cache here and carry it in the next lease's call 1.
@@ -63,7 +63,8 @@
 #      benchmarks/sched_ab.sh, main / 2d19606 / main, 1000 x 1000 bf16, ferrum alone.
 #  15: carry .peers/vllm_bench.py .peers/vc/part.02 .peers/vc/bin: vLLM unpacked, then
 #      `gpu_run.sh tput` (ferrum, then vLLM: output_tok_s_vs_vllm).
-# Both need the wheels call 12 installed in /tmp/site (PYTHONPATH below).
+# Neither needs the wheels since 3c3d8b1 (older trees in .old do: patch their
+# ferrum/structured_output/manager.py with this one, which only moves the llguidance import).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
