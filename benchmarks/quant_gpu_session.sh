@@ -63,13 +63,17 @@
 #      benchmarks/sched_ab.sh, main / 2d19606 / main, 1000 x 1000 bf16, ferrum alone.
 #  15: carry .peers/vllm_bench.py .peers/vc/part.02 .peers/vc/bin: vLLM unpacked, then
 #      `gpu_run.sh tput` (ferrum, then vLLM: output_tok_s_vs_vllm).
-# Neither needs the wheels since 3c3d8b1 (older trees in .old do: patch their
+#  16: the nano-vllm workload, ferrum alone, with --step-log (a call that can carry a vLLM chunk).
+# The lease plan since 3c3d8b1 (no wheels for the benchmarks; .whl + a chunk did not fit one call
+# on 2026-12-06e): 14 carrying .old .peers/vc/part.00, 16 carrying .peers/vc/part.01, 15 carrying
+# .peers/vllm_bench.py .peers/vc/part.02 .peers/vc/bin, then 12 carrying .whl (the tests).
+# Steps 14-16 need no wheels since 3c3d8b1 (older trees in .old do: patch their
 # ferrum/structured_output/manager.py with this one, which only moves the llguidance import).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-step=${1:?step 1-15}
+step=${1:?step 1-16}
 mkdir -p /tmp/vc
 for p in .peers/vc/part.*; do [[ -f $p ]] && cp "$p" /tmp/vc/; done
 [[ -d .peers/vc/bin ]] && cp -r .peers/vc/bin /tmp/vc/
@@ -194,7 +198,15 @@ tests/test_moe.py tests/test_sliding_window.py" LIMIT_tests=280 bash benchmarks/
         fi
         PYTHONPATH=/tmp/site LIMIT_tput=470 bash benchmarks/gpu_run.sh tput
         ;;
-    *) echo "step 1-15" >&2; exit 2 ;;
+    16)
+        # the nano-vllm workload, ferrum alone, with its step log and kernel profile: where the
+        # decode steps' time goes (decode_mbu in nanovllm_steplog.json; steplog/step_log.md)
+        timeout -k 10 240 python3 -m ferrum.entrypoints.cli bench throughput benchmarks/configs/qwen3-0.6b.json \
+            --load-format dummy --dtype bfloat16 --device cuda --max-num-seqs 256 --max-model-len 4096 \
+            --max-num-batched-tokens 16384 --workload nanovllm --step-log "$OUT/steplog" \
+            --out "$OUT/nanovllm_steplog.json" >"$OUT/nanovllm_steplog.log" 2>&1
+        ;;
+    *) echo "step 1-16" >&2; exit 2 ;;
 esac
 # the device tool returns at most 8 files: pack them all when there are more
 # (Triton's cache parts stay out: each is at most 15 MB, the limit of one returned file being 16 MiB)
