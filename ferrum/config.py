@@ -349,12 +349,24 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dty
 
 
 def resolve_device(device: str) -> str:
-    """`auto` -> cuda when available, else cpu."""
+    """`auto` -> cuda when available, else cpu. Raises InvalidRequestError (param "device")
+    for a name other than auto, cpu, cuda, cuda:N, and for cuda when this torch has no CUDA
+    or sees no GPU, or cuda:N beyond the GPUs it sees."""
+    import torch
     if device == "auto":
-        import torch
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         raise InvalidRequestError(f"device {device!r} is not one of auto, cpu, cuda", param="device")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            why = ("this torch build has no CUDA" if torch.version.cuda is None
+                   else "torch sees no GPU (CUDA_VISIBLE_DEVICES, driver)")
+            raise InvalidRequestError(f"device {device!r}: {why} (torch {torch.__version__}); "
+                                      "use --device cpu or auto", param="device")
+        index = device.partition(":")[2]
+        if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+            raise InvalidRequestError(f"device {device!r}: torch sees {torch.cuda.device_count()} GPU(s), "
+                                      f"cuda:0 to cuda:{torch.cuda.device_count() - 1}", param="device")
     return device
 
 
@@ -404,6 +416,16 @@ def parse_size(value) -> int:
     except ValidationError:
         raise InvalidRequestError(f"{value!r} is not a size: give bytes or a number with a unit "
                                   "such as 512MiB, 2GiB or 4GB") from None
+
+
+def parse_body_limit(value) -> int:
+    """`--max-request-body` / `max_request_body`: `parse_size`, at least 1 byte (every POST
+    has a body, so a limit of 0 would refuse them all). Raises InvalidRequestError otherwise."""
+    n = parse_size(value)
+    if n < 1:
+        raise InvalidRequestError(f"max_request_body must be at least 1 byte, got {value!r} (every "
+                                  "POST has a body)", param="max_request_body")
+    return n
 
 
 def format_size(n: int) -> str:

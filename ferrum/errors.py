@@ -98,9 +98,13 @@ class ServerShuttingDownError(EngineDeadError):
     error_type = "service_unavailable"
 
 
-class AddressInUseError(FerrumError):
-    """`ferrum serve` cannot listen on the host and port asked for (already in use, or not
-    an address of this machine); raised before the model loads."""
+class CannotListenError(FerrumError):
+    """`ferrum serve` cannot listen on the host and port asked for (a host that does not
+    resolve, or is not an address of this machine); raised before the model loads."""
+
+
+class AddressInUseError(CannotListenError):
+    """`ferrum serve`'s host and port are taken (another server listens there)."""
 
 
 class QueueFullError(FerrumError):

@@ -494,6 +494,46 @@ def test_serve_fails_at_once_on_a_busy_port(tiny):
     assert "loading" not in r.stderr                  # refused before the model was loaded
 
 
+def test_serve_names_a_host_it_cannot_listen_on_and_a_zero_body_limit(tiny):
+    """A host that does not resolve is not "address in use"; --max-request-body 0 (which would
+    refuse every POST) is refused at parse time; both before the model loads."""
+    r = subprocess.run(CLI + ["serve", tiny, "--host", "256.1.1.1", "--port", str(_free_port())],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "CannotListenError" in r.stderr and "AddressInUse" not in r.stderr
+    assert "--host '256.1.1.1' is not a host name or address" in r.stderr and "loading" not in r.stderr
+    r = subprocess.run(CLI + ["serve", tiny, "--max-request-body", "0"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and "max_request_body must be at least 1 byte" in r.stderr
+
+
+def test_run_names_bytes_that_are_not_utf8_before_loading(tiny_chat_model):
+    r = subprocess.run(CLI + ["run", tiny_chat_model, "--max-tokens", "2"], input=b"hi \xff\xfe",
+                       capture_output=True, timeout=300)
+    err = r.stderr.decode()
+    assert r.returncode == 1 and "stdin is not valid UTF-8: byte 0xff at byte offset 3" in err
+    assert "loading" not in err
+
+
+def test_cuda_device_without_cuda_is_a_named_error(monkeypatch):
+    """--device cuda / cuda:N on a torch without CUDA (or with too few GPUs): InvalidRequestError
+    naming the device, not an assertion from deep inside torch."""
+    import torch
+    from ferrum.config import resolve_device
+    from ferrum.errors import InvalidRequestError
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for dev in ("cuda", "cuda:3"):
+        with pytest.raises(InvalidRequestError, match=f"device '{dev}': .*use --device cpu or auto") as e:
+            resolve_device(dev)
+        assert e.value.param == "device"
+    assert resolve_device("auto") == "cpu" and resolve_device("cpu") == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda:1") == "cuda:1" and resolve_device("cuda") == "cuda"
+    for dev in ("cuda:2", "cuda:x"):
+        with pytest.raises(InvalidRequestError, match="torch sees 2 GPU"):
+            resolve_device(dev)
+
+
 def test_serve_says_serving_once_listening_and_logs_each_request(tiny_chat_model, tmp_path):
     port = _free_port()
     log = open(tmp_path / "serve.log", "w+")

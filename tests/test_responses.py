@@ -13,6 +13,7 @@ import pytest
 
 from ferrum import SamplingParams
 from ferrum.entrypoints.openai.responses import ResponsesRequest, input_messages
+from ferrum.errors import InvalidRequestError
 from test_server import TOOLS as CHAT_TOOLS
 from test_server import KEY, MODEL, SCHEMAS, _err, _post, client, tok  # noqa: F401
 
@@ -74,6 +75,18 @@ def test_function_call_items_become_chat_tool_messages():
             {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C", "name": "get_weather"},
         {"role": "tool", "tool_call_id": "call_2", "content": "noon", "name": "get_time"}]
+    # a function_call_output whose output is not text names `output` (it has no content)
+    for bad in ({"a": 1}, None, 5, [{"type": "input_image"}]):
+        req = ResponsesRequest(model=MODEL, input=[
+            {"role": "user", "content": "weather?"},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": bad}])
+        with pytest.raises(InvalidRequestError, match=r"^input\[2\]\.output( |\[0\] )") as e:
+            input_messages(req)
+        assert e.value.param == "input"
+    req = ResponsesRequest(model=MODEL, input=[{"role": "user", "content": 7}])
+    with pytest.raises(InvalidRequestError, match=r"^input\[0\]\.content must be a string"):
+        input_messages(req)
 
 
 def test_stream_events_in_order_and_deltas_join(client):

@@ -1105,3 +1105,28 @@ def test_sigterm_drains_open_requests_then_ends_the_rest_with_an_error(tmp_path,
     e = _err(results["whole"], 503)
     assert e["type"] == "service_unavailable"
     assert drain_s <= elapsed < drain_s + 20
+
+
+def test_client_leaving_during_its_upload_counts_499(server):
+    """A client that closes while its body is still arriving gets no answer and is counted as
+    499 (it left), not 500; the server serves on."""
+    import socket
+    import time
+    from urllib.parse import urlparse
+    u = urlparse(server)
+    key = "ferrum_requests_total{endpoint=/v1/chat/completions,status=499}"
+    before = _metrics(server)
+    with socket.create_connection((u.hostname, u.port)) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 1000\r\n\r\n{\"messages\":")
+        time.sleep(0.3)
+    deadline = time.time() + 10
+    while _metrics(server).get(key, 0) == before.get(key, 0) and time.time() < deadline:
+        time.sleep(0.1)
+    after = _metrics(server)
+    assert after[key] == before.get(key, 0) + 1
+    bad = "ferrum_requests_total{endpoint=/v1/chat/completions,status=500}"
+    assert after.get(bad, 0) == before.get(bad, 0)
+    r = _post(server, "/v1/chat/completions", {"model": MODEL, "max_tokens": 2,
+                                               "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200

@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 
-from ferrum.config import MAX_REQUEST_BODY, SHUTDOWN_TIMEOUT_S, parse_size
+from ferrum.config import MAX_REQUEST_BODY, SHUTDOWN_TIMEOUT_S, parse_body_limit
 from ferrum.entrypoints.args import (HelpFormatter, _as_argparse_type, add_engine_args,
                                      config_from_args)
 from ferrum.errors import FerrumError
@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                    help="browser origins allowed by CORS, e.g. http://localhost:3000 or * "
                         "(default: none, no CORS headers)")
-    g.add_argument("--max-request-body", type=_as_argparse_type(parse_size),
+    g.add_argument("--max-request-body", type=_as_argparse_type(parse_body_limit),
                    default=MAX_REQUEST_BODY, metavar="SIZE",
                    help="largest request body read, with a unit; a larger one is answered 413 "
                         "before it is parsed or tokenized")

@@ -111,15 +111,43 @@ def sampling_params(args) -> SamplingParams:
                           seed=seed, max_tokens=args.max_tokens, stop=args.stop)
 
 
+def _check_utf8(text: str, source: str) -> None:
+    """Raise InvalidRequestError when `text` holds bytes that were not UTF-8 (Python keeps
+    them as lone surrogates: argv, and stdin under a C locale), naming where they came from."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"{source} is not valid UTF-8: byte {ord(text[e.start]) & 0xFF:#04x} at "
+                                  f"character {e.start}", param="prompt") from None
+
+
+def _read_stdin() -> str:
+    """Piped stdin as text, decoded as UTF-8 whatever the locale. Raises InvalidRequestError
+    for bytes that are not UTF-8, before the model loads."""
+    raw = getattr(sys.stdin, "buffer", None)
+    if raw is None:                      # a text stream without bytes (tests, embedding)
+        text = sys.stdin.read()
+        _check_utf8(text, "stdin")
+        return text
+    data = raw.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidRequestError(f"stdin is not valid UTF-8: byte {data[e.start]:#04x} at byte offset "
+                                  f"{e.start}", param="prompt") from None
+
+
 def run(args) -> int:
     """`ferrum run`: returns the exit status (130 when a one-shot reply was interrupted)."""
     params = sampling_params(args)   # bad flags fail before anything loads
     prompt = args.prompt
     if prompt is None and not sys.stdin.isatty():
-        prompt = sys.stdin.read()    # `echo question | ferrum run`: stdin is the prompt
+        prompt = _read_stdin()       # `echo question | ferrum run`: stdin is the prompt
         if not prompt.strip():
             raise InvalidRequestError("stdin is empty: pipe a prompt, or give --prompt",
                                       param="prompt")
+    elif prompt is not None:
+        _check_utf8(prompt, "--prompt")
     if prompt is not None and not prompt.strip():
         raise InvalidRequestError("--prompt is empty", param="prompt")
     print(f"ferrum: loading {args.model} ...", file=sys.stderr, flush=True)

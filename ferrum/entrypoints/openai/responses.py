@@ -242,12 +242,14 @@ def prepare_response(serving: OpenAIServing, req: ResponsesRequest) -> ChatPromp
 
 
 # ---- input items -> chat messages ------------------------------------------------------------
-def _text_of(content: Any, where: str) -> str:
-    """A message's content (a string or a list of text parts) as one string."""
+def _text_of(content: Any, where: str, field: str = "content") -> str:
+    """A message's content (or a function_call_output's `output`: `field` names it in errors),
+    a string or a list of text parts, as one string."""
+    where = f"{where}.{field}"
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise InvalidRequestError(f"{where}.content must be a string or a list of content parts",
+        raise InvalidRequestError(f"{where} must be a string or a list of content parts",
                                   param="input")
     texts = []
     for j, part in enumerate(content):
@@ -257,10 +259,10 @@ def _text_of(content: Any, where: str) -> str:
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
             texts.append(part["refusal"])
         elif kind in ("input_image", "input_file", "input_audio"):
-            raise InvalidRequestError(f"{where}.content[{j}] is {kind}: ferrum's models take "
+            raise InvalidRequestError(f"{where}[{j}] is {kind}: ferrum's models take "
                                       "text only", param="input")
         else:
-            raise InvalidRequestError(f"{where}.content[{j}]: expected an input_text or "
+            raise InvalidRequestError(f"{where}[{j}]: expected an input_text or "
                                       f"output_text part, got {part!r:.200}", param="input")
     return "\n".join(texts)
 
@@ -315,9 +317,8 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
             if call_id not in call_names:   # OpenAI: "No tool call found for function call output"
                 raise InvalidRequestError(f"{where}.call_id {call_id!r} matches no function_call "
                                           "item before it", param="input")
-            output = item.get("output")
             msgs.append({"role": "tool", "tool_call_id": call_id, "name": call_names[call_id],
-                         "content": output if isinstance(output, str) else _text_of(output, where)})
+                         "content": _text_of(item.get("output"), where, "output")})
         elif kind == "item_reference":
             raise InvalidRequestError(f"{where} is an item_reference: {_NO_STATE}", param="input")
         else:

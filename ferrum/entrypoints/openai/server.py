@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import errno
 import hmac
 import logging
 import signal
@@ -52,15 +53,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from uvicorn.config import LOGGING_CONFIG
 
-from ferrum.config import MAX_REQUEST_BODY, format_size, parse_size
+from ferrum.config import MAX_REQUEST_BODY, format_size, parse_body_limit
 from ferrum.engine.async_engine import AsyncLLMEngine
 from ferrum.entrypoints.chat_utils import prepare_chat
 from ferrum.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                 DetokenizeRequest, TokenizeRequest)
 from ferrum.entrypoints.openai.responses import add_routes as add_responses_routes
 from ferrum.entrypoints.openai.serving import OpenAIServing, error_body, ferrum_error_body
-from ferrum.errors import (AddressInUseError, FerrumError, InvalidRequestError, QueueFullError,
-                           ServerShuttingDownError)
+from ferrum.errors import (AddressInUseError, CannotListenError, FerrumError, InvalidRequestError,
+                           QueueFullError, ServerShuttingDownError)
 from ferrum.metrics import Metrics
 
 log = logging.getLogger("ferrum")
@@ -93,16 +94,23 @@ class _CountRequests:
             path = "/v1/models/{id}"
         if scope["type"] != "http" or path not in _COUNTED_PATHS:
             return await self.app(scope, receive, send)
-        status = [500]
+        status, left = [None], [False]
 
         async def send_status(message):
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
             await send(message)
+
+        async def receive_watch():
+            message = await receive()
+            left[0] = left[0] or message["type"] == "http.disconnect"
+            return message
         try:
-            await self.app(scope, receive, send_status)
+            await self.app(scope, receive_watch, send_status)
         finally:
-            self.metrics.count_request(path, status[0])
+            # no response: 499 (nginx's "client closed request", as a request the client
+            # cancels later) when the client left first, e.g. during its upload; else 500
+            self.metrics.count_request(path, status[0] or (499 if left[0] else 500))
 
 
 class _RequireApiKey:
@@ -221,7 +229,7 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | Non
     serving = OpenAIServing(engine, model_names, metrics)
     app = FastAPI(title="ferrum", docs_url=None, redoc_url=None)
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
-    app.add_middleware(_LimitBody, max_bytes=parse_size(max_request_body))  # inside auth: 401 first
+    app.add_middleware(_LimitBody, max_bytes=parse_body_limit(max_request_body))  # inside auth: 401 first
     if api_key is not None:
         app.add_middleware(_RequireApiKey, api_key=api_key)
     app.add_middleware(_RequireJson)
@@ -337,18 +345,27 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | Non
 def bind_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to (host, port), not yet listening: connections are refused until
     the server starts, and a port that is taken fails now, before the model loads. Raises
-    AddressInUseError."""
+    AddressInUseError (taken) or CannotListenError (a host that does not resolve or is not
+    this machine's)."""
     sock = None
     try:
         family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is fine
         sock.bind(address)
-    except OSError as e:   # in use, or not an address of this machine (gaierror too)
+    except OSError as e:
         if sock is not None:
             sock.close()
-        raise AddressInUseError(f"cannot listen on {host}:{port}: {e.strerror or e}; is another "
-                                "server running there? Pick another --port (or --host)") from e
+        if isinstance(e, socket.gaierror):   # the name or address does not resolve
+            hint = f"--host {host!r} is not a host name or address this machine can resolve"
+        elif e.errno == errno.EADDRINUSE:
+            hint = "is another server running there? Pick another --port"
+        elif e.errno == errno.EADDRNOTAVAIL:
+            hint = f"{host} is not an address of this machine; pick another --host (0.0.0.0: all)"
+        else:
+            hint = "pick another --host or --port"
+        cls = AddressInUseError if e.errno == errno.EADDRINUSE else CannotListenError
+        raise cls(f"cannot listen on {host}:{port}: {e.strerror or e}; {hint}") from e
     return sock
 
 
@@ -365,8 +382,8 @@ def _log_config(verbose: bool, log_requests: bool) -> dict:
 
 def serve(args) -> int:
     """Bind the port, build the engine from the CLI flags, then serve until SIGTERM / Ctrl-C
-    (and drain, see the module docstring). Raises AddressInUseError (before loading anything)
-    when the port is taken."""
+    (and drain, see the module docstring). Raises AddressInUseError when the port is taken,
+    CannotListenError for a host it cannot listen on (both before loading anything)."""
     from ferrum.engine.llm_engine import LLMEngine
     from ferrum.entrypoints.args import config_from_args
 
