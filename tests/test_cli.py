@@ -622,6 +622,31 @@ def test_post_without_json_content_type_is_a_clear_400(app_engine, ctype):
     assert ok.status_code == 200, ok.text
 
 
+def test_server_logs_a_503_as_a_warning_and_other_5xx_as_errors(app_engine, caplog):
+    """A full queue answers 503 as designed (load shedding): a WARNING line, not an ERROR on
+    every rejected request; a server fault stays an ERROR."""
+    import logging
+    from ferrum.entrypoints.openai.server import build_app
+    from ferrum.errors import FerrumError, QueueFullError
+    app = build_app(app_engine, ["m"])
+
+    class Broken(FerrumError):
+        http_status = 500
+
+    def full():
+        raise QueueFullError("the queue holds 4 requests")
+
+    def broken():
+        raise Broken("something broke")
+    app.add_api_route("/full", full)
+    app.add_api_route("/broken", broken)
+    with caplog.at_level(logging.WARNING, logger="ferrum"):
+        assert _asgi(app, "GET", "/full").status_code == 503
+        assert _asgi(app, "GET", "/broken").status_code == 500
+    levels = {r.getMessage().split(":")[0]: r.levelname for r in caplog.records if r.name == "ferrum"}
+    assert levels == {"QueueFullError": "WARNING", "Broken": "ERROR"}
+
+
 def test_request_body_limit_is_a_server_option(app_engine):
     from ferrum.entrypoints.openai.server import build_app
     app = build_app(app_engine, ["m"], max_request_body="1KiB")

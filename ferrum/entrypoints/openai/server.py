@@ -243,8 +243,8 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | Non
     @app.exception_handler(FerrumError)
     async def _ferrum_error(request, e: FerrumError):
         headers = {"Retry-After": _RETRY_AFTER_S} if isinstance(e, QueueFullError) else None
-        if e.http_status >= 500:
-            log.error("%s: %s", type(e).__name__, e)
+        if e.http_status >= 500:   # a 503 (full queue, draining) sheds load as designed: a warning
+            log.log(logging.WARNING if e.http_status == 503 else logging.ERROR, "%s: %s", type(e).__name__, e)
         return JSONResponse(ferrum_error_body(e), status_code=e.http_status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
