@@ -512,6 +512,14 @@ def test_run_names_bytes_that_are_not_utf8_before_loading(tiny_chat_model):
     err = r.stderr.decode()
     assert r.returncode == 1 and "stdin is not valid UTF-8: byte 0xff at byte offset 3" in err
     assert "loading" not in err
+    # text flags from argv: undecodable bytes arrive as lone surrogates
+    for flag in ("--prompt", "--system"):
+        args = ["--prompt", "hi", flag, b"a\xffb".decode("utf-8", "surrogateescape")]
+        r = subprocess.run(CLI + ["run", tiny_chat_model, "--max-tokens", "2"] + args, capture_output=True,
+                           timeout=300, stdin=subprocess.DEVNULL)
+        err = r.stderr.decode()
+        assert r.returncode == 1 and f"{flag} is not valid UTF-8: byte 0xff at character 1" in err, err
+        assert "loading" not in err
 
 
 def test_cuda_device_without_cuda_is_a_named_error(monkeypatch):

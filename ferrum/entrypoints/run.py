@@ -111,14 +111,14 @@ def sampling_params(args) -> SamplingParams:
                           seed=seed, max_tokens=args.max_tokens, stop=args.stop)
 
 
-def _check_utf8(text: str, source: str) -> None:
-    """Raise InvalidRequestError when `text` holds bytes that were not UTF-8 (Python keeps
-    them as lone surrogates: argv, and stdin under a C locale), naming where they came from."""
+def _check_utf8(text: str, source: str, param: str = "prompt") -> None:
+    """Raise InvalidRequestError (`param`) when `text` holds bytes that were not UTF-8 (Python
+    keeps them as lone surrogates: argv, and stdin under a C locale), naming their source."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise InvalidRequestError(f"{source} is not valid UTF-8: byte {ord(text[e.start]) & 0xFF:#04x} at "
-                                  f"character {e.start}", param="prompt") from None
+                                  f"character {e.start}", param=param) from None
 
 
 def _read_stdin() -> str:
@@ -147,7 +147,9 @@ def run(args) -> int:
             raise InvalidRequestError("stdin is empty: pipe a prompt, or give --prompt",
                                       param="prompt")
     elif prompt is not None:
-        _check_utf8(prompt, "--prompt")
+        _check_utf8(prompt, "--prompt", "prompt")
+    if args.system is not None:
+        _check_utf8(args.system, "--system", "system")
     if prompt is not None and not prompt.strip():
         raise InvalidRequestError("--prompt is empty", param="prompt")
     print(f"ferrum: loading {args.model} ...", file=sys.stderr, flush=True)
