@@ -97,8 +97,8 @@ def decode_phase_bytes(engine, steps: int, context_tokens: int) -> int:
     """Bytes `steps` decode steps of an LLMEngine read in all, their rows attending to
     `context_tokens` KV tokens summed over the steps: the per-step definition above summed,
     steps x the weights + context_tokens x KV bytes per token (`ferrum bench throughput`)."""
-    weights = engine_bytes_per_step(engine)
-    return steps * weights + engine_bytes_per_step(engine, context_tokens) - weights
+    kv_bytes_per_token = engine.executor.capabilities().memory.kv_bytes_per_token
+    return steps * engine_bytes_per_step(engine) + context_tokens * kv_bytes_per_token
 
 
 def mbu_columns(bytes_per_step: int, step_s: float, spec_gbs: float | None,

@@ -58,6 +58,7 @@ class StructuredOutputManager:
         self._compiler: GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
         self._executor = None       # llguidance's thread pool for filling masks
+        self._fill_par = None       # llguidance.torch.fill_next_token_bitmask_par, with it
         self._pool: ThreadPoolExecutor | None = None   # runs bitmask_async
         self._pending: Future | None = None
         self.matchers: dict[str, object] = {}     # seq_id -> llguidance.LLMatcher
@@ -119,12 +120,13 @@ class StructuredOutputManager:
             self._pending = None
 
     def _fill(self, rows: list[int], matchers: list) -> tuple[list[int], torch.Tensor]:
-        import llguidance
-        import llguidance.torch as llt
         mask = torch.empty(len(rows), bitmask_width(self.vocab_size), dtype=torch.int32)
-        if self._executor is None:
+        if self._executor is None:   # the first constrained step imports llguidance, once
+            import llguidance
+            import llguidance.torch as llt
             self._executor = llguidance.LLExecutor()
-        llt.fill_next_token_bitmask_par(self._executor, [(m, k) for k, m in enumerate(matchers)], mask)
+            self._fill_par = llt.fill_next_token_bitmask_par
+        self._fill_par(self._executor, [(m, k) for k, m in enumerate(matchers)], mask)
         return rows, mask
 
     def accept(self, seq_id: str, token_id: int) -> None:
