@@ -32,10 +32,14 @@ from ferrum.ops import attention_triton as tb  # noqa: E402
 H, HKV, D, PAGE = 32, 8, 128, 16
 
 
-def _case(B, ctx, gen, fp8=False):
+def _case(B, ctx, gen, fp8=False, head_major=False):
     M = -(-ctx // PAGE)
     pool = B * M + 1
-    kv = torch.randn(2, pool, PAGE, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    if head_major:   # pages [Hkv, PAGE, D] in memory, seen as [PAGE, Hkv, D] (--layouts)
+        kv = torch.randn(2, pool, HKV, PAGE, D, device="cuda", dtype=torch.bfloat16,
+                         generator=gen).transpose(2, 3)
+    else:
+        kv = torch.randn(2, pool, PAGE, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     if fp8:   # the --kv-cache-dtype fp8 cache: e4m3 values, scales [1] float32 (1.0 here)
         kv = kv.to(torch.float8_e4m3fn)
     perm = torch.randperm(pool - 1, device="cuda", generator=gen) + 1
@@ -170,6 +174,10 @@ def main():
     p.add_argument("--grid-orders", default="default", choices=["default", "both"],
                    help="decode: time each config in the default grid order only, or heads-first "
                    "(Hkv, B, S) and sequences-first (B, Hkv, S) both (DECODE_HEADS_FIRST)")
+    p.add_argument("--layouts", default="token-major", choices=["token-major", "both"],
+                   help="decode: the cache's pages as the engine holds them, [PAGE, Hkv, D] (token-major), "
+                   "or also [Hkv, PAGE, D] (head-major: one program's rows of a page contiguous), "
+                   "seen through strides by the same kernel; the JSON's case keys get '/head-major'")
     p.add_argument("--tag", default="", help="suffix of the JSON's name (tune_attention[_fp8][_TAG].json)")
     p.add_argument("--prefill-cases", default="",
                    help="also time prefill_attention for these BxL cases (e.g. 1x7500,16x1024)")
@@ -185,9 +193,11 @@ def main():
     res = {"shapes": dict(H=H, HKV=HKV, D=D, page=PAGE, dtype="bfloat16", kv_dtype=args.kv_dtype), "cases": {}}
     scale = D ** -0.5
     default_order = tb.DECODE_HEADS_FIRST
-    for case in filter(None, args.cases.split(",")):   # --cases "": prefill only
+    layouts = [False] if args.layouts == "token-major" else [False, True]
+    for case, head_major in itertools.product(filter(None, args.cases.split(",")), layouts):   # --cases "": prefill only
         B, ctx = map(int, case.split("x"))
-        q, kv, md = _case(B, ctx, gen, fp8)
+        q, kv, md = _case(B, ctx, gen, fp8, head_major)
+        case += "/head-major" if head_major else ""
         kv_bytes = B * ctx * HKV * D * 2 * kv.element_size()
         ref = tb.decode_attention(q, kv, md, scale, **kw)
         base_s = tb.num_decode_splits(B, HKV, md.block_tables.shape[1], PAGE, q.device)

@@ -316,9 +316,11 @@ def check_rope_kv(device: str) -> None:
 
 
 def _decode_case(device, dtype, H, Hkv, D, page, seq_lens, splits, gen, bt_dtype=torch.int64,
-                 sl_dtype=torch.int32, M=None):
+                 sl_dtype=torch.int32, M=None, head_major=False):
     from ferrum.ops import attention_triton as tb
     cache, bt, clean = _paged_cache(seq_lens, Hkv, D, page, dtype, device, gen, M=M)
+    if head_major:   # the same values, pages held [Hkv, page, D]: the kernel reads through strides
+        cache = cache.transpose(2, 3).contiguous().transpose(2, 3)
     B = len(seq_lens)
     q = torch.randn(B, H, D, generator=gen).to(dtype).to(device)
     sl = torch.tensor(seq_lens, dtype=sl_dtype, device=device)
@@ -343,6 +345,7 @@ def check_decode(device: str) -> None:
                  sl_dtype=torch.int64, M=9)                                                # group 4
     _decode_case(device, f32, 8, 1, 128, 8, [45, 9], [5], gen)                             # group 8, page 8
     _decode_case(device, torch.float16, 4, 2, 32, 32, [70, 3], [2], gen)                   # D 32, page 32
+    _decode_case(device, bf16, 4, 2, 64, 16, [40, 0, 19], [1, 2], gen, head_major=True)   # pages [Hkv, page, D]
     # more splits than tiles: most programs see an empty range and must write neutral partials
     _decode_case(device, bf16, 4, 4, 64, 16, [0, 0, 2], [8], gen)
     # the sequences-first grid (DECODE_HEADS_FIRST False): the same results

@@ -385,7 +385,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Att
 
     q: [B, H, D] (bf16/fp16/fp32; last dim contiguous); kv_cache: [2, num_blocks, block_size,
     Hkv, D] (any of those dtypes, or float8_e4m3fn read times k_scale / v_scale [1] float32;
-    contiguous), H % Hkv == 0, D a power of two (32..256).
+    read through its strides: the last dim contiguous, any order of the others, e.g. pages held
+    [Hkv, block_size, D] and viewed transposed), H % Hkv == 0, D a power of two (32..256).
     From attn_metadata: block_tables [B, M] int32/int64 (entries past a sequence's pages are
     never read); seq_lens [B] int32/int64 on the device, length including this step's token
     (0 = padded row -> output 0). Returns [B, H, D] in q's dtype. No host synchronisation: safe
@@ -396,7 +397,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Att
     _, _, page, hkv, d_cache = kv_cache.shape
     assert d_cache == D and H % hkv == 0, (q.shape, kv_cache.shape)
     assert D & (D - 1) == 0 and D >= 16, f"head_dim must be a power of two >= 16, got {D}"
-    assert kv_cache.is_contiguous(), "kv_cache must be contiguous"
+    assert kv_cache.stride(-1) == 1, "kv_cache's last dim must be contiguous"
     out = torch.empty_like(q)
     if B == 0:
         return out
