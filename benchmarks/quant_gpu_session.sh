@@ -63,8 +63,8 @@
 #      benchmarks/sched_ab.sh, main / 2d19606 / main, 1000 x 1000 bf16, ferrum alone.
 #  15: carry .peers/vllm_bench.py .peers/vc/part.02 .peers/vc/bin: vLLM unpacked, then
 #      `gpu_run.sh tput` (ferrum, then vLLM: output_tok_s_vs_vllm).
-#  16: the decode attention over both page layouts (tune_attention.py --layouts both), then the
-#      nano-vllm workload, ferrum alone, with --step-log (a call that can carry a vLLM chunk).
+#  16: the decode attention over both page layouts (tune_attention.py --layouts both), Qwen3-0.6B's
+#      decode graph at 1-64 rows (profile_decode.py replay), then the nano-vllm workload, ferrum alone, with --step-log (a call that can carry a vLLM chunk).
 # The lease plan since 3c3d8b1 (no wheels for the benchmarks; .whl + a chunk did not fit one call
 # on 2026-12-06e): 14 carrying .old .peers/vc/part.00, 16 carrying .peers/vc/part.01, 15 carrying
 # .peers/vllm_bench.py .peers/vc/part.02 .peers/vc/bin, then 12 carrying .whl (the tests).
@@ -203,10 +203,15 @@ tests/test_moe.py tests/test_sliding_window.py" LIMIT_tests=280 bash benchmarks/
         # the decode attention over both page layouts (token-major [PAGE, Hkv, D] as the engine
         # holds them, head-major [Hkv, PAGE, D] seen through strides), Qwen3-0.6B and Llama-3-8B heads
         for heads in 16,8 32,8; do
-            timeout -k 10 120 python3 benchmarks/tune_attention.py --heads $heads --default-only --layouts both \
+            timeout -k 10 80 python3 benchmarks/tune_attention.py --heads $heads --default-only --layouts both \
                 --grid-orders both --cases 256x640,128x1100,256x1536,32x1024 --tag "layout_${heads/,/_}" \
                 --out "$OUT" >>"$OUT/tune_layout.log" 2>&1
         done
+        # Qwen3-0.6B's decode graph at the nano-vllm workload's tail batches (1-64 rows at 1,500
+        # tokens of context): GPU ms per step and its kernels (12-01c's step log: 2.5 ms per step
+        # at 13 rows against 0.95 at 1, ~3x their bytes at spec)
+        timeout -k 10 150 python3 benchmarks/profile_decode.py replay --model qwen3-0.6b --tp 1 --gemv-modes 1 \
+            --batches 1 2 4 8 16 32 64 --context 1500 --out "$OUT" >"$OUT/replay_qwen3.log" 2>&1
         # the nano-vllm workload, ferrum alone, with its step log and kernel profile: where the
         # decode steps' time goes (decode_mbu in nanovllm_steplog.json; steplog/step_log.md)
         timeout -k 10 240 python3 -m ferrum.entrypoints.cli bench throughput benchmarks/configs/qwen3-0.6b.json \
