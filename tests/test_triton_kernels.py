@@ -199,7 +199,8 @@ def _ref_attention(q, clean, bt, seq_lens, q_pos, scale, window=None):
 def check_write_kv(device: str) -> None:
     from ferrum.ops import attention_triton as tb
     gen = torch.Generator().manual_seed(1)
-    for dtype, Hkv, D, page in [(torch.float32, 2, 64, 16), (torch.bfloat16, 3, 128, 8)]:
+    for dtype, Hkv, D, page, head_major in [(torch.float32, 2, 64, 16, False), (torch.bfloat16, 3, 128, 8, False),
+                                            (torch.bfloat16, 3, 128, 8, True)]:   # pages [Hkv, page, D]
         T, NB = 7, 5
         qkv = torch.randn(T, (4 + 2 * Hkv) * D, generator=gen).to(device)  # fused projection output
         k = qkv[:, 4 * D:(4 + Hkv) * D].view(T, Hkv, D)  # non-contiguous views, as in the model
@@ -207,12 +208,14 @@ def check_write_kv(device: str) -> None:
         slots = torch.tensor([3, -1, 17, page * NB - 1, 0, -1, 2 * page + 5], device=device)
         cache = torch.randn(2, NB, page, Hkv, D, generator=gen).to(dtype).to(device)
         expect = cache.clone()
+        if head_major:   # the same values, held head-major: write_kv writes through the strides
+            cache = cache.transpose(2, 3).contiguous().transpose(2, 3)
         keep = slots >= 0
         flat = expect.view(2, NB * page, Hkv, D)
         flat[0, slots[keep]] = k[keep].to(dtype)
         flat[1, slots[keep]] = v[keep].to(dtype)
         tb.write_kv(cache, k, v, slots)
-        assert torch.equal(cache, expect), f"write_kv {dtype} Hkv={Hkv} D={D} page={page}"
+        assert torch.equal(cache, expect), f"write_kv {dtype} Hkv={Hkv} D={D} page={page} head_major={head_major}"
         tb.write_kv(cache, k[:0], v[:0], slots[:0])  # T = 0 is a no-op
 
 
@@ -223,7 +226,8 @@ def _rope_kv_reference(q, k, v, pos, rot, norms, kind, cache, slots, scales):
     from ferrum.ops import attention_torch
     from ferrum.ops.rms_norm import rms_norm_torch
     from ferrum.ops.rotary import rotate_torch
-    q, k, v, pos, slots, cache = (x.detach().cpu().clone() for x in (q, k, v, pos, slots, cache))
+    q, k, v, pos, slots, cache = (x.detach().cpu().clone(memory_format=torch.contiguous_format)
+                                  for x in (q, k, v, pos, slots, cache))
     if kind is not None:
         eps = norms[0].eps
         ws = [m.weight.detach().cpu() for m in norms]
@@ -258,10 +262,11 @@ def check_rope_kv(device: str) -> None:
     gen = torch.Generator().manual_seed(11)
     f32, bf16, fp8, i32 = torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int32
     kinds = {None: None, RMSNorm: "rms", GemmaRMSNorm: "gemma"}
-    for dtype, cache_dtype, H, Hkv, D, norm, idx in [
-            (f32, f32, 4, 2, 64, None, torch.int64), (bf16, bf16, 6, 2, 128, RMSNorm, torch.int64),
-            (bf16, fp8, 8, 2, 128, RMSNorm, i32), (f32, f32, 4, 4, 32, GemmaRMSNorm, torch.int64),
-            (bf16, bf16, 5, 1, 80, GemmaRMSNorm, i32), (bf16, bf16, 3, 3, 80, None, torch.int64)]:
+    for dtype, cache_dtype, H, Hkv, D, norm, idx, head_major in [
+            (f32, f32, 4, 2, 64, None, torch.int64, False), (bf16, bf16, 6, 2, 128, RMSNorm, torch.int64, False),
+            (bf16, fp8, 8, 2, 128, RMSNorm, i32, False), (f32, f32, 4, 4, 32, GemmaRMSNorm, torch.int64, False),
+            (bf16, bf16, 5, 1, 80, GemmaRMSNorm, i32, False), (bf16, bf16, 3, 3, 80, None, torch.int64, False),
+            (bf16, fp8, 8, 2, 128, RMSNorm, i32, True)]:   # pages [Hkv, page, D] (KERNELS.kv_head_major)
         T, NB, page = 6, 4, 8
         rot = RotaryEmbedding(D, 256, 10000.0).to(device)
         norms = None
@@ -274,6 +279,8 @@ def check_rope_kv(device: str) -> None:
         slots = torch.tensor([3, -1, 17, page * NB - 1, 0, 9], dtype=idx, device=device)
         qkv = (torch.randn(T, (H + 2 * Hkv) * D, generator=gen) * 3).to(dtype).to(device)
         cache = torch.randn(2, NB, page, Hkv, D, generator=gen).to(cache_dtype).to(device)
+        if head_major:
+            cache = cache.transpose(2, 3).contiguous().transpose(2, 3)
         # FP8: scales small enough that some K / V values pass 448 and saturate
         scales = (dict(k_scale=torch.tensor([0.004], device=device), v_scale=torch.tensor([0.02], device=device))
                   if cache_dtype == fp8 else {})
@@ -284,7 +291,7 @@ def check_rope_kv(device: str) -> None:
         rope = RopeInputs(pos, rot, *(norms or (None, None)))
         q, k, v = views(qkv)
         rq, rk, ref_cache = _rope_kv_reference(q, k, v, pos, rot, norms, kinds[norm], cache, slots, scales)
-        what = f"rope_kv {dtype} cache {cache_dtype} H={H} Hkv={Hkv} D={D} norm={kinds[norm]} {idx}"
+        what = f"rope_kv {dtype} cache {cache_dtype} H={H} Hkv={Hkv} D={D} norm={kinds[norm]} {idx} head_major={head_major}"
         assert norm_rope_write_kv(cache.clone(), q.clone(), k.clone(), v, slots, rope, **scales) is not None, \
             what + ": the fused kernel declined"
         out = tb.rope_write_kv(cache, q, k, v, slots, rope, **scales)
@@ -438,10 +445,12 @@ def check_attention_layer(device: str) -> None:
     H, Hkv, D, page, NB = 4, 2, 64, 16, 12
     tables = [[3, 7, 1], [10, 2, 5]]
     layers = {}
-    backends = {"torch": attention_torch, "triton": attention_triton}
+    backends = {"torch": attention_torch, "triton": attention_triton, "triton-head-major": attention_triton}
     for name in backends:
         a = Attention(H, Hkv, D, D ** -0.5)
         a.kv_cache = torch.zeros(2, NB, page, Hkv, D, device=device)
+        if name == "triton-head-major":   # pages [Hkv, page, D] (KERNELS.kv_head_major), the same view
+            a.kv_cache = torch.zeros(2, NB, Hkv, page, D, device=device).transpose(2, 3)
         layers[name] = a
     lens = [0, 0]
 
@@ -466,8 +475,9 @@ def check_attention_layer(device: str) -> None:
             with forward_context(md, backends[name]):
                 outs[name] = a(q, k, v)
         lens[:] = new_lens
-        _assert_close(outs["triton"], outs["torch"], torch.float32, f"Attention layer qlens={qlens}")
-        assert torch.equal(layers["triton"].kv_cache, layers["torch"].kv_cache)
+        for name in ("triton", "triton-head-major"):
+            _assert_close(outs[name], outs["torch"], torch.float32, f"Attention layer {name} qlens={qlens}")
+            assert torch.equal(layers[name].kv_cache, layers["torch"].kv_cache), name
 
     step([21, 9], True)   # fresh prompts
     step([12, 20], True)  # second chunks over cached context
@@ -669,13 +679,20 @@ def check_prefill_graph(device: str) -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(cfg, f)
     init_tensor_parallel(0, 1, None)
+    from ferrum.config import KERNELS
     runners = []
-    for _ in range(2):   # the same dummy weights (seed 0), each with its own NaN-poisoned cache
+    for head_major in (False, True):   # the same dummy weights (seed 0), each with its own NaN-poisoned cache
         r = ModelRunner(resolve_model(f"dummy:{f.name}"), device, torch.float32, "dummy", 0, progress=False)
-        r.allocate_kv_cache(12, 16)
+        r.attn_backend = attention_triton
+        saved, KERNELS.kv_head_major = KERNELS.kv_head_major, head_major   # the graph runner's pages [Hkv, 16, D]
+        try:
+            r.allocate_kv_cache(12, 16)
+        finally:
+            KERNELS.kv_head_major = saved
+        # head stride: block_size * head_dim (head-major) or head_dim (32 = hidden 128 / 4 heads)
+        assert r.attn_layers[0].kv_cache.stride(3) == (16 * 32 if head_major else 32)
         for layer in r.attn_layers:
             layer.kv_cache.fill_(float("nan"))
-        r.attn_backend = attention_triton
         runners.append(r)
     ref, run = runners
     M = 16

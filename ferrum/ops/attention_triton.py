@@ -1,7 +1,9 @@
 """Paged attention in Triton (CUDA): the backend the model runner picks on CUDA. Same
 functions, shapes and KV layout as the torch backend (`ferrum.ops.attention_torch`): one tensor
 per layer `kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]` (K then V), read only
-through the block table. Under `TRITON_INTERPRET=1` the kernels also run on CPU tensors (tests).
+through the block table. Every kernel addresses the cache through its strides (block, slot,
+head), so `KERNELS.kv_head_major` pages, held [Hkv, block_size, D] and viewed transposed, take
+the same code. Under `TRITON_INTERPRET=1` the kernels also run on CPU tensors (tests).
 An FP8 (e4m3) cache holds K / V divided by the layer's k_scale / v_scale ([1] float32 device
 tensors, so CUDA graphs stay valid): the store divides and saturates at +-448, the attention
 kernels fold k_scale into the logits' scale and v_scale into V's tiles (or the output). With
@@ -106,8 +108,8 @@ if HAS_TRITON:
     @triton.jit
     def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
                          stride_kt, stride_kh, stride_vt, stride_vh,
-                         stride_cslot, stride_ch,
-                         NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         stride_cblk, stride_cslot, stride_ch,
+                         PAGE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
                          USE_PDL: tl.constexpr):
         # One program per token: all KV heads of K and V, cast to the cache dtype (FP8: divided
@@ -122,7 +124,7 @@ if HAS_TRITON:
             mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
             src_k = k_ptr + t.to(tl.int64) * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
             src_v = v_ptr + t.to(tl.int64) * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
-            dst = slot * stride_cslot + offs_h[:, None] * stride_ch + offs_d[None, :]
+            dst = (slot // PAGE) * stride_cblk + (slot % PAGE) * stride_cslot + offs_h[:, None] * stride_ch + offs_d[None, :]
             k = tl.load(src_k, mask=mask)
             v = tl.load(src_v, mask=mask)
             if FP8:
@@ -150,7 +152,8 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     """Write this step's K/V into the paged cache, in place.
 
     kv_cache: [2, num_blocks, block_size, Hkv, D] (bf16/fp16/fp32, or float8_e4m3fn with
-    k_scale / v_scale [1] float32: K/V stored divided by them; contiguous);
+    k_scale / v_scale [1] float32: K/V stored divided by them; last dim contiguous, written
+    through its strides: `KERNELS.kv_head_major` pages are a transposed view);
     k, v: [T, Hkv, D] (any dtype, views allowed: only the last dim must be contiguous);
     slot_mapping: [T] int64 (or int32), flat slot = block_id * block_size + offset; a slot < 0
     is skipped (padded rows of a CUDA graph). One kernel launch writes both K and V.
@@ -158,7 +161,7 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     T = slot_mapping.shape[0]
     if T == 0:
         return
-    assert kv_cache.is_contiguous(), "kv_cache must be contiguous"
+    assert kv_cache.stride(-1) == 1, "kv_cache's last dim must be contiguous"
     _, nb, bs, hkv, d = kv_cache.shape
     k, v = last_dim_contiguous(k), last_dim_contiguous(v)
     kc, vc = kv_cache[0], kv_cache[1]
@@ -167,8 +170,8 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     _write_kv_kernel[(T,)](
         k, v, kc, vc, slot_mapping, k_scale if fp8 else slot_mapping, v_scale if fp8 else slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        kc.stride(1), kc.stride(2),
-        NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_H=next_pow2(hkv), BLOCK_D=next_pow2(d), FP8=fp8,
+        kc.stride(0), kc.stride(1), kc.stride(2),
+        PAGE=bs, NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_H=next_pow2(hkv), BLOCK_D=next_pow2(d), FP8=fp8,
         USE_PDL=pdl, num_warps=4 if hkv * d >= 1024 else 1, launch_pdl=pdl)
 
 
@@ -558,7 +561,7 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: At
     T, H, D = q.shape
     _, _, page, hkv, _ = kv_cache.shape
     assert H % hkv == 0 and D & (D - 1) == 0 and D >= 16, (q.shape, kv_cache.shape)
-    assert kv_cache.is_contiguous(), "kv_cache must be contiguous"
+    assert kv_cache.stride(-1) == 1, "kv_cache's last dim must be contiguous"
     out = torch.empty_like(q)
     B = len(attn_metadata.query_lens)
     if T == 0 or B == 0:

@@ -103,8 +103,8 @@ if HAS_TRITON:
     def _norm_rope_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
                              kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, eps,
                              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                             stride_cos, stride_cslot, stride_ch,
-                             HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr,
+                             stride_cos, stride_cblk, stride_cslot, stride_ch,
+                             PAGE: tl.constexpr, HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr,
                              BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
                              NORM: tl.constexpr, FP8: tl.constexpr, STORE_KV: tl.constexpr,
                              USE_PDL: tl.constexpr):
@@ -127,7 +127,7 @@ if HAS_TRITON:
             src_v = v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
             v1 = tl.load(src_v, mask=m)
             v2 = tl.load(src_v + HALF, mask=m)
-            dst = slot * stride_cslot + offs_h[:, None] * stride_ch + offs_d[None, :]
+            dst = (slot // PAGE) * stride_cblk + (slot % PAGE) * stride_cslot + offs_h[:, None] * stride_ch + offs_d[None, :]
             _store_cache(kc_ptr + dst, k1, k2, ks_ptr, m, HALF, FP8)
             _store_cache(vc_ptr + dst, v1, v2, vs_ptr, m, HALF, FP8)
 
@@ -151,7 +151,8 @@ def norm_rope_write_kv(kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                        v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """One Triton launch: q [T, H, D] and k [T, Hkv, D] normed (rope's q/k norms) and rotated in
     place, then k and v [T, Hkv, D] stored at `slot_mapping` [T] (int64 / int32; < 0 skipped)
-    of kv_cache [2, num_blocks, block_size, Hkv, D] (contiguous; float8_e4m3fn with k_scale /
+    of kv_cache [2, num_blocks, block_size, Hkv, D] (last dim contiguous, written through its
+    strides; float8_e4m3fn with k_scale /
     v_scale [1] float32). q, k, v may be views (last dim contiguous), all in one 16/32-bit
     dtype. Returns (q, k), or None when these inputs need the unfused ops (`RopeInputs.apply`
     then the backend's write_kv): a norm the kernel does not compute, odd head_dim, strides."""
@@ -160,7 +161,7 @@ def norm_rope_write_kv(kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     cos, sin = rope.rotary_emb.cos, rope.rotary_emb.sin
     norm = _norm_kind(rope, q.dtype)
     if (norm is None or d % 2 or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1
-            or not (q.dtype == k.dtype == v.dtype) or not kv_cache.is_contiguous()
+            or not (q.dtype == k.dtype == v.dtype) or kv_cache.stride(-1) != 1
             or cos.shape[-1] != d // 2 or cos.stride(-1) != 1 or sin.stride() != cos.stride()):
         return None
     if T == 0:
@@ -174,8 +175,8 @@ def norm_rope_write_kv(kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         q, k, v, rope.positions, cos, sin, *weights, kc, vc, slot_mapping,
         *((k_scale, v_scale) if fp8 else (cos, cos)), eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cos.stride(0), kc.stride(1), kc.stride(2),
-        HQ=hq, HK=hk, HALF=d // 2, BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(hk), BLOCK_D=next_pow2(d // 2),
+        cos.stride(0), kc.stride(0), kc.stride(1), kc.stride(2),
+        PAGE=kc.shape[1], HQ=hq, HK=hk, HALF=d // 2, BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(hk), BLOCK_D=next_pow2(d // 2),
         NORM=norm, FP8=fp8, STORE_KV=True, USE_PDL=pdl, num_warps=4 if hq * d >= 2048 else 1, launch_pdl=pdl)
     return q, k
 
@@ -190,6 +191,6 @@ def rotate_qk(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: to
     pdl = pdl_ok(q)
     _norm_rope_kv_kernel[(T,)](
         q, k, k, positions, cos, sin, q, q, q, q, positions, cos, cos, 0.0,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), 0, 0, cos.stride(0), 0, 0,
-        HQ=hq, HK=hk, HALF=d // 2, BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(hk), BLOCK_D=next_pow2(d // 2),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), 0, 0, cos.stride(0), 0, 0, 0,
+        PAGE=1, HQ=hq, HK=hk, HALF=d // 2, BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(hk), BLOCK_D=next_pow2(d // 2),
         NORM=0, FP8=False, STORE_KV=False, USE_PDL=pdl, num_warps=4 if hq * d >= 2048 else 1, launch_pdl=pdl)
