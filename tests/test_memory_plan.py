@@ -5,6 +5,7 @@ CUDA kernels allocate nothing themselves, so the tensors torch hands out are wha
 peak is made of), against the constants the reserve uses."""
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import pytest
@@ -103,12 +104,16 @@ def test_forward_peak_fits_the_activation_factor(tmp_path, family, extra):
 
 def test_reserve_counts_logits_per_row_not_per_token():
     """Llama-3-8B bf16: the logits rows scale with max_num_seqs only. At 8,192 batched tokens
-    and 512 sequences the reserve is 12.7 GB; counting a float32 logits row per batched token
-    (as before) reserved 20.2 GB, a quarter of an 80 GB card taken from the KV pool."""
+    and 512 sequences the reserve is 10.6 GB; counting a float32 logits row per batched token
+    (as before) reserved 20.2 GB, a quarter of an 80 GB card taken from the KV pool, and the
+    decode graphs' rows in float32 (they are bf16) 12.7 GB."""
     mem = compute_memory_requirements(ModelConfig.from_hf_dict(LLAMA3_8B), torch.bfloat16, 1)
-    assert mem.logits_bytes_per_row == 4 * 128256
+    assert mem.logits_bytes_per_row == 4 * 128256 and mem.graph_logits_bytes_per_row == 2 * 128256
     r = activation_reserve_bytes(mem, 8192, 512)
-    assert 12.5e9 < r < 13e9
+    assert 10.4e9 < r < 10.7e9
+    # the decode graphs' 8,463 output rows (graph_batch_sizes(512)) in float32 instead
+    as_f32 = dataclasses.replace(mem, graph_logits_bytes_per_row=mem.logits_bytes_per_row)
+    assert activation_reserve_bytes(as_f32, 8192, 512) - r == 8463 * 2 * 128256
     # tokens past the graphs' largest capture cost the forward's intermediates only
     assert activation_reserve_bytes(mem, 16384, 512) - r == ACTIVATION_FACTOR * mem.activation_bytes_per_token * 8192
     # more sequences: more sampled rows and more decode graphs, each with its logits

@@ -34,7 +34,8 @@ def compute_memory_requirements(cfg: ModelConfig, dtype: torch.dtype, tp: int,
     kv_bytes_per_token: K+V of all layers for this rank's KV heads (replicated when
     num_kv_heads < tp), in `kv_cache_dtype` (default: dtype; 1 byte for fp8).
     activation_bytes_per_token: hidden + q/k/v + 2x MLP intermediate, per rank.
-    logits_bytes_per_row: a float32 row over the whole vocabulary (rank 0 gathers the shards)."""
+    logits_bytes_per_row: a float32 row over the whole vocabulary (rank 0 gathers the shards);
+    graph_logits_bytes_per_row: the same row in `dtype`, as a decode CUDA graph's output keeps it."""
     e = torch.finfo(dtype).bits // 8
     kv_e = torch.finfo(kv_cache_dtype or dtype).bits // 8
     h, i, L, D = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.head_dim
@@ -57,7 +58,7 @@ def compute_memory_requirements(cfg: ModelConfig, dtype: torch.dtype, tp: int,
     if cfg.num_experts:  # a token's k expert intermediates
         i = max(i, cfg.num_experts_per_tok * cfg.moe_intermediate_size)
     act = (4 * h + q + 2 * kv + 2 * i // tp) * e
-    return MemoryRequirements(param_bytes, kv_bytes_per_token, act, tp, 4 * cfg.vocab_size)
+    return MemoryRequirements(param_bytes, kv_bytes_per_token, act, tp, 4 * cfg.vocab_size, e * cfg.vocab_size)
 
 
 def activation_reserve_bytes(mem: MemoryRequirements, max_num_batched_tokens: int, max_num_seqs: int) -> int:
@@ -67,16 +68,20 @@ def activation_reserve_bytes(mem: MemoryRequirements, max_num_batched_tokens: in
       whose logits exist at once (max_num_seqs sampled rows, or a prompt-logprobs slice of
       ROWS_PER_SLICE);
     - CUDA graphs (their private pool, captured after the pool is allocated): every decode
-      graph keeps its own logits output, one row per captured row (`graph_batch_sizes`,
-      counted in float32), plus the intermediates of the largest capture (a prefill graph
-      of up to PREFILL_GRAPH_MAX_TOKENS tokens or the largest decode batch).
+      graph keeps its own logits output, one row per captured row (`graph_batch_sizes`) in
+      the model's dtype (`ferrum.executor.cuda_graph` widens them outside the graph), plus
+      the intermediates of the largest capture (a prefill graph of up to
+      PREFILL_GRAPH_MAX_TOKENS tokens or the largest decode batch).
     Logits rows were once counted per batched token: Llama-3-8B at 8,192 tokens and 512
-    sequences reserved 20.2 GB, now 12.7 GB (a 19% larger pool on an 80 GB card,
-    benchmarks/results/h100-2026-12-06c). Returns bytes."""
+    sequences reserved 20.2 GB, then 12.7 GB (a 19% larger pool on an 80 GB card,
+    benchmarks/results/h100-2026-12-06c), 10.5 GB since the graphs' rows count in bf16 (that
+    run's peak reserved memory was 63.3 of the 71.3 GiB budget). Returns bytes."""
     rows = max(max_num_seqs, ROWS_PER_SLICE)
     graph_tokens = max(min(max_num_batched_tokens, PREFILL_GRAPH_MAX_TOKENS), max_num_seqs)
+    graph_row = mem.graph_logits_bytes_per_row or mem.logits_bytes_per_row
     return (ACTIVATION_FACTOR * mem.activation_bytes_per_token * (max_num_batched_tokens + graph_tokens)
-            + mem.logits_bytes_per_row * (SAMPLER_ROW_COPIES * rows + sum(graph_batch_sizes(max_num_seqs))))
+            + mem.logits_bytes_per_row * SAMPLER_ROW_COPIES * rows
+            + graph_row * sum(graph_batch_sizes(max_num_seqs)))
 
 
 def num_kv_blocks(mem: MemoryRequirements, cache: CacheConfig, device: str, max_model_len: int,
