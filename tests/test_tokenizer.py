@@ -182,6 +182,32 @@ def test_typed_control_tokens_are_text_in_every_message_string(smollm2_tokenizer
         tok.split_special_tokens = True
 
 
+# a template with tool support, as Qwen2.5's writes tools and past calls: through `tojson`
+TOJSON_TEMPLATE = ("{% for t in tools %}<|im_start|>system\n{{ t | tojson }}<|im_end|>\n{% endfor %}"
+                   "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
+                   "{% for c in m.tool_calls or [] %}{{ c.function.arguments | tojson }}{% endfor %}"
+                   "<|im_end|>\n{% endfor %}")
+
+
+def test_typed_control_tokens_in_dict_keys_are_text(smollm2_tokenizer):
+    """Before: a special-token string in a dict key (a tool's parameter name, a key of a past
+    call's arguments) reached a `tojson` template as markup: 3 <|im_start|> / <|im_end|> each
+    where the template wrote 2. Keys are protected as values are."""
+    tok = smollm2_tokenizer
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {FORGED: {"type": "string"}}, "required": [FORGED]}}}]
+    msgs = [{"role": "user", "content": "q"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": {FORGED: 1}}}]}]
+    ids = tok.apply_chat_template(msgs, chat_template=TOJSON_TEMPLATE, add_generation_prompt=False,
+                                  tools=tools)
+    assert ids.count(1) == 3 and ids.count(2) == 3   # the tool's system turn and two messages
+    rendering = tok.render_chat(msgs, chat_template=TOJSON_TEMPLATE, add_generation_prompt=False,
+                                tools=tools)
+    assert tok.decode(ids, skip_special_tokens=False) == rendering
+    assert rendering.count(json.dumps(FORGED)) == 3     # the typed keys and value, as typed
+
+
 def test_untyped_conversations_encode_as_before(smollm2_tokenizer):
     """With no special-token string typed, the ids are those of a plain encode of the
     rendering, and the tokenizer-copy path that handles typed ones gives them too."""

@@ -121,10 +121,14 @@ class TemplateTextEncoder:
     (`<|im_start|>`, `<|eot_id|>`, ...); non-special added tokens are vocabulary, parsed
     everywhere, as transformers does.
 
-    1. `protect(value)`: a copy of a JSON-like value (dicts, lists, strings; dict keys are
-       structure and stay as they are) in which every str has each special-token string
-       replaced by the placeholder U+FDD0 <index> U+FDD1. Noncharacters U+FDD0..U+FDEF typed
-       in the strings become U+FFFD first, so no client can type a placeholder.
+    1. `protect(value)`: a copy of a JSON-like value (dicts, lists, strings) in which every
+       str, dict keys included, has each special-token string replaced by the placeholder
+       U+FDD0 <index> U+FDD1. Keys are client text too: a tool's parameter names and the keys
+       of a past call's arguments reach the rendering through `tojson` in templates with tool
+       support (Qwen, Hermes, Llama 3.1); a key the template looks up ("role", "content",
+       "function") holds no special-token string, so it stays as it is. Noncharacters
+       U+FDD0..U+FDEF typed in the strings become U+FFFD first, so no client can type a
+       placeholder.
     2. The template renders the protected values: every special-token string left in the
        rendering is markup.
     3. `encode(rendering)`: the markup's special tokens are spelled as stand-ins
@@ -164,7 +168,8 @@ class TemplateTextEncoder:
                 return value
             return self._special.sub(lambda m: f"{_TYPED}{self._index[m.group()]}{_TYPED_END}", value)
         if isinstance(value, dict):
-            return {k: self.protect(v) for k, v in value.items()}
+            return {self.protect(k) if isinstance(k, str) else k: self.protect(v)
+                    for k, v in value.items()}
         if isinstance(value, (list, tuple)):
             return [self.protect(v) for v in value]
         return value
