@@ -124,6 +124,21 @@ def test_json_object_choice_regex_and_grammars(llm):
             assert c.token_ids[-1] not in llm.engine.eos_token_ids
 
 
+def test_special_token_strings_in_a_constraint_are_text(llm):
+    """Before: a constraint that forces the text "<|im_end|>" made llguidance allow the special
+    token <|im_end|> (its encoder parsed the forced string), which its matcher then rejected:
+    GrammarFailedError, a 500 in the middle of the request. Now the text's own tokens."""
+    cases = [({"regex": r"<\|im_end\|>"}, "<|im_end|>"), ({"regex": r"a<\|im_start\|>"}, "a<|im_start|>"),
+             ({"choice": ["<|im_end|>", "<|endoftext|>!"]}, None)]
+    for so, want in cases:
+        params = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=30, structured_outputs=so)
+        (out,) = llm.generate(["Go"], params, use_tqdm=False)
+        for c in out.outputs:
+            assert out.error is None and c.finish_reason == "stop", (so, out.error)
+            assert c.text == want if want else c.text in so["choice"]
+            assert not set(c.token_ids) & {0, 1, 2}, c.token_ids    # no special token
+
+
 def test_json_object_accepts_any_object_only(llm):
     """(A random model writes endless keys, so json_object is checked on the grammar.)"""
     structured = llm.engine.structured
