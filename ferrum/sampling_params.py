@@ -85,6 +85,11 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self) -> None:
+        for name in ("stop", "stop_token_ids"):   # list() of a number or a dict: no TypeError
+            v = getattr(self, name)
+            if not (v is None or isinstance(v, (list, tuple)) or (name == "stop" and isinstance(v, str))):
+                raise InvalidRequestError(f"{name} must be a list{' or a string' if name == 'stop' else ''}"
+                                          f", got {type(v).__name__}", param=name)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -152,8 +157,9 @@ class SamplingParams:
                 s.encode("utf-8")
             except UnicodeEncodeError:
                 bad("stop", f"{s!r} holds a lone surrogate: stop strings must be valid Unicode")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_integer(t) or t < 0 for t in self.stop_token_ids):   # True is no id
             bad("stop_token_ids", f"must be token ids >= 0, got {self.stop_token_ids!r}")
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         if self.logit_bias:
             self.logit_bias = _check_logit_bias(self.logit_bias)
 

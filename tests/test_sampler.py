@@ -223,7 +223,8 @@ def test_shape_mismatch_and_bad_token_ids():
     (dict(min_tokens=1.5), "min_tokens"), (dict(n=True), "n"), (dict(max_tokens=True), "max_tokens"),
     (dict(seed=True), "seed"), (dict(logprobs=True), "logprobs"), (dict(temperature="0"), "temperature"),
     (dict(temperature=None), "temperature"), (dict(top_p=None), "top_p"), (dict(min_tokens="a"), "min_tokens"),
-    (dict(stop=["\ud800"]), "stop")])
+    (dict(stop=["\ud800"]), "stop"), (dict(stop=5), "stop"), (dict(stop={"a": 1}), "stop"),
+    (dict(stop_token_ids=5), "stop_token_ids"), (dict(stop_token_ids=[True]), "stop_token_ids")])
 def test_sampling_params_types_are_strict(kw, param):
     """Offline as in the server: a bool is not a count, text not a number, and stop strings are
     valid Unicode; each raises InvalidRequestError naming the parameter (some were accepted,
