@@ -278,3 +278,41 @@ def test_cuda_matches_cpu_and_seeds_hold():
                 for _ in range(steps)]
 
     assert seeded_row([1]) == seeded_row([0, 2, 1]) == seeded_row([2, 1])
+
+
+def test_batches_past_the_chunk_sample_in_slices_with_the_same_results(monkeypatch):
+    """A batch wider than SAMPLE_CHUNK_ROWS goes through the general path in row slices
+    (`SamplingMetadata.rows`): greedy and seeded rows get the tokens and logprobs of one
+    batch-wide pass, with every per-row input re-indexed across slice boundaries (penalties,
+    bias, min_tokens pairs, a grammar bitmask on some rows)."""
+    from ferrum.layers import sampler as sampler_module
+    vocab, B = 70, 11
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(B, vocab, generator=gen) * 3
+    params = []
+    for i in range(B):
+        params.append(SamplingParams(
+            temperature=0.0 if i % 3 == 0 else 0.7, seed=None if i % 3 == 0 else 100 + i,
+            top_p=0.8 if i % 2 else 1.0, top_k=5 if i % 4 == 1 else 0, min_p=0.05 if i == 7 else 0.0,
+            repetition_penalty=1.3 if i in (2, 6) else 1.0, frequency_penalty=0.4 if i == 9 else 0.0,
+            logit_bias={3: 4.0} if i == 4 else None, min_tokens=5 if i in (5, 8) else 0, logprobs=3))
+    prompts = [[1, 2, 3 + i] for i in range(B)]
+    outputs = [[4, EOS, 10 + i] for i in range(B)]
+    bitmask = torch.zeros(3, -(-vocab // 32), dtype=torch.int32)
+    for r, allowed in enumerate(([7, 8, EOS], [20, 21], [33, 64])):
+        for t in allowed:
+            bitmask[r, t // 32] |= 1 << (t % 32)
+    results = []
+    for chunk in (1000, 4):   # one pass; slices of 4 rows (boundaries at 4 and 8)
+        monkeypatch.setattr(sampler_module, "SAMPLE_CHUNK_ROWS", chunk)
+        gens = [None if p.seed is None else torch.Generator().manual_seed(p.seed) for p in params]
+        md = SamplingMetadata.build(params, prompts, outputs, gens, [EOS], vocab, "cpu")
+        md.set_grammar_bitmask([3, 5, 9], bitmask)
+        results.append(Sampler()(logits, md))
+    whole, sliced = results
+    assert torch.equal(whole.token_ids, sliced.token_ids)
+    assert whole.logprobs == sliced.logprobs
+    # the masks held in each slice: the grammar rows took an allowed token, min_tokens rows no EOS
+    for r, allowed in zip((3, 5, 9), ([7, 8, EOS], [20, 21], [33, 64])):
+        assert sliced.token_ids[r].item() in allowed
+    assert EOS not in (sliced.token_ids[5].item(), sliced.token_ids[8].item())

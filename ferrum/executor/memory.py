@@ -11,6 +11,7 @@ from ferrum.executor.cuda_graph import graph_batch_sizes
 from ferrum.executor.prefill_graph import PREFILL_GRAPH_MAX_TOKENS
 from ferrum.executor.prompt_logprobs import ROWS_PER_SLICE
 from ferrum.interfaces import MemoryRequirements
+from ferrum.layers.sampler import SAMPLE_CHUNK_ROWS
 
 log = logging.getLogger("ferrum")
 
@@ -18,8 +19,12 @@ log = logging.getLogger("ferrum")
 # (ferrum/layers/sampler.py: the logits and their processed copy, logit_bias, penalty counts and
 # the penalised copy, temperature-scaled, sorted values + int64 order, the top-p mask, softmax,
 # cumsum, the scattered result, probabilities): with every option on, 12.8 of them are alive at
-# the peak (measured in tests/test_memory_plan.py); 16 leaves room for the allocator's rounding
+# the peak (measured in tests/test_memory_plan.py); 16 leaves room for the allocator's rounding.
+# They are SAMPLE_CHUNK_ROWS rows wide at most (the sampler takes larger batches in slices);
+# batch-wide stay the logits and the metadata's logit_bias, output counts and seen mask
+# (3.25 copies measured): SAMPLER_BATCH_COPIES.
 SAMPLER_ROW_COPIES = 16
+SAMPLER_BATCH_COPIES = 4
 # the forward's intermediates per token of a step, over `activation_bytes_per_token` (tensors
 # alive across a layer boundary, the caching allocator's rounding)
 ACTIVATION_FACTOR = 4
@@ -64,9 +69,10 @@ def compute_memory_requirements(cfg: ModelConfig, dtype: torch.dtype, tp: int,
 def activation_reserve_bytes(mem: MemoryRequirements, max_num_batched_tokens: int, max_num_seqs: int) -> int:
     """Device bytes kept out of the KV pool for what a step allocates and frees, per rank:
     - the forward: ACTIVATION_FACTOR x activation_bytes_per_token x max_num_batched_tokens;
-    - logits and sampling: SAMPLER_ROW_COPIES float32 [rows, vocab] tensors for the most rows
-      whose logits exist at once (max_num_seqs sampled rows, or a prompt-logprobs slice of
-      ROWS_PER_SLICE);
+    - logits and sampling: SAMPLER_BATCH_COPIES float32 [rows, vocab] tensors for the most
+      rows whose logits exist at once (max_num_seqs sampled rows, or a prompt-logprobs slice
+      of ROWS_PER_SLICE), and SAMPLER_ROW_COPIES for the sampler's slice of at most
+      SAMPLE_CHUNK_ROWS of them;
     - CUDA graphs (their private pool, captured after the pool is allocated): every decode
       graph keeps its own logits output, one row per captured row (`graph_batch_sizes`) in
       the model's dtype (`ferrum.executor.cuda_graph` widens them outside the graph), plus
@@ -74,13 +80,15 @@ def activation_reserve_bytes(mem: MemoryRequirements, max_num_batched_tokens: in
       PREFILL_GRAPH_MAX_TOKENS tokens or the largest decode batch).
     Logits rows were once counted per batched token: Llama-3-8B at 8,192 tokens and 512
     sequences reserved 20.2 GB, then 12.7 GB (a 19% larger pool on an 80 GB card,
-    benchmarks/results/h100-2026-12-06c), 10.5 GB since the graphs' rows count in bf16 (that
-    run's peak reserved memory was 63.3 of the 71.3 GiB budget). Returns bytes."""
+    benchmarks/results/h100-2026-12-06c), 10.6 GB with the graphs' rows in bf16 (that run's
+    peak reserved memory was 63.3 of the 71.3 GiB budget), 8.0 GB since the sampler works in
+    slices of rows. Returns bytes."""
     rows = max(max_num_seqs, ROWS_PER_SLICE)
     graph_tokens = max(min(max_num_batched_tokens, PREFILL_GRAPH_MAX_TOKENS), max_num_seqs)
     graph_row = mem.graph_logits_bytes_per_row or mem.logits_bytes_per_row
     return (ACTIVATION_FACTOR * mem.activation_bytes_per_token * (max_num_batched_tokens + graph_tokens)
-            + mem.logits_bytes_per_row * SAMPLER_ROW_COPIES * rows
+            + mem.logits_bytes_per_row * (SAMPLER_BATCH_COPIES * rows
+                                          + SAMPLER_ROW_COPIES * min(rows, SAMPLE_CHUNK_ROWS))
             + graph_row * sum(graph_batch_sizes(max_num_seqs)))
 
 

@@ -44,6 +44,14 @@ from ferrum.ops.triton_utils import use_triton
 from ferrum.sampling_params import SamplingParams
 
 
+# Rows the general path (processing, top-k/p, min-p, the race, logprobs) takes at once: a batch
+# of more rows goes through in slices of this many, so its [rows, vocab] float32 temporaries are
+# this many rows wide whatever the batch, and the KV pool's reserve for them with it
+# (`ferrum.executor.memory`: 512 sequences of Llama-3's 128k vocabulary reserved 4.2 GB for a
+# batch-wide pipeline).
+SAMPLE_CHUNK_ROWS = 64
+
+
 def validate_token_ids(params: SamplingParams, vocab_size: int) -> None:
     """Check the token ids a request names (logit_bias keys, stop_token_ids) against the vocab.
 
@@ -126,6 +134,11 @@ class SamplingMetadata:
     any_greedy: bool = True   # build() sets it; True is the safe default (rows checked)
     grammar_rows: torch.Tensor | None = None
     grammar_bitmask: torch.Tensor | None = None
+    # host copies for `rows`: greedy per row, the min_tokens (row, token) pairs, the grammar's
+    # rows and CPU bitmask (slicing the device tensors by row would wait for the device)
+    greedy_host: list[bool] | None = None
+    min_tokens_host: tuple[list[int], list[int]] | None = None
+    grammar_host: tuple[list[int], torch.Tensor] | None = None
 
     @property
     def unprocessed(self) -> bool:
@@ -163,7 +176,7 @@ class SamplingMetadata:
         metadata = cls(vocab_size=vocab_size,
                        greedy=_to_device(greedy, torch.bool, device),
                        all_greedy=all(greedy), any_greedy=any(greedy), generators=list(generators),
-                       num_logprobs=[p.logprobs for p in params])
+                       num_logprobs=[p.logprobs for p in params], greedy_host=greedy)
 
         if not metadata.all_greedy:
             # Sampling options of greedy rows are ignored: they take the argmax anyway.
@@ -214,7 +227,37 @@ class SamplingMetadata:
         if rows:
             metadata.min_tokens_rows = _to_device(rows, torch.long, device)
             metadata.min_tokens_cols = _to_device(cols, torch.long, device)
+            metadata.min_tokens_host = (rows, cols)
         return metadata
+
+    def rows(self, start: int, end: int) -> "SamplingMetadata":
+        """The metadata of rows [start, end) alone (row i of it is row start + i here), for
+        sampling a slice of the batch's logits. Views of the [B, ...] tensors; the sparse
+        (row, token) pairs re-indexed from the host copies, without waiting for the device.
+        Needs a metadata from `build`."""
+        sl = slice(start, end)
+        cut = lambda t: None if t is None else t[sl]   # noqa: E731
+        greedy = self.greedy_host[sl]
+        md = SamplingMetadata(
+            vocab_size=self.vocab_size, greedy=self.greedy[sl], all_greedy=all(greedy), any_greedy=any(greedy),
+            generators=self.generators[sl], num_logprobs=self.num_logprobs[sl],
+            temperature=cut(self.temperature), top_k=cut(self.top_k), top_p=cut(self.top_p), min_p=cut(self.min_p),
+            repetition_penalty=cut(self.repetition_penalty), seen=cut(self.seen),
+            presence_penalty=cut(self.presence_penalty), frequency_penalty=cut(self.frequency_penalty),
+            output_counts=cut(self.output_counts), logit_bias=cut(self.logit_bias), greedy_host=greedy)
+        device = self.greedy.device
+        if self.min_tokens_host is not None:
+            pairs = [(r - start, c) for r, c in zip(*self.min_tokens_host) if start <= r < end]
+            if pairs:
+                md.min_tokens_host = ([r for r, _ in pairs], [c for _, c in pairs])
+                md.min_tokens_rows = _to_device(md.min_tokens_host[0], torch.long, device)
+                md.min_tokens_cols = _to_device(md.min_tokens_host[1], torch.long, device)
+        if self.grammar_host is not None:
+            rows, bitmask = self.grammar_host
+            keep = [i for i, r in enumerate(rows) if start <= r < end]
+            if keep:
+                md.set_grammar_bitmask([rows[i] - start for i in keep], bitmask[keep])
+        return md
 
     def set_grammar_bitmask(self, rows: list[int], bitmask: torch.Tensor) -> None:
         """Constrain `rows` (G row indices) to the tokens their bitmask allows: bitmask is
@@ -223,6 +266,7 @@ class SamplingMetadata:
         device = self.greedy.device
         self.grammar_rows = _to_device(rows, torch.long, device)
         self.grammar_bitmask = bitmask.to(device, non_blocking=True)
+        self.grammar_host = (list(rows), bitmask)
 
 
 @dataclass
@@ -363,6 +407,9 @@ class Sampler:
     penalties, the min_tokens mask and the grammar mask but before temperature, top-k, top-p
     and min-p, so they describe the model's (penalised, constrained) distribution rather than
     the truncated one sampled from; masked-out tokens are left out of the top-N.
+    Batches of more than SAMPLE_CHUNK_ROWS rows that take the general path (any option but
+    temperature alone, or logprobs) go through it in slices of that many rows: the same tokens
+    for greedy and seeded rows, one global-RNG draw per slice for the others.
     Raises ValueError when the shapes of logits and metadata disagree.
     """
 
@@ -381,7 +428,14 @@ class Sampler:
             raise ValueError(f"logits must be [{metadata.greedy.shape[0]}, {metadata.vocab_size}], "
                              f"got {list(logits.shape)}")
         fused = _fused_ok(logits, metadata)
-        if (fused or metadata.all_greedy) and metadata.unprocessed and metadata.max_num_logprobs is None:
+        light = (fused or metadata.all_greedy) and metadata.unprocessed and metadata.max_num_logprobs is None
+        B = logits.shape[0]
+        if not light and B > SAMPLE_CHUNK_ROWS and metadata.greedy_host is not None:
+            outs = [self(logits[a:a + SAMPLE_CHUNK_ROWS], metadata.rows(a, min(a + SAMPLE_CHUNK_ROWS, B)))
+                    for a in range(0, B, SAMPLE_CHUNK_ROWS)]
+            logprobs = None if metadata.max_num_logprobs is None else [e for o in outs for e in o.logprobs]
+            return SamplerOutput(token_ids=torch.cat([o.token_ids for o in outs]), logprobs=logprobs)
+        if light:
             processed = logits   # nothing to add or mask: skip the [B, V] float32 copy
         else:
             processed = process_logits(logits, metadata)
