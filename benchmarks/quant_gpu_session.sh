@@ -74,7 +74,7 @@ set -u -o pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-step=${1:?step 1-18}
+step=${1:?step 1-16}
 mkdir -p /tmp/vc
 for p in .peers/vc/part.*; do [[ -f $p ]] && cp "$p" /tmp/vc/; done
 [[ -d .peers/vc/bin ]] && cp -r .peers/vc/bin /tmp/vc/
@@ -219,26 +219,7 @@ tests/test_moe.py tests/test_sliding_window.py" LIMIT_tests=280 bash benchmarks/
             --max-num-batched-tokens 16384 --workload nanovllm --step-log "$OUT/steplog" \
             --out "$OUT/nanovllm_steplog.json" >"$OUT/nanovllm_steplog.log" 2>&1
         ;;
-    17)
-        # KV pages head-major (FERRUM_KV_HEAD_MAJOR) A/B/A on the nano-vllm workload, ferrum alone
-        for v in 0 1 0b; do
-            FERRUM_KV_HEAD_MAJOR=${v%b} timeout -k 10 170 python3 -m ferrum.entrypoints.cli bench throughput \
-                benchmarks/configs/qwen3-0.6b.json --load-format dummy --dtype bfloat16 --device cuda \
-                --max-num-seqs 256 --max-model-len 4096 --max-num-batched-tokens 16384 --workload nanovllm \
-                --out "$OUT/nanovllm_hm$v.json" >>"$OUT/hm.log" 2>&1
-        done
-        ;;
-    18)
-        # the same on 1000 x (1000 in, 1000 out), Llama-3-8B bf16 (sched_ab.sh's flags), 1 then 0
-        for v in 1 0; do
-            FERRUM_KV_HEAD_MAJOR=$v timeout -k 10 240 python3 -m ferrum.entrypoints.cli bench throughput \
-                benchmarks/configs/llama3-8b.json --load-format dummy --dtype bfloat16 --device cuda \
-                --num-prompts 1000 --input-len 1000 1000 --output-len 1000 1000 --max-num-seqs 512 \
-                --max-num-batched-tokens 8192 --max-model-len 2016 --no-sequential \
-                --out "$OUT/tput_hm$v.json" >>"$OUT/hm_tput.log" 2>&1
-        done
-        ;;
-    *) echo "step 1-18" >&2; exit 2 ;;
+    *) echo "step 1-16" >&2; exit 2 ;;
 esac
 # the device tool returns at most 8 files: pack them all when there are more
 # (Triton's cache parts stay out: each is at most 15 MB, the limit of one returned file being 16 MiB)

@@ -661,12 +661,6 @@ class KernelConfig:
     fused_rope_kv: bool = option(True, "q/k norm, RoPE and the KV-cache store of each layer in one "
                                  "Triton kernel (CUDA; ferrum/ops/rope_kv.py) instead of up to four",
                                  env="FERRUM_FUSED_ROPE_KV")
-    kv_head_major: bool = option(
-        False, "CUDA (Triton attention): hold each KV-cache page as [KV heads, block_size, head_dim] "
-        "instead of [block_size, KV heads, head_dim], so one decode program's rows of a page are "
-        "contiguous; the kernels read the cache through its strides, the tensor keeps its shape "
-        "(benchmarks/tune_attention.py --layouts both times the two)",
-        env="FERRUM_KV_HEAD_MAJOR")
     pdl: bool = option(True, "programmatic dependent launch of the decode kernels (CUDA sm_90+)",
                        env="FERRUM_PDL")
     cpu_blas_gemv: bool = option(True, "CPU float32 linears through numpy's OpenBLAS (one "

@@ -266,7 +266,7 @@ def check_rope_kv(device: str) -> None:
             (f32, f32, 4, 2, 64, None, torch.int64, False), (bf16, bf16, 6, 2, 128, RMSNorm, torch.int64, False),
             (bf16, fp8, 8, 2, 128, RMSNorm, i32, False), (f32, f32, 4, 4, 32, GemmaRMSNorm, torch.int64, False),
             (bf16, bf16, 5, 1, 80, GemmaRMSNorm, i32, False), (bf16, bf16, 3, 3, 80, None, torch.int64, False),
-            (bf16, fp8, 8, 2, 128, RMSNorm, i32, True)]:   # pages [Hkv, page, D] (KERNELS.kv_head_major)
+            (bf16, fp8, 8, 2, 128, RMSNorm, i32, True)]:   # pages held [Hkv, page, D]
         T, NB, page = 6, 4, 8
         rot = RotaryEmbedding(D, 256, 10000.0).to(device)
         norms = None
@@ -449,7 +449,7 @@ def check_attention_layer(device: str) -> None:
     for name in backends:
         a = Attention(H, Hkv, D, D ** -0.5)
         a.kv_cache = torch.zeros(2, NB, page, Hkv, D, device=device)
-        if name == "triton-head-major":   # pages [Hkv, page, D] (KERNELS.kv_head_major), the same view
+        if name == "triton-head-major":   # pages held [Hkv, page, D], the same view
             a.kv_cache = torch.zeros(2, NB, Hkv, page, D, device=device).transpose(2, 3)
         layers[name] = a
     lens = [0, 0]
@@ -679,20 +679,15 @@ def check_prefill_graph(device: str) -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(cfg, f)
     init_tensor_parallel(0, 1, None)
-    from ferrum.config import KERNELS
     runners = []
     for head_major in (False, True):   # the same dummy weights (seed 0), each with its own NaN-poisoned cache
         r = ModelRunner(resolve_model(f"dummy:{f.name}"), device, torch.float32, "dummy", 0, progress=False)
-        r.attn_backend = attention_triton
-        saved, KERNELS.kv_head_major = KERNELS.kv_head_major, head_major   # the graph runner's pages [Hkv, 16, D]
-        try:
-            r.allocate_kv_cache(12, 16)
-        finally:
-            KERNELS.kv_head_major = saved
-        # head stride: block_size * head_dim (head-major) or head_dim (32 = hidden 128 / 4 heads)
-        assert r.attn_layers[0].kv_cache.stride(3) == (16 * 32 if head_major else 32)
+        r.allocate_kv_cache(12, 16)
         for layer in r.attn_layers:
             layer.kv_cache.fill_(float("nan"))
+            if head_major:   # the graph runner's pages held [Hkv, 16, D]: the kernels read through strides
+                layer.kv_cache = layer.kv_cache.transpose(2, 3).contiguous().transpose(2, 3)
+        r.attn_backend = attention_triton
         runners.append(r)
     ref, run = runners
     M = 16

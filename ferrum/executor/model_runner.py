@@ -189,14 +189,9 @@ class ModelRunner:
         tests/test_kv_cache_garbage.py fills the pool with NaN)."""
         self.num_blocks, self.block_size = num_blocks, block_size
         a = self.attn_layers[0]
-        head_major = KERNELS.kv_head_major and self.attn_backend is attention_triton
         for layer in self.attn_layers:
-            if head_major:   # pages [Hkv, block_size, D] in memory, the same [block_size, Hkv, D] view
-                layer.kv_cache = torch.empty(2, num_blocks, a.num_kv_heads, block_size, a.head_dim,
-                                             dtype=self.kv_cache_dtype, device=self.device).transpose(2, 3)
-            else:
-                layer.kv_cache = torch.empty(2, num_blocks, block_size, a.num_kv_heads, a.head_dim,
-                                             dtype=self.kv_cache_dtype, device=self.device)
+            layer.kv_cache = torch.empty(2, num_blocks, block_size, a.num_kv_heads, a.head_dim,
+                                         dtype=self.kv_cache_dtype, device=self.device)
 
     # ---- forward ------------------------------------------------------------------------
     def _cpu_blas_forward(self, num_tokens: int):

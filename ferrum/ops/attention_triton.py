@@ -2,8 +2,9 @@
 functions, shapes and KV layout as the torch backend (`ferrum.ops.attention_torch`): one tensor
 per layer `kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]` (K then V), read only
 through the block table. Every kernel addresses the cache through its strides (block, slot,
-head), so `KERNELS.kv_head_major` pages, held [Hkv, block_size, D] and viewed transposed, take
-the same code. Under `TRITON_INTERPRET=1` the kernels also run on CPU tensors (tests).
+head), so pages held [Hkv, block_size, D] and viewed transposed take the same code (timed
+against the engine's layout on an H100: no faster, benchmarks/results/h100-2026-12-07). Under
+`TRITON_INTERPRET=1` the kernels also run on CPU tensors (tests).
 An FP8 (e4m3) cache holds K / V divided by the layer's k_scale / v_scale ([1] float32 device
 tensors, so CUDA graphs stay valid): the store divides and saturates at +-448, the attention
 kernels fold k_scale into the logits' scale and v_scale into V's tiles (or the output). With
@@ -153,7 +154,7 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 
     kv_cache: [2, num_blocks, block_size, Hkv, D] (bf16/fp16/fp32, or float8_e4m3fn with
     k_scale / v_scale [1] float32: K/V stored divided by them; last dim contiguous, written
-    through its strides: `KERNELS.kv_head_major` pages are a transposed view);
+    through its strides);
     k, v: [T, Hkv, D] (any dtype, views allowed: only the last dim must be contiguous);
     slot_mapping: [T] int64 (or int32), flat slot = block_id * block_size + offset; a slot < 0
     is skipped (padded rows of a CUDA graph). One kernel launch writes both K and V.
