@@ -64,7 +64,16 @@
 #  15: carry .peers/vllm_bench.py .peers/vc/part.02 .peers/vc/bin: vLLM unpacked, then
 #      `gpu_run.sh tput` (ferrum, then vLLM: output_tok_s_vs_vllm).
 #  16: the decode attention over both page layouts (tune_attention.py --layouts both), Qwen3-0.6B's
-#      decode graph at 1-64 rows (profile_decode.py replay), then the nano-vllm workload, ferrum alone, with --step-log (a call that can carry a vLLM chunk).
+#      decode graph at 1-64 rows (profile_decode.py replay), then the nano-vllm workload, ferrum
+#      alone, with --step-log (a call that can carry a vLLM chunk).
+# (Steps 17-18 of 2026-12-07 timed KV pages head-major, no faster, and were removed:
+# benchmarks/results/h100-2026-12-07.)
+#  17: benchmarks/probe_small_gemm.py: Qwen3-0.6B's decode linears at 2-256 rows, cuBLAS against
+#      Triton tiles and split-K (nothing carried is needed: a call that can carry a vLLM chunk).
+#
+# The next lease (after h100-2026-12-07): 17 carrying .peers/vc/part.00, 14 carrying .old
+# .peers/vc/part.01 (main's admission against 2d19606), then 12 carrying .whl (the quantized
+# kernel tests) and, on an H200, 10 (the quantized table against vLLM: part.02 and bin).
 # The lease plan since 3c3d8b1 (no wheels for the benchmarks; .whl + a chunk did not fit one call
 # on 2026-12-06e): 14 carrying .old .peers/vc/part.00, 16 carrying .peers/vc/part.01, 15 carrying
 # .peers/vllm_bench.py .peers/vc/part.02 .peers/vc/bin, then 12 carrying .whl (the tests).
@@ -74,7 +83,7 @@ set -u -o pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-step=${1:?step 1-16}
+step=${1:?step 1-17}
 mkdir -p /tmp/vc
 for p in .peers/vc/part.*; do [[ -f $p ]] && cp "$p" /tmp/vc/; done
 [[ -d .peers/vc/bin ]] && cp -r .peers/vc/bin /tmp/vc/
@@ -219,7 +228,12 @@ tests/test_moe.py tests/test_sliding_window.py" LIMIT_tests=280 bash benchmarks/
             --max-num-batched-tokens 16384 --workload nanovllm --step-log "$OUT/steplog" \
             --out "$OUT/nanovllm_steplog.json" >"$OUT/nanovllm_steplog.log" 2>&1
         ;;
-    *) echo "step 1-16" >&2; exit 2 ;;
+    17)
+        # the small model's decode linears at 2-256 rows: cuBLAS against Triton tiles and split-K
+        # (h100-2026-12-07: Qwen3-0.6B's GEMMs at 256 rows ran at ~310 TFLOP/s, 12.7% of a step)
+        timeout -k 10 400 python3 benchmarks/probe_small_gemm.py >"$OUT/probe_small_gemm.log" 2>&1
+        ;;
+    *) echo "step 1-17" >&2; exit 2 ;;
 esac
 # the device tool returns at most 8 files: pack them all when there are more
 # (Triton's cache parts stay out: each is at most 15 MB, the limit of one returned file being 16 MiB)
