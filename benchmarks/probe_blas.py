@@ -4,23 +4,14 @@ PROBE_ROWS (default "1024 7500") picks the row counts, PROBE_LIBS (default "cubl
 the back-ends; PROBE_SPLIT=1 also times each GEMM as two launches split at the last multiple of
 256 rows (does the partial last tile row or wave cost more than a second launch?). Writes
 $OUT/probe_blas.json."""
-import json, os, statistics, torch
+import json, os, sys, torch
 import torch.nn.functional as F
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ferrum.benchmarks.mbu import cuda_event_median_us  # noqa: E402
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 ROWS = [int(m) for m in os.environ.get("PROBE_ROWS", "1024 7500").split()]
 LIBS = os.environ.get("PROBE_LIBS", "cublas cublaslt").split()
 SPLIT = os.environ.get("PROBE_SPLIT") == "1"
-
-
-def median_us(fn):
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record(); b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts)
 
 
 res = {}
@@ -36,7 +27,7 @@ for lib in LIBS:
             if SPLIT and 0 < m1 < M:
                 variants["split"] = lambda: (torch.mm(x[:m1], w.t(), out=out[:m1]), torch.mm(x[m1:], w.t(), out=out[m1:]))
             for v, fn in variants.items():
-                us = median_us(fn)
+                us = cuda_event_median_us(fn)
                 key = f"{lib}/{M}/{name}" + ("" if v == "one" else f"/{v}")
                 res[key] = {"us": round(us, 1), "tflops": round(2 * M * N * K / us / 1e6, 1)}
                 print(key, res[key], flush=True)

@@ -15,13 +15,15 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ferrum.benchmarks.mbu import cuda_event_median_us  # noqa: E402
 
 MODELS = {   # name: (N, K) of each decode-step linear (LM head last)
     "qwen3-0.6b": {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),
@@ -82,20 +84,6 @@ def check() -> None:
     print("probe_small_gemm kernel check passed on", dev)
 
 
-def median_us(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts)
-
-
 def main() -> None:
     if "--check" in sys.argv:
         check()
@@ -117,7 +105,7 @@ def main() -> None:
             def timed(key, fn):
                 try:
                     err = (fn(ws[0]).float() - ref.float()).abs().max().item()
-                    us = median_us(lambda: fn(ws[next(turn)]))
+                    us = cuda_event_median_us(lambda: fn(ws[next(turn)]))
                 except Exception as e:   # out of shared memory / registers for this tile
                     row[key] = {"error": str(e).splitlines()[0][:160]}
                     return

@@ -26,6 +26,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from ferrum.benchmarks.mbu import cuda_event_median_us  # noqa: E402
 from ferrum.forward_context import AttentionMetadata  # noqa: E402
 from ferrum.ops import attention_triton as tb  # noqa: E402
 
@@ -49,21 +50,6 @@ def _case(B, ctx, gen, fp8=False, head_major=False):
     md = AttentionMetadata(is_prefill=False, slot_mapping=torch.empty(0, device="cuda"),
                            block_tables=bt, seq_lens=seq, max_seq_len=ctx)
     return q, kv, md
-
-
-def _time(fn, iters=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1000)
-    return sorted(ts)[len(ts) // 2]
 
 
 def _prefill_inputs(B: int, L: int, gen):
@@ -107,7 +93,7 @@ def time_prefill_sdpa(cases: str, gen) -> dict:
                         return tb.prefill_attention(q, kv, md, D ** -0.5, k, v)
                 try:
                     err = (run().float() - ref.float()).abs().max().item()
-                    us = _time(run, iters=10)
+                    us = cuda_event_median_us(run, iters=10)
                 except Exception as e:  # a backend that does not take these inputs
                     rows[name] = {"error": str(e).splitlines()[0][:200]}
                     continue
@@ -144,7 +130,7 @@ def tune_prefill(cases: str, gen, small: bool = False) -> dict:
             cfg = {"block_m": bm, "block_n": bn, "warps": warps, "stages": stages, "heavy_first": heavy}
             try:
                 err = (run().float() - ref.float()).abs().max().item()
-                us = _time(run, iters=10)
+                us = cuda_event_median_us(run, iters=10)
             except Exception as e:  # out of shared memory / registers for this config
                 rows.append({**cfg, "error": str(e).splitlines()[0][:200]})
                 continue
@@ -213,7 +199,7 @@ def main():
             try:
                 out = tb.decode_attention(q, kv, md, scale, num_splits=s, **kw)
                 err = (out.float() - ref.float()).abs().max().item()
-                us = _time(lambda: tb.decode_attention(q, kv, md, scale, num_splits=s, **kw))
+                us = cuda_event_median_us(lambda: tb.decode_attention(q, kv, md, scale, num_splits=s, **kw))
             except Exception as e:  # out of shared memory / registers for this config
                 rows.append({"block_n": bn, "warps": warps, "stages": stages, "splits": s,
                              "heads_first": heads_first, "error": str(e).splitlines()[0][:200]})

@@ -135,6 +135,25 @@ def measure_roofline_gbs(device: str, cpu_bytes: int = 256 << 20) -> tuple[float
     return n * k * 2 * copies / (ms / 1e3) / 1e9, f"batch-1 GEMV on {n}x{k} bf16 (ferrum.ops.linear), CUDA graph"
 
 
+def cuda_event_median_us(fn, iters: int = 20, warmup: int = 3) -> float:
+    """Median over `iters` calls of fn, each timed alone between two CUDA events, in us (after
+    `warmup` untimed calls): a kernel's time with its launch, for probes and tuning sweeps."""
+    import statistics
+
+    import torch
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(ts)
+
+
 def cuda_graph_time_ms(fn, iters: int = 20, reps: int = 5) -> float:
     """Best over `reps` of (one CUDA graph holding `iters` calls of fn) / iters, in ms (two
     warm-up calls first, on a side stream as graph capture requires)."""
