@@ -186,3 +186,43 @@ def test_hub_id_unreachable_is_model_not_found(monkeypatch, tmp_path):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     with pytest.raises(ModelNotFoundError, match="could not be reached"):
         resolve_model("someorg/some-model")
+
+
+def _tiny_folder(tmp_path, name="m"):
+    """A copy of one tiny random Llama HF folder (made once per session) at tmp_path/name."""
+    import shutil
+    from tiny_models import make_tiny_model, save_byte_level_tokenizer
+    src = tmp_path.parent / "tiny-src"
+    if not (src / "tokenizer.json").exists():
+        make_tiny_model(str(src), vocab=300)
+        save_byte_level_tokenizer(str(src))
+    return shutil.copytree(src, tmp_path / name)
+
+
+def test_folder_code_is_never_run(tmp_path, monkeypatch):
+    """A folder whose config.json / tokenizer_config.json names its own Python (`auto_map`)
+    made transformers ask "Do you wish to run the custom code? [y/N]" on stdin, so a piped
+    "y" (`echo y | ferrum run ./folder --prompt hi`) ran the folder's .py; now it is refused
+    without asking, and the file never runs."""
+    import io
+    import json
+    from ferrum.errors import UnsupportedModelError
+    from ferrum.tokenizer.tokenizer import Tokenizer
+    marker = tmp_path / "ran"
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\n" * 10))
+    folder = _tiny_folder(tmp_path)
+    (folder / "evil.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
+                                    "from transformers import PretrainedConfig, PreTrainedTokenizerFast\n"
+                                    "class EvilConfig(PretrainedConfig):\n    model_type = 'evil'\n"
+                                    "class EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+    cfg = json.loads((folder / "config.json").read_text())
+    tok = json.loads((folder / "tokenizer_config.json").read_text())
+    tok["auto_map"] = {"AutoTokenizer": [None, "evil.EvilTokenizer"]}
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok))
+    Tokenizer.from_folder(str(folder))   # the tokenizer.json's own tokenizer, not evil.py's
+    assert not marker.exists()
+    cfg.update(auto_map={"AutoConfig": "evil.EvilConfig"}, model_type="evil")
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="custom code"):
+        resolve_model(str(folder))
+    assert not marker.exists()

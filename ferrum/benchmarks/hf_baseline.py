@@ -95,7 +95,7 @@ def load_hf_model(source, dtype: torch.dtype, device: str):
     import transformers
     path = source.path
     if source.fmt == "safetensors" and path:
-        m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
     elif source.fmt == "gguf" and path:
         try:
             m = transformers.AutoModelForCausalLM.from_pretrained(

@@ -86,7 +86,9 @@ def load_hf_folder(folder: str) -> ModelSource:
         raise ModelNotFoundError(f"{folder} has no config.json; not a Hugging Face model folder")
     from transformers import AutoConfig
     try:
-        hf = AutoConfig.from_pretrained(folder)
+        # never the folder's own Python (`auto_map`): transformers would otherwise ask on stdin,
+        # and a piped prompt or a "y" there would run it
+        hf = AutoConfig.from_pretrained(folder, trust_remote_code=False)
     except OSError as e:   # transformers' "not a valid JSON file" (and unreadable files)
         raise UnsupportedModelError(f"{folder}/config.json cannot be read as a model config: "
                                     f"{str(e).splitlines()[0]}") from None

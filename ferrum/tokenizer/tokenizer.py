@@ -257,7 +257,7 @@ class Tokenizer:
         from transformers import AutoTokenizer
 
         from ferrum.config import generation_eos_token_ids
-        hf = AutoTokenizer.from_pretrained(folder)
+        hf = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)   # never the folder's own code
         if eos_token_ids is None:
             eos_token_ids = generation_eos_token_ids(folder) or []
         return cls(hf, eos_token_ids)
