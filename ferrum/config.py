@@ -103,6 +103,22 @@ class ModelConfig:
     # LongRoPE picks its long or short factors by it.
     max_model_len: int | None = None
 
+    _SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+    def __post_init__(self):
+        """A config.json or GGUF header with a size of 0, below 0 or not a whole number (or
+        heads that do not group over the KV heads) is an UnsupportedModelError here, not a
+        ZeroDivisionError or a negative tensor size deep in the KV pool or the model."""
+        for name in self._SIZES:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise UnsupportedModelError(f"model config: {name} must be a whole number >= 1, got {v!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise UnsupportedModelError(
+                f"model config: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+
     def is_sliding(self, layer: int) -> bool:
         """Whether layer `layer` attends through the sliding window."""
         return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"

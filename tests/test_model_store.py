@@ -226,3 +226,38 @@ def test_folder_code_is_never_run(tmp_path, monkeypatch):
     with pytest.raises(UnsupportedModelError, match="custom code"):
         resolve_model(str(folder))
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("what, edit, error, match", [
+    ("config.json null", lambda f: (f / "config.json").write_text("null"), "UnsupportedModelError", "config.json"),
+    ("heads as a string", {"num_attention_heads": "4"}, "UnsupportedModelError", "num_attention_heads"),
+    ("zero heads", {"num_attention_heads": 0}, "UnsupportedModelError", "config.json"),
+    ("negative hidden size", {"hidden_size": -64}, "UnsupportedModelError", "hidden_size must be"),
+    ("zero layers", {"num_hidden_layers": 0}, "UnsupportedModelError", "num_hidden_layers must be"),
+    ("zero context", {"max_position_embeddings": 0}, "UnsupportedModelError", "max_position_embeddings must be"),
+    ("heads not a multiple of KV heads", {"num_key_value_heads": 3}, "UnsupportedModelError", "not a multiple"),
+    ("quantization_config a string", {"quantization_config": "fp8"}, "UnsupportedModelError", "config.json"),
+    ("generation_config.json not JSON", lambda f: (f / "generation_config.json").write_text("{bad"),
+     "UnsupportedModelError", "generation_config.json"),
+    ("index not JSON", lambda f: (f / "model.safetensors.index.json").write_text("{{"), "WeightLoadError", "index.json"),
+    ("index without weight_map", lambda f: (f / "model.safetensors.index.json").write_text("{}"),
+     "WeightLoadError", "weight_map"),
+])
+def test_broken_hf_folder_is_a_named_one_line_error(tmp_path, what, edit, error, match):
+    """From a user's attempt to break loading: each of these ended in a Python traceback
+    (TypeError, StrictDataclassFieldValidationError, ZeroDivisionError in transformers or in
+    the KV pool's sizing, a negative tensor size, JSONDecodeError / KeyError of the shard
+    index, transformers' OSError for generation_config.json); now each is a named ferrum
+    error of one line, raised before any weight loads."""
+    import json
+    import ferrum.errors
+    folder = _tiny_folder(tmp_path)
+    if isinstance(edit, dict):
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg.update(edit)
+        (folder / "config.json").write_text(json.dumps(cfg))
+    else:
+        edit(folder)
+    with pytest.raises(getattr(ferrum.errors, error), match=match) as info:
+        resolve_model(str(folder)).weights()
+    assert "\n" not in str(info.value), what

@@ -51,8 +51,12 @@ class SafetensorsSource:
     def __init__(self, folder: str):
         index = os.path.join(folder, "model.safetensors.index.json")
         if os.path.exists(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
+            try:   # a half-downloaded or hand-edited index: named, not a JSONDecodeError / KeyError
+                with open(index) as f:
+                    files = sorted(set(json.load(f)["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise WeightLoadError(f"cannot read {index}: {type(e).__name__}: {e}; it must be JSON "
+                                      "with a \"weight_map\" of tensor name -> file name") from None
         else:
             files = sorted(p for p in os.listdir(folder) if p.endswith(".safetensors"))
         if not files:
@@ -77,11 +81,19 @@ class SafetensorsSource:
         return self._weights[name]
 
 
+def _first_line(e: BaseException) -> str:
+    """The first non-empty line of an exception's message (transformers' run to a paragraph),
+    with the next one when it ends in a colon (a validation error names the field, then why)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [""]
+    return " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]
+
+
 def load_hf_folder(folder: str) -> ModelSource:
     """Resolve a local HF model folder into a ModelSource: config.json through transformers'
     AutoConfig, EOS ids from generation_config.json (GenerationConfig), else config.json.
     Raises ModelNotFoundError when the folder has no config.json, UnsupportedModelError for
-    an unknown architecture or a config.json that is not valid JSON."""
+    an unknown architecture, or a config.json / generation_config.json that transformers
+    cannot read (not JSON, values of the wrong type), on one line."""
     if not os.path.exists(os.path.join(folder, "config.json")):
         raise ModelNotFoundError(f"{folder} has no config.json; not a Hugging Face model folder")
     from transformers import AutoConfig
@@ -91,11 +103,16 @@ def load_hf_folder(folder: str) -> ModelSource:
         hf = AutoConfig.from_pretrained(folder, trust_remote_code=False)
     except OSError as e:   # transformers' "not a valid JSON file" (and unreadable files)
         raise UnsupportedModelError(f"{folder}/config.json cannot be read as a model config: "
-                                    f"{str(e).splitlines()[0]}") from None
-    except (ValueError, KeyError) as e:   # unknown model_type
-        raise UnsupportedModelError(f"{folder}/config.json: {e}") from e
+                                    f"{_first_line(e)}") from None
+    except Exception as e:  # noqa: BLE001  unknown model_type, custom code, and what transformers'
+        # config classes raise on values of the wrong type or range (`null`, "4" heads, 0 heads)
+        raise UnsupportedModelError(f"{folder}/config.json: {type(e).__name__}: {_first_line(e)}") from None
     config = ModelConfig.from_hf_config(hf)
-    eos = generation_eos_token_ids(folder) or list(config.eos_token_id)
+    try:
+        eos = generation_eos_token_ids(folder) or list(config.eos_token_id)
+    except Exception as e:  # noqa: BLE001  transformers' OSError for a file that is not JSON, ...
+        raise UnsupportedModelError(f"{folder}/generation_config.json cannot be read: "
+                                    f"{type(e).__name__}: {_first_line(e)}") from None
 
     def tokenizer_loader():
         from ferrum.tokenizer.tokenizer import Tokenizer
