@@ -208,13 +208,23 @@ def _download(m: KnownModel, folder: str, path: str, progress: bool) -> None:
         os.replace(part, path)
 
 
+def _size(path: str) -> int:
+    """The size of a file, 0 for one that cannot be stat'ed (a dangling link, no permission)."""
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
 def _dir_size(folder: str) -> int:
-    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(folder) for f in fs)
+    return sum(_size(os.path.join(r, f)) for r, _, fs in os.walk(folder) for f in fs)
 
 
 def list_models() -> list[dict]:
     """Cached models, sorted by name: [{"name", "path", "size" (bytes), "format"}], format
-    "gguf" (path = the .gguf file) or "safetensors" (path = a folder with config.json)."""
+    "gguf" (path = the .gguf file) or "safetensors" (path = a folder with config.json). What
+    else the store holds (stray files, dangling links, folders it cannot read) is skipped, so
+    one bad entry does not hide the others."""
     out = []
     root = models_dir()
     if not os.path.isdir(root):
@@ -227,10 +237,14 @@ def list_models() -> list[dict]:
             out.append({"name": name, "path": folder, "size": _dir_size(folder),
                         "format": "safetensors"})
             continue
-        for f in sorted(os.listdir(folder)):
-            if f.endswith(".gguf"):
-                p = os.path.join(folder, f)
-                out.append({"name": name, "path": p, "size": os.path.getsize(p), "format": "gguf"})
+        try:
+            files = sorted(os.listdir(folder))
+        except OSError:
+            continue
+        for f in files:
+            p = os.path.join(folder, f)
+            if f.endswith(".gguf") and os.path.isfile(p):
+                out.append({"name": name, "path": p, "size": _size(p), "format": "gguf"})
     return out
 
 

@@ -261,3 +261,23 @@ def test_broken_hf_folder_is_a_named_one_line_error(tmp_path, what, edit, error,
     with pytest.raises(getattr(ferrum.errors, error), match=match) as info:
         resolve_model(str(folder)).weights()
     assert "\n" not in str(info.value), what
+
+
+def test_list_skips_dangling_links_and_stray_files(tmp_path, monkeypatch):
+    """A dangling `.gguf` link in the store (a model file deleted or moved from under it) made
+    `ferrum list` end in a FileNotFoundError traceback, listing nothing; now it is skipped and
+    the other entries are listed."""
+    monkeypatch.setenv("FERRUM_HOME", str(tmp_path))
+    models = tmp_path / "models"
+    (models / "good").mkdir(parents=True)
+    (models / "good" / "m.gguf").write_bytes(b"GGUF" * 4)
+    (models / "broken").mkdir()
+    (models / "broken" / "gone.gguf").symlink_to(tmp_path / "nowhere.gguf")
+    (models / "hf").mkdir()
+    (models / "hf" / "config.json").write_text("{}")
+    (models / "hf" / "gone.safetensors").symlink_to(tmp_path / "nowhere.safetensors")
+    (models / "stray-file").write_text("x")
+    (models / "half").mkdir()
+    (models / "half" / "m.gguf.partial").write_bytes(b"GG")
+    rows = store.list_models()
+    assert [(r["name"], r["format"], r["size"]) for r in rows] == [("good", "gguf", 16), ("hf", "safetensors", 2)]
