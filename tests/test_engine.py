@@ -449,6 +449,15 @@ def test_cache_too_small_and_unknown_model(folder):
         LLM(str(folder) + "-missing/", progress=False)
 
 
+def test_kv_pool_larger_than_the_machine_is_a_cache_config_error(folder):
+    """`--kv-cache-memory 100GB` on a smaller box ended in the allocator's RuntimeError
+    traceback; now a CacheConfigError sizes the pool and names the flag to lower. 1 PB fails
+    on any machine (an overcommitting kernel may grant 100 GB of untouched memory)."""
+    with pytest.raises(CacheConfigError, match="cannot allocate the KV cache.*--kv-cache-memory"):
+        make_llm(folder, kv_cache_memory="1PB")
+    assert len(make_llm(folder).generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)) == 1
+
+
 def test_max_model_len_shrinks_to_a_small_pool_unless_set(folder, caplog):
     """A KV pool smaller than one sequence at the model's max_position_embeddings (512) makes
     an unset max_model_len shrink to the pool's whole capacity (a block multiple), with one

@@ -10,6 +10,7 @@ import logging
 import torch
 
 from ferrum.config import KERNELS, ModelConfig, resolve_kv_cache_dtype
+from ferrum.errors import CacheConfigError
 from ferrum.distributed.parallel_state import get_tp
 from ferrum.executor.cuda_graph import DecodeCudaGraphs, graph_batch_sizes
 from ferrum.executor.memory import compute_memory_requirements
@@ -189,9 +190,18 @@ class ModelRunner:
         tests/test_kv_cache_garbage.py fills the pool with NaN)."""
         self.num_blocks, self.block_size = num_blocks, block_size
         a = self.attn_layers[0]
-        for layer in self.attn_layers:
-            layer.kv_cache = torch.empty(2, num_blocks, block_size, a.num_kv_heads, a.head_dim,
-                                         dtype=self.kv_cache_dtype, device=self.device)
+        shape = (2, num_blocks, block_size, a.num_kv_heads, a.head_dim)
+        try:
+            for layer in self.attn_layers:
+                layer.kv_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
+        except RuntimeError as e:   # a --kv-cache-memory above what the machine has (CPU or GPU OOM)
+            for layer in self.attn_layers:
+                layer.kv_cache = None
+            per_layer = torch.Size(shape).numel() * self.kv_cache_dtype.itemsize
+            raise CacheConfigError(
+                f"cannot allocate the KV cache on {self.device}: {len(self.attn_layers)} layers x "
+                f"{per_layer / 2**30:.2f} GiB ({num_blocks} blocks of {block_size} tokens): "
+                f"{str(e).splitlines()[0][:200]}; lower --kv-cache-memory") from None
 
     # ---- forward ------------------------------------------------------------------------
     def _cpu_blas_forward(self, num_tokens: int):
