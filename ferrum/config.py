@@ -778,6 +778,10 @@ class EngineConfig:
         parts: dict = {name: {} for name, _ in groups}
         for key, value in kwargs.items():
             name, f = owner[key]
+            # a switch given as text (`enforce_eager="no"`) would be truthy: True, silently
+            if f.type in ("bool", "bool | None") and not (
+                    isinstance(value, bool) or value in (0, 1) or (value is None and f.type != "bool")):
+                raise ConfigError(f"{key} must be True or False, got {value!r}", param=key)
             parse = f.metadata.get("parse")
             parts[name][key] = parse(value) if parse is not None and isinstance(value, str) else value
         return cls(**parts[None], **{name: c(**parts[name]) for name, c in groups if name is not None})

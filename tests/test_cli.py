@@ -398,6 +398,19 @@ def test_zero_and_nan_engine_limits_are_named_config_errors(tmp_path):
         ModelConfig.from_hf_dict({"model_type": "llama"})
 
 
+def test_switches_given_as_text_are_config_errors():
+    """`LLM(model, enforce_eager="no")` turned eager mode on (a non-empty string is truthy);
+    a switch takes True / False (or 1 / 0; None where the default is None, "auto")."""
+    from ferrum.errors import ConfigError
+    for key, bad in (("enforce_eager", "no"), ("enable_prefix_caching", "False"), ("pdl", "1"),
+                     ("enforce_eager", None), ("async_scheduling", "auto")):
+        with pytest.raises(ConfigError, match=f"{key} must be True or False") as info:
+            EngineConfig.from_kwargs(**{key: bad})
+        assert info.value.param == key
+    cfg = EngineConfig.from_kwargs(enforce_eager=1, enable_prefix_caching=False, async_scheduling=None)
+    assert cfg.enforce_eager and not cfg.cache.enable_prefix_caching and cfg.scheduler.async_scheduling is None
+
+
 def test_bench_counts_and_lengths_below_one_are_parse_errors(capsys):
     """`ferrum bench latency --num-iters 0` ended in max() of an empty list after the model
     had loaded; counts, lengths and bandwidths are checked while parsing."""
