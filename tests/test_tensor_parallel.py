@@ -167,6 +167,24 @@ def test_bad_tp_size_named_error(tmp_path_factory):
         LLM(d, progress=False, tensor_parallel_size=3)
 
 
+def test_second_tp_engine_in_a_process_is_refused_and_the_first_serves_on(tmp_path_factory):
+    """A second LLM(..., tensor_parallel_size=2) while one lived joined the first one's
+    process group: 30 s later a DistStoreError traceback, and its clean-up could tear down
+    the first engine's group. Now it is refused at once, the first keeps serving, and once it
+    is shut down a new one starts."""
+    d = make_tiny_model(str(tmp_path_factory.mktemp("second")), "llama")
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    with LLM(d, progress=False, max_model_len=256, tensor_parallel_size=2) as first:
+        ref = first.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+        t0 = time.monotonic()
+        with pytest.raises(TensorParallelError, match="another tensor-parallel engine"):
+            LLM(d, progress=False, max_model_len=256, tensor_parallel_size=2)
+        assert time.monotonic() - t0 < 5
+        assert first.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0].token_ids == ref
+    with LLM(d, progress=False, max_model_len=256, tensor_parallel_size=2) as again:
+        assert again.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0].token_ids == ref
+
+
 def test_smollm2_tp3_equals_tp1(smollm2_gguf_path):
     """SmolLM2: 9 heads, 3 KV heads -> 3 ranks of 3 heads and 1 KV head each."""
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
