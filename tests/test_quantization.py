@@ -119,8 +119,11 @@ def test_packing_that_does_not_split_is_named_error(base, tmp_path):
 
 @pytest.mark.parametrize("qc, match", [
     ({"quant_method": "bitsandbytes"}, "quantization method 'bitsandbytes' is not supported"),
-    ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "gptq with 8-bit weights"),
+    ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "gptq bits 8 is not"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 16}, "group_size 16"),
+    # values written as JSON strings: named as strings ("4-bit is not supported; supported: 4 bits")
+    ({"quant_method": "gptq", "bits": "4", "group_size": 32}, "gptq bits '4' is not supported; supported: 4$"),
+    ({"quant_method": "awq", "bits": 4, "group_size": "32"}, "awq group_size '32' is not"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "awq version 'gemv'"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise scales"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}},

@@ -46,10 +46,11 @@ class Int4Config(QuantConfig):
     @staticmethod
     def _check(qc: dict, fmt: str) -> int:
         bits, group = qc.get("bits", qc.get("w_bit")), qc.get("group_size", qc.get("q_group_size"))
+        # repr: a JSON string "4" read "4-bit weights is not supported; supported: 4 bits"
         if bits != 4:
-            raise UnsupportedModelError(f"{fmt} with {bits}-bit weights is not supported; supported: 4 bits")
+            raise UnsupportedModelError(f"{fmt} bits {bits!r} is not supported; supported: 4")
         if group not in GROUP_SIZES:
-            raise UnsupportedModelError(f"{fmt} group_size {group} is not supported; supported: "
+            raise UnsupportedModelError(f"{fmt} group_size {group!r} is not supported; supported: "
                                         f"{', '.join(map(str, GROUP_SIZES))}")
         return group
 
