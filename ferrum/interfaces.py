@@ -147,7 +147,7 @@ class MemoryRequirements:
     logits_bytes_per_row: one float32 row of logits over the whole vocabulary (what rank 0
         holds after gathering the vocab-parallel shards), per row sampled or scored.
     graph_logits_bytes_per_row: one row of logits in the model's dtype, as each decode CUDA
-        graph keeps its output rows (0: counted as float32 rows).
+        graph keeps its output rows.
     """
 
     param_bytes: int
@@ -155,7 +155,7 @@ class MemoryRequirements:
     activation_bytes_per_token: int
     tensor_parallel_size: int
     logits_bytes_per_row: int
-    graph_logits_bytes_per_row: int = 0
+    graph_logits_bytes_per_row: int
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Bytes of one KV block of `block_size` tokens on one rank."""

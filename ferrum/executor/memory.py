@@ -81,15 +81,14 @@ def activation_reserve_bytes(mem: MemoryRequirements, max_num_batched_tokens: in
     Logits rows were once counted per batched token: Llama-3-8B at 8,192 tokens and 512
     sequences reserved 20.2 GB, then 12.7 GB (a 19% larger pool on an 80 GB card,
     benchmarks/results/h100-2026-12-06c), 10.6 GB with the graphs' rows in bf16 (that run's
-    peak reserved memory was 63.3 of the 71.3 GiB budget), 8.0 GB since the sampler works in
+    peak reserved memory was 63.3 of the 71.3 GiB budget), 7.9 GB since the sampler works in
     slices of rows. Returns bytes."""
     rows = max(max_num_seqs, ROWS_PER_SLICE)
     graph_tokens = max(min(max_num_batched_tokens, PREFILL_GRAPH_MAX_TOKENS), max_num_seqs)
-    graph_row = mem.graph_logits_bytes_per_row or mem.logits_bytes_per_row
     return (ACTIVATION_FACTOR * mem.activation_bytes_per_token * (max_num_batched_tokens + graph_tokens)
             + mem.logits_bytes_per_row * (SAMPLER_BATCH_COPIES * rows
                                           + SAMPLER_ROW_COPIES * min(rows, SAMPLE_CHUNK_ROWS))
-            + graph_row * sum(graph_batch_sizes(max_num_seqs)))
+            + mem.graph_logits_bytes_per_row * sum(graph_batch_sizes(max_num_seqs)))
 
 
 def num_kv_blocks(mem: MemoryRequirements, cache: CacheConfig, device: str, max_model_len: int,
