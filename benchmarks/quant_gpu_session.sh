@@ -71,6 +71,9 @@
 #  17: benchmarks/probe_small_gemm.py: Qwen3-0.6B's decode linears at 2-256 rows, cuBLAS against
 #      Triton tiles and split-K (nothing carried is needed: a call that can carry a vLLM chunk).
 #
+#  18: the probe, then the nano-vllm workload (ferrum alone) A/B/A without / with the table it
+#      wrote (FERRUM_SMALL_GEMM_TABLE, ferrum/ops/gemm_small.py).
+#
 # The next lease (after h100-2026-12-07): 17 carrying .peers/vc/part.00, 14 carrying .old
 # .peers/vc/part.01 (main's admission against 2d19606), then 12 carrying .whl (the quantized
 # kernel tests) and, on an H200, 10 (the quantized table against vLLM: part.02 and bin).
@@ -233,7 +236,20 @@ tests/test_moe.py tests/test_sliding_window.py" LIMIT_tests=280 bash benchmarks/
         # (h100-2026-12-07: Qwen3-0.6B's GEMMs at 256 rows ran at ~310 TFLOP/s, 12.7% of a step)
         timeout -k 10 400 python3 benchmarks/probe_small_gemm.py >"$OUT/probe_small_gemm.log" 2>&1
         ;;
-    *) echo "step 1-17" >&2; exit 2 ;;
+    18)
+        # the probe (writes $OUT/small_gemm_table.json: the cases Triton won by >= 3%), then the
+        # nano-vllm workload, ferrum alone, without / with that table / without (A/B/A)
+        timeout -k 10 240 python3 benchmarks/probe_small_gemm.py >"$OUT/probe_small_gemm.log" 2>&1
+        for v in 0 1 0b; do
+            table=""; [[ $v == 1 ]] && table=$OUT/small_gemm_table.json
+            FERRUM_SMALL_GEMM_TABLE=$table timeout -k 10 110 python3 -m ferrum.entrypoints.cli bench throughput \
+                benchmarks/configs/qwen3-0.6b.json --load-format dummy --dtype bfloat16 --device cuda --max-num-seqs 256 \
+                --max-model-len 4096 --max-num-batched-tokens 16384 --workload nanovllm --out "$OUT/nanovllm_sg$v.json" \
+                >>"$OUT/sg.log" 2>&1
+            grep -h '"output_tok_s"' "$OUT/nanovllm_sg$v.json" | head -1
+        done
+        ;;
+    *) echo "step 1-18" >&2; exit 2 ;;
 esac
 # the device tool returns at most 8 files: pack them all when there are more
 # (Triton's cache parts stay out: each is at most 15 MB, the limit of one returned file being 16 MiB)
