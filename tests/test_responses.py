@@ -76,17 +76,44 @@ def test_function_call_items_become_chat_tool_messages():
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C", "name": "get_weather"},
         {"role": "tool", "tool_call_id": "call_2", "content": "noon", "name": "get_time"}]
     # a function_call_output whose output is not text names `output` (it has no content)
-    for bad in ({"a": 1}, None, 5, [{"type": "input_image"}]):
+    for bad, param in [({"a": 1}, "input[2].output"), (None, "input[2].output"), (5, "input[2].output"),
+                       ([{"type": "input_image"}], "input[2].output[0].type")]:
         req = ResponsesRequest(model=MODEL, input=[
             {"role": "user", "content": "weather?"},
             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
             {"type": "function_call_output", "call_id": "c1", "output": bad}])
         with pytest.raises(InvalidRequestError, match=r"^input\[2\]\.output( |\[0\] )") as e:
             input_messages(req)
-        assert e.value.param == "input"
+        assert e.value.param == param
     req = ResponsesRequest(model=MODEL, input=[{"role": "user", "content": 7}])
     with pytest.raises(InvalidRequestError, match=r"^input\[0\]\.content must be a string"):
         input_messages(req)
+
+
+@pytest.mark.parametrize("item, param", [
+    ({"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "picture"}]},
+     "input[2].content[1].type"),
+    ({"role": "user", "content": [{"type": "input_text", "text": 5}]}, "input[2].content[0].text"),
+    ({"role": "user", "content": ["just a string"]}, "input[2].content[0]"),
+    ({"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}, "input[2].content[0].type"),
+    ({"role": "user"}, "input[2].content"),
+    ({"role": "robot", "content": "x"}, "input[2].role"),
+    ({"type": "function_call", "call_id": "c2", "name": "", "arguments": "{}"}, "input[2].name"),
+    ({"type": "function_call", "call_id": 7, "name": "f", "arguments": "{}"}, "input[2].call_id"),
+    ({"type": "function_call_output", "call_id": "nope", "output": "r"}, "input[2].call_id"),
+    ({"type": "function_call_output", "call_id": "c1", "output": {"a": 1}}, "input[2].output"),
+    ({"type": "web_search_call"}, "input[2].type"),
+    ({"type": "item_reference", "id": "msg_1"}, "input[2].type"),
+])
+def test_a_bad_input_item_is_named_in_param(item, param):
+    """The error's param named only `input`; as OpenAI's does, it now names the item and the
+    field at fault (`input[2].content[1].type`), and the message starts with that path."""
+    req = ResponsesRequest(model=MODEL, input=[
+        {"role": "user", "content": "weather?"},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"}, item])
+    with pytest.raises(InvalidRequestError) as e:
+        input_messages(req)
+    assert e.value.param == param and str(e.value).startswith("input[2]"), str(e.value)
 
 
 def test_stream_events_in_order_and_deltas_join(client):
@@ -158,19 +185,19 @@ def test_bad_values_name_the_field(server):
             ({**ok, "include": ["file_search_call.results"]}, "include", "not supported"),
             ({**ok, "truncation": "auto"}, "truncation", "never drops"),
             ({**ok, "reasoning": {"effort": "high"}}, "reasoning", "reasoning"),
-            ({**ok, "input": image}, "input", "text only"),
+            ({**ok, "input": image}, "input[0].content[0].type", "text only"),
             ({**ok, "input": []}, "input", "empty"),
             ({**ok, "input": ""}, "input", "empty"),   # as /v1/completions refuses prompt ""
-            ({**ok, "input": [{"role": "robot", "content": "x"}]}, "input", "input[0].role"),
-            ({**ok, "input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "stored state"),
-            ({**ok, "input": [{"type": "function_call", "call_id": "c"}]}, "input", "input[0].name"),
+            ({**ok, "input": [{"role": "robot", "content": "x"}]}, "input[0].role", "input[0].role"),
+            ({**ok, "input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "stored state"),
+            ({**ok, "input": [{"type": "function_call", "call_id": "c"}]}, "input[0].name", "input[0].name"),
             ({**ok, "input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
                               {"type": "function_call_output", "call_id": "c2", "output": "r"}]},
-             "input", "input[1].call_id 'c2' matches no function_call"),
+             "input[1].call_id", "input[1].call_id 'c2' matches no function_call"),
             ({**ok, "input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
                               {"role": "user", "content": "x"},
                               {"type": "function_call_output", "call_id": "c1", "output": "r"}]},
-             "input", "'c1' answers no tool call"),
+             "input[2].call_id", "'c1' answers no function_call of the turn"),
             ({**ok, "input": 5}, "input", "input"),
             ({**ok, "seed": 3}, "seed", "seed"),
             ({**ok, "instructions": 5}, "instructions", "instructions"),

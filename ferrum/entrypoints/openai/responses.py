@@ -250,7 +250,7 @@ def _text_of(content: Any, where: str, field: str = "content") -> str:
         return content
     if not isinstance(content, list):
         raise InvalidRequestError(f"{where} must be a string or a list of content parts",
-                                  param="input")
+                                  param=where)
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
@@ -260,17 +260,21 @@ def _text_of(content: Any, where: str, field: str = "content") -> str:
             texts.append(part["refusal"])
         elif kind in ("input_image", "input_file", "input_audio"):
             raise InvalidRequestError(f"{where}[{j}] is {kind}: ferrum's models take "
-                                      "text only", param="input")
-        else:
+                                      "text only", param=f"{where}[{j}].type")
+        else:   # param: the part's field at fault, as OpenAI names it (input[2].content[0].type)
+            field = ("" if not isinstance(part, dict) else
+                     ".text" if kind in ("input_text", "output_text", "text") else
+                     ".refusal" if kind == "refusal" else ".type")
             raise InvalidRequestError(f"{where}[{j}]: expected an input_text or "
-                                      f"output_text part, got {part!r:.200}", param="input")
+                                      f"output_text part, got {part!r:.200}", param=f"{where}[{j}]{field}")
     return "\n".join(texts)
 
 
-def _string_field(item: dict, key: str, where: str) -> str:
+def _string_field(item: dict, key: str, where: str, empty_ok: bool = True) -> str:
     v = item.get(key)
-    if not isinstance(v, str):
-        raise InvalidRequestError(f"{where}.{key} must be a string", param="input")
+    if not isinstance(v, str) or not (v or empty_ok):
+        raise InvalidRequestError(f"{where}.{key} must be a{'' if empty_ok else ' non-empty'} string",
+                                  param=f"{where}.{key}")
     return v
 
 
@@ -279,8 +283,9 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
     items in order. Consecutive function_call items join the assistant message before them
     (one turn, parallel calls); a function_call_output becomes a `tool` message carrying its
     call's name. `developer` is rendered as `system` (chat templates know that role).
-    Raises InvalidRequestError (param "input") naming the offending item, also for a
-    function_call_output whose call_id no earlier function_call item has."""
+    Raises InvalidRequestError whose param names the offending item's field (as OpenAI's
+    does: "input[2].content[0].type"), also for a function_call_output whose call_id no
+    earlier function_call item has, or whose call is not in the assistant turn it follows."""
     msgs: list[dict] = []
     if req.instructions:
         msgs.append({"role": "system", "content": req.instructions})
@@ -299,12 +304,12 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise InvalidRequestError(f"{where}.role must be user, assistant, system or "
-                                          f"developer, got {role!r}", param="input")
+                                          f"developer, got {role!r}", param=f"{where}.role")
             msgs.append({"role": "system" if role == "developer" else role,
                          "content": _text_of(item.get("content"), where)})
         elif kind == "function_call":
             call_id = _string_field(item, "call_id", where)
-            name = _string_field(item, "name", where)
+            name = _string_field(item, "name", where, empty_ok=False)
             call = {"id": call_id, "type": "function",
                     "function": {"name": name, "arguments": _string_field(item, "arguments", where)}}
             call_names[call_id] = name
@@ -316,15 +321,22 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
             call_id = _string_field(item, "call_id", where)
             if call_id not in call_names:   # OpenAI: "No tool call found for function call output"
                 raise InvalidRequestError(f"{where}.call_id {call_id!r} matches no function_call "
-                                          "item before it", param="input")
+                                          "item before it", param=f"{where}.call_id")
+            # chat's rule (chat_utils.parse_messages), checked here to name the item: an output
+            # answers a call of the assistant turn it follows, with only outputs between
+            turn = next(m for m in reversed(msgs) if m["role"] != "tool")
+            if call_id not in [c["id"] for c in turn.get("tool_calls", ())]:
+                raise InvalidRequestError(f"{where}.call_id {call_id!r} answers no function_call of "
+                                          "the turn it follows: outputs must come after their calls, "
+                                          "with only other outputs between", param=f"{where}.call_id")
             msgs.append({"role": "tool", "tool_call_id": call_id, "name": call_names[call_id],
                          "content": _text_of(item.get("output"), where, "output")})
         elif kind == "item_reference":
-            raise InvalidRequestError(f"{where} is an item_reference: {_NO_STATE}", param="input")
+            raise InvalidRequestError(f"{where} is an item_reference: {_NO_STATE}", param=f"{where}.type")
         else:
             raise InvalidRequestError(f"{where}: input items of type {kind!r} are not supported "
                                       "(message, function_call and function_call_output are)",
-                                      param="input")
+                                      param=f"{where}.type")
     return msgs
 
 
