@@ -33,8 +33,8 @@ MODELS = {   # name: (N, K) of each decode-step linear (LM head last)
     "llama3-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
                   "lm_head": (128256, 4096)},
 }
-TILES = [(16, 64, 128), (32, 64, 128), (64, 64, 64), (32, 128, 64), (64, 128, 64), (16, 128, 128)]
-SPLITS = (1, 2, 4)
+TILES = [(16, 32, 128), (16, 64, 128), (32, 64, 128), (64, 64, 64), (32, 128, 64), (64, 128, 64), (16, 128, 128)]
+SPLITS = (1, 2, 4, 8)
 WARPS, STAGES = 4, 3
 WIN = 0.97   # a Triton variant enters the table when it takes <= 97% of cuBLAS's time
 
