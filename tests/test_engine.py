@@ -437,6 +437,27 @@ def test_errors_are_named_and_leave_nothing_behind(folder):
     w.assert_drained()
 
 
+def test_chat_takes_one_sampling_params_per_conversation(offline):
+    """`LLM.chat(conversations, [params, ...])`, which vLLM takes (as `generate` does per
+    prompt), failed with "sampling_params[0] must be a SamplingParams, got list": the list went
+    into every conversation as one SamplingParams. Now each conversation gets its own; a wrong
+    length or element is named."""
+    conv = [{"role": "user", "content": "hi"}]
+    short, longer = SamplingParams(max_tokens=2, ignore_eos=True), SamplingParams(max_tokens=5, ignore_eos=True)
+    outs = offline.chat([conv, conv], [short, longer])
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 5]
+    (out,) = offline.chat(conv, (longer,))   # one conversation, a sequence of one
+    assert len(out.outputs[0].token_ids) == 5
+    for conversations, params, param in [([conv, conv], [short], "sampling_params"),
+                                         ([conv], [{"max_tokens": 2}], "sampling_params[0]"),
+                                         (conv, {}, "sampling_params")]:
+        with pytest.raises(InvalidRequestError) as e:
+            offline.chat(conversations, params)
+        assert e.value.param == param
+    with pytest.raises(InvalidRequestError, match="got dict") as e:   # {} was taken as no params
+        offline.generate("hi", {}, use_tqdm=False)
+
+
 def test_cache_too_small_and_unknown_model(folder):
     # max_model_len 128 needs 8 blocks of 16.
     with pytest.raises(CacheConfigError, match="not even one sequence"):

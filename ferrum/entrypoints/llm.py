@@ -55,20 +55,7 @@ class LLM:
         with one per prompt, plus what `LLMEngine.add_request` raises (nothing is left queued
         then), and EngineDeadError after `shutdown`."""
         prompts = _prompt_list(prompts)
-        if isinstance(sampling_params, list):
-            if len(sampling_params) != len(prompts):
-                raise InvalidRequestError(
-                    f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts: give "
-                    "one SamplingParams for all, or a list with one per prompt",
-                    param="sampling_params")
-            params = sampling_params
-        else:
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        for i, sp in enumerate(params):
-            if not isinstance(sp, SamplingParams):
-                where = f"sampling_params[{i}]" if isinstance(sampling_params, list) else "sampling_params"
-                raise InvalidRequestError(f"{where} must be a SamplingParams, got {type(sp).__name__}",
-                                          param=where)
+        params = _params_list(sampling_params, len(prompts), "prompt")
         with self._lock:
             if self._closed:
                 raise EngineDeadError("this LLM was shut down; create a new one")
@@ -108,7 +95,7 @@ class LLM:
         return [done[r] for r in ids]
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | None = None, use_tqdm: bool = False,
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False,
              add_generation_prompt: bool = True, *, tools: list[dict] | None = None,
              tool_choice: str | dict | None = None, parallel_tool_calls: bool = PARALLEL_TOOL_CALLS,
              response_format: dict | None = None, tool_parser: str | None = None,
@@ -116,7 +103,9 @@ class LLM:
              continue_final_message: bool = False) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them and generate.
 
-        Messages, tools, tool_choice, parallel_tool_calls and response_format as in OpenAI's
+        sampling_params: one SamplingParams for all conversations, or a list with one per
+        conversation (as `generate` takes them per prompt). Messages, tools, tool_choice,
+        parallel_tool_calls and response_format as in OpenAI's
         chat completions (`ferrum.entrypoints.chat_utils`); tool_parser: "auto" or a name in
         `ferrum.tool_parsers.TOOL_PARSERS` (None: the engine's `tool_call_parser`). With tools,
         each CompletionOutput's `tool_calls` holds the parsed calls (OpenAI form) and `text`
@@ -127,7 +116,7 @@ class LLM:
         # a list of conversations (lists), else one conversation (prepare_chat checks it)
         convs = messages if isinstance(messages, list) and (
             not messages or isinstance(messages[0], list)) else [messages]
-        params = sampling_params or SamplingParams()
+        params = _params_list(sampling_params, len(convs), "conversation")
         parser = self.engine.config.tool_call_parser if tool_parser is None else tool_parser
         chats = [prepare_chat(self.tokenizer, c, tools=tools, tool_choice=tool_choice,
                               parallel_tool_calls=parallel_tool_calls,
@@ -137,7 +126,7 @@ class LLM:
                               chat_template=chat_template,
                               split_special_tokens=split_special_tokens) for c in convs]
         outs = self.generate([c.prompt_token_ids for c in chats],
-                             [c.sampling_params(params) for c in chats], use_tqdm=use_tqdm)
+                             [c.sampling_params(sp) for c, sp in zip(chats, params)], use_tqdm=use_tqdm)
         for chat, out in zip(chats, outs):
             for completion in out.outputs:
                 apply_tool_calls(chat.tool_parser, completion)
@@ -178,3 +167,23 @@ def _prompt_list(prompts) -> list:
             raise InvalidRequestError(f"prompts[{i}] must be a string or a list of token ids "
                                       f"(ints); got {p!r:.80}", param=f"prompts[{i}]")
     return list(prompts)
+
+
+def _params_list(sampling_params, n: int, what: str) -> list[SamplingParams]:
+    """One SamplingParams per prompt (`what` = "prompt") or conversation: `sampling_params` is
+    one for all (None: `SamplingParams()`) or a list of n. Raises InvalidRequestError naming
+    "sampling_params" / "sampling_params[i]" for a wrong length or type."""
+    if isinstance(sampling_params, (list, tuple)):   # vLLM takes any sequence of them
+        if len(sampling_params) != n:
+            raise InvalidRequestError(
+                f"got {len(sampling_params)} SamplingParams for {n} {what}s: give one "
+                f"SamplingParams for all, or a list with one per {what}", param="sampling_params")
+        params = list(sampling_params)
+    else:   # `is None`, not `or`: a falsy wrong value ({}, 0) is named below, not replaced
+        params = [SamplingParams() if sampling_params is None else sampling_params] * n
+    for i, sp in enumerate(params):
+        if not isinstance(sp, SamplingParams):
+            where = "sampling_params" if sp is sampling_params else f"sampling_params[{i}]"
+            raise InvalidRequestError(f"{where} must be a SamplingParams, got {type(sp).__name__}",
+                                      param=where)
+    return params
