@@ -458,6 +458,27 @@ def test_chat_takes_one_sampling_params_per_conversation(offline):
         offline.generate("hi", {}, use_tqdm=False)
 
 
+def test_generate_takes_vllm_dict_prompts(offline):
+    """vLLM's prompt dicts, {"prompt": text} and {"prompt_token_ids": ids} (vLLM takes token
+    ids only this way), were refused ("got dict"); now they give what the plain string / id
+    list gives. Other keys (multi_modal_data) and a wrong value type are named errors."""
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ids = offline.tokenizer.encode("The sky is")
+    plain = offline.generate(["The sky is", ids], greedy, use_tqdm=False)
+    dicts = offline.generate([{"prompt": "The sky is"}, {"prompt_token_ids": ids}], greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
+    assert dicts[0].prompt == "The sky is" and dicts[1].prompt_token_ids == ids
+    (one,) = offline.generate({"prompt_token_ids": ids}, greedy, use_tqdm=False)   # a single dict
+    assert one.outputs[0].token_ids == plain[1].outputs[0].token_ids
+    for prompts, param in [({"prompt": "x", "multi_modal_data": {}}, "prompts[0]"),
+                           ([ids, {}], "prompts[1]"),
+                           ({"prompt_token_ids": "The sky"}, "prompts[0].prompt_token_ids"),
+                           ({"prompt": ids}, "prompts[0].prompt")]:
+        with pytest.raises(InvalidRequestError) as e:
+            offline.generate(prompts, greedy, use_tqdm=False)
+        assert e.value.param == param, prompts
+
+
 def test_cache_too_small_and_unknown_model(folder):
     # max_model_len 128 needs 8 blocks of 16.
     with pytest.raises(CacheConfigError, match="not even one sequence"):

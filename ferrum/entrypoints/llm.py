@@ -44,10 +44,11 @@ class LLM:
         self._lock = threading.Lock()   # one generate at a time steps the engine
         self._closed = False
 
-    def generate(self, prompts: str | list[str] | list[list[int]],
+    def generate(self, prompts: str | dict | list[str | dict] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. Prompts are strings or token-id lists;
+        """One RequestOutput per prompt, in order. Prompts are strings or token-id lists, or
+        vLLM's dicts {"prompt": text} / {"prompt_token_ids": ids};
         sampling_params is one SamplingParams for all (default: `SamplingParams()`) or a list
         with one per prompt. All are queued first, so they run concurrently (continuous
         batching). Raises InvalidRequestError when prompts are of another type (param
@@ -149,16 +150,31 @@ class LLM:
 
 def _prompt_list(prompts) -> list:
     """`LLM.generate`'s prompts as a list of single prompts (a string or a list of token ids
-    each). Raises InvalidRequestError naming "prompts" or "prompts[i]" for anything else
-    (None, a number, a list holding one)."""
-    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                    and isinstance(prompts[0], numbers.Integral)):
+    each). vLLM's dict prompts are taken too: {"prompt": text} (TextPrompt) and
+    {"prompt_token_ids": [...]} (TokensPrompt). Raises InvalidRequestError naming "prompts"
+    or "prompts[i]" for anything else (None, a number, a list holding one, a dict with other
+    keys such as multi_modal_data)."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                            and isinstance(prompts[0], numbers.Integral)):
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)):
         raise InvalidRequestError("prompts must be a string, a list of token ids or a list of "
                                   f"them (strings / token-id lists); got {type(prompts).__name__}",
                                   param="prompts")
+    out = []
     for i, p in enumerate(prompts):
+        if isinstance(p, dict):
+            # a vLLM user's prompt form (vLLM takes token ids only this way); other keys
+            # (multi_modal_data, cache_salt, ...) ask for what ferrum does not do: named, not dropped
+            if len(p) != 1 or not p.keys() <= {"prompt", "prompt_token_ids"}:
+                raise InvalidRequestError(
+                    f"prompts[{i}]: a dict prompt holds exactly one of \"prompt\" (text) or "
+                    f"\"prompt_token_ids\"; got the keys {sorted(map(str, p))}", param=f"prompts[{i}]")
+            ((key, p),) = p.items()
+            if isinstance(p, str) != (key == "prompt"):
+                raise InvalidRequestError(f"prompts[{i}].{key} must be "
+                                          f"{'a string' if key == 'prompt' else 'a list of token ids'}; "
+                                          f"got {p!r:.80}", param=f"prompts[{i}].{key}")
         # plain ints first, in one C-level pass: the numbers.Integral check (an ABC, per token)
         # was a visible part of a long prompt's time to first token
         if not (isinstance(p, str) or (isinstance(p, (list, tuple)) and (
@@ -166,7 +182,8 @@ def _prompt_list(prompts) -> list:
                 or all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in p)))):
             raise InvalidRequestError(f"prompts[{i}] must be a string or a list of token ids "
                                       f"(ints); got {p!r:.80}", param=f"prompts[{i}]")
-    return list(prompts)
+        out.append(p)
+    return out
 
 
 def _params_list(sampling_params, n: int, what: str) -> list[SamplingParams]:
