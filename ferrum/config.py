@@ -761,6 +761,15 @@ class EngineConfig:
     parallel: ParallelConfig = option(default_factory=ParallelConfig)
     kernels: KernelConfig = option(default_factory=KernelConfig)
 
+    def __post_init__(self):
+        # LLM(pathlib.Path("./folder")) reached resolve_model's str methods: an AttributeError
+        # traceback; a path object is a path, anything else not a string is named here
+        if isinstance(self.model, os.PathLike):
+            self.model = os.fspath(self.model)
+        if not isinstance(self.model, str):
+            raise ConfigError(f"model must be a model name, a path or a hub id (a string), got "
+                              f"{self.model!r:.80}", param="model")
+
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
         """Build from flat keyword arguments named after the option fields of EngineConfig

@@ -411,6 +411,19 @@ def test_switches_given_as_text_are_config_errors():
     assert cfg.enforce_eager and not cfg.cache.enable_prefix_caching and cfg.scheduler.async_scheduling is None
 
 
+def test_model_given_as_a_path_object_or_not_a_string(tmp_path):
+    """`LLM(pathlib.Path("./folder"))` ended in an AttributeError traceback ('PosixPath' object
+    has no attribute 'startswith') inside the model resolver, and `LLM(None)` likewise; a path
+    object now stands for its path, anything else that is not a string is a ConfigError."""
+    from ferrum.errors import ConfigError
+    cfg = EngineConfig.from_kwargs(model=tmp_path / "m")
+    assert type(cfg.model) is str and cfg.model == str(tmp_path / "m")
+    for bad in (None, 5, ["m"]):
+        with pytest.raises(ConfigError, match="model must be") as info:
+            EngineConfig.from_kwargs(model=bad)
+        assert info.value.param == "model"
+
+
 def test_bench_counts_and_lengths_below_one_are_parse_errors(capsys):
     """`ferrum bench latency --num-iters 0` ended in max() of an empty list after the model
     had loaded; counts, lengths and bandwidths are checked while parsing."""
