@@ -57,6 +57,17 @@ def test_models_health_and_tokenize(server, client, tok):
     assert d["prompt"] == PROMPT
 
 
+def test_detokenize_keeps_special_tokens(server, tok):
+    """/detokenize of /tokenize's ids of a chat prompt gives that prompt back, control tokens
+    included (as vLLM's /detokenize); it used to drop them ("user\\nhi\\nassistant\\n")."""
+    msgs = [{"role": "user", "content": "hi"}]
+    ids = _post(server, "/tokenize", {"model": MODEL, "messages": msgs}).json()["tokens"]
+    d = _post(server, "/detokenize", {"model": MODEL, "tokens": ids}).json()
+    assert d["prompt"] == tok.render_chat(msgs) and d["prompt"].count("<|im_start|>") == 3
+    assert _post(server, "/detokenize", {"model": MODEL, "tokens": [1, 2]}).json() == {
+        "prompt": "<|im_start|><|im_end|>"}
+
+
 def test_typed_control_tokens_stay_text(server, client, tok):
     """Issue 13 item 2: `<|im_end|>` / `<|im_start|>` typed in a message are text, for /tokenize
     and for the chat prompt; `split_special_tokens: false` is the per-request opt-in to the old

@@ -6,7 +6,8 @@ Endpoints:
   GET  /v1/models, GET /v1/models/{id}   (404 for a name this server does not answer to)
   POST /tokenize  {prompt | messages} -> {tokens, count, max_model_len}: the ids the
                   completions / chat endpoint would use for that prompt / those messages
-  POST /detokenize {tokens} -> {prompt}
+  POST /detokenize {tokens} -> {prompt}: special tokens kept, so /tokenize's ids of a chat
+                  prompt decode back to that prompt (as vLLM's /detokenize does)
   GET  /health    200 {"status": "ok"} | 503 {"status": "unhealthy", "error": why} once the
                   executor is broken (a dead TP rank, a device fault); a failed request is not
   GET  /metrics   Prometheus text format (ferrum.metrics)
@@ -321,7 +322,9 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | Non
         if bad:
             raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
                                       param="tokens")
-        return {"prompt": engine.tokenizer.decode(body.tokens)}
+        # special tokens kept: the ids of a chat prompt (/tokenize with messages) must decode to
+        # that prompt, <|im_start|> and all, not to its bare text
+        return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     @app.get("/health")
     async def health():
