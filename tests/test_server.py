@@ -541,6 +541,16 @@ def test_context_length_errors_give_the_numbers(server):
         assert str(MAX_MODEL_LEN) in e["message"]
 
 
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+@pytest.mark.parametrize("value", [0, -1])
+def test_chat_max_tokens_below_one_names_the_field_sent(server, field, value):
+    """max_completion_tokens: 0 used to be refused as "max_tokens must be ...", param
+    max_tokens: a field the client never sent."""
+    e = _err(_post(server, "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], field: value}), 400)
+    assert e["param"] == field and e["message"].startswith(f"{field} must be an integer >= 1"), e
+
+
 def test_completions_max_tokens_absent_or_null_is_16(server):
     """OpenAI's default for /v1/completions is 16 tokens, for a null max_tokens as for an absent
     one (null used to mean "the rest of the context"); chat's default stays vLLM's, the rest of

@@ -225,7 +225,14 @@ class ChatCompletionRequest(_SamplingFields):
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise InvalidRequestError("give max_tokens or max_completion_tokens, not both",
                                       param="max_completion_tokens")
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if self.max_completion_tokens is None:
+            return self.max_tokens
+        # checked here, not only by SamplingParams, whose error would name max_tokens: a field
+        # this client did not send
+        if self.max_completion_tokens < 1:
+            raise InvalidRequestError(f"max_completion_tokens must be an integer >= 1, got "
+                                      f"{self.max_completion_tokens}", param="max_completion_tokens")
+        return self.max_completion_tokens
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         if self.store:
