@@ -1,6 +1,10 @@
 """GGUF loader: tiny GGUFs written here with gguf.GGUFWriter, and the real SmolLM2 Q4_1 GGUF
 checked tensor by tensor against Hugging Face transformers' own GGUF loader."""
+import contextlib
+import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -205,6 +209,82 @@ def test_unsupported_quant_type_is_named(tmp_path, home):
                       raw_override={"model.layers.0.self_attn.v_proj.weight": (raw, QT.IQ4_NL)})
     with pytest.raises(UnsupportedModelError, match="IQ4_NL.*supported.*Q4_1.*Q6_K"):
         load_gguf(path)
+
+
+# ---------------------------------------------------------------- the per-file cache
+
+def _exit_this_process():
+    """Drop the shared locks by which this process marks the cache entries it loaded as in use
+    (`cache.use`), as if it had exited, so that a later write may evict them."""
+    from ferrum.loader import cache
+    for fd in getattr(cache, "_in_use", {}).values():
+        os.close(fd)
+    getattr(cache, "_in_use", {}).clear()
+
+
+@contextlib.contextmanager
+def flocked_by_another_process(path):
+    """A child process holding an exclusive flock on `path` until the block ends."""
+    child = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys; "
+                              f"fd = os.open({str(path)!r}, os.O_RDWR | os.O_CREAT); "
+                              "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); "
+                              "sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "locked\n"
+        yield
+    finally:
+        child.communicate("")
+
+
+def test_gguf_cache_rewritten_file_replaces_its_entry(tmp_path, home):
+    path = write_gguf(tmp_path / "m.gguf", weights=hf_weights("llama", seed=1))
+    old, _ = gguf_loader.prepare_gguf(path)
+    _exit_this_process()
+    write_gguf(path, weights=hf_weights("llama", seed=2))   # new contents, size and mtime
+    new, _ = gguf_loader.prepare_gguf(path)
+    assert new != old
+    assert os.listdir(home / "gguf") == [os.path.basename(new)]   # no old entry, no lock files
+
+
+def test_gguf_cache_drops_entries_of_deleted_files_unless_in_use(tmp_path, home):
+    a, b, c = (write_gguf(tmp_path / f"{n}.gguf", weights=hf_weights("llama", seed=i))
+               for i, n in enumerate("abc"))
+    gone, _ = gguf_loader.prepare_gguf(a)
+    _exit_this_process()
+    loaded, _ = gguf_loader.prepare_gguf(b)   # still loaded by this process: kept
+    os.remove(a)
+    os.remove(b)
+    new, _ = gguf_loader.prepare_gguf(c)
+    assert sorted(os.listdir(home / "gguf")) == sorted(os.path.basename(f) for f in (loaded, new))
+    assert gguf_loader._read_meta(loaded) is not None
+
+
+def test_gguf_cache_keeps_what_another_process_holds_locked(tmp_path, home):
+    a, b, c = (write_gguf(tmp_path / f"{n}.gguf", weights=hf_weights("llama", seed=i))
+               for i, n in enumerate("abc"))
+    stale, _ = gguf_loader.prepare_gguf(a)
+    _exit_this_process()
+    os.remove(a)
+    with flocked_by_another_process(stale + ".lock"):   # as while it builds the entry
+        gguf_loader.prepare_gguf(b)
+        assert os.path.isdir(stale) and os.path.exists(stale + ".lock")
+    new, _ = gguf_loader.prepare_gguf(c)   # the lock is free now: the next write drops both
+    assert not os.path.exists(stale) and not os.path.exists(stale + ".lock")
+    assert os.path.isdir(new)
+
+
+def test_gguf_cache_leaves_no_orphan_lock_files(tmp_path, home):
+    orphan = home / "gguf" / "0123456789abcdef01234567.lock"   # as a killed process leaves it
+    orphan.parent.mkdir(parents=True)
+    orphan.touch()
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(WeightLoadError):
+        gguf_loader.prepare_gguf(str(junk))
+    assert sorted(os.listdir(home / "gguf")) == [orphan.name]   # the failed read left no lock
+    new, _ = gguf_loader.prepare_gguf(write_gguf(tmp_path / "m.gguf"))
+    assert os.listdir(home / "gguf") == [os.path.basename(new)]
 
 
 # ---------------------------------------------------------------- real SmolLM2 file

@@ -4,7 +4,16 @@ ferrum/loader/gguf.py), each keyed by `file_key` of the file it was made from.
 
 A cache entry is built once, by one process (`exclusive` holds a lock file while it builds;
 others wait, then find it ready), into a temporary folder renamed into place, so a reader
-never sees a half-written entry.
+never sees a half-written entry. A process that loads an entry marks it in use until it exits
+(`use`: a shared flock on the entry's folder), since it reads the entry's files lazily.
+
+Entries are removed only by `prune`, which a process runs after it writes a new entry: it drops
+the entries its `stale` test picks (for GGUF: the file they were made from is gone or changed),
+skipping any that another process builds or uses, and the lock files that no process holds
+(left by a killed process, or by an older ferrum, which never removed them). A lock file is
+deleted only by its holder (`exclusive` and `prune` unlink one while they hold it), and whoever
+locks one checks that it is still the file at that path (`_lock`), so two processes never both
+hold "the" lock.
 """
 from __future__ import annotations
 
@@ -46,17 +55,111 @@ def file_key(path: str, sample: int = 1 << 20) -> str:
     return h.hexdigest()[:24]
 
 
+def _same(fd: int, path: str) -> bool:
+    """Whether `fd` is the file or folder now at `path`."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+def _lock(path: str, how: int) -> int:
+    """An fd of `path + ".lock"` (created if missing) flocked with `how` (LOCK_NB: raises
+    BlockingIOError when held). A holder may unlink the file before it lets go (`_unlock`); a
+    process that was waiting then holds a file no longer at that path, so it tries again."""
+    while True:
+        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, how)
+        except BaseException:
+            os.close(fd)
+            raise
+        if _same(fd, path + ".lock"):
+            return fd
+        os.close(fd)
+
+
+def _unlock(path: str, fd: int) -> None:
+    """Remove `path + ".lock"`, which `fd` holds exclusively (so it is ours to delete: nobody
+    else can be holding the file at that path), then release it."""
+    with contextlib.suppress(OSError):   # a read-only folder: the file stays, harmless
+        os.remove(path + ".lock")
+    os.close(fd)
+
+
 @contextlib.contextmanager
 def exclusive(path: str):
-    """Hold an exclusive lock on `path + ".lock"` (created if missing; POSIX flock, released
-    when the process dies) for the duration."""
+    """Hold an exclusive lock on `path + ".lock"` (POSIX flock, released when the process dies)
+    for the duration; the lock file is removed when the block ends, failed or not."""
     make_dirs(os.path.dirname(path) or ".")
-    with open(path + ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    fd = _lock(path, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        _unlock(path, fd)
+
+
+_in_use: dict[str, int] = {}   # entry folder -> its fd, share-locked by `use` until exit
+
+
+def use(folder: str) -> bool:
+    """Mark the entry `folder` in use by this process until it exits (a shared flock on the
+    folder, which `remove_if_unused` cannot take): its tokenizer and weights are read later,
+    by path. False when the folder is gone, or was replaced while this waited."""
+    if folder in _in_use:
+        return True
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return False
+    fcntl.flock(fd, fcntl.LOCK_SH)   # waits only while a `remove_if_unused` deletes it
+    if not _same(fd, folder):
+        os.close(fd)
+        return False
+    _in_use[folder] = fd
+    return True
+
+
+def remove_if_unused(folder: str) -> bool:
+    """Delete the entry `folder` unless a process uses it (`use`); True when it is gone. The
+    caller holds `exclusive(folder)`, so nobody is building it."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False
+    try:
+        shutil.rmtree(folder, ignore_errors=True)
+    finally:
+        os.close(fd)
+    return not os.path.exists(folder)
+
+
+def prune(root: str, stale) -> None:
+    """After writing an entry under `root`: delete the entries `stale(folder)` picks that no
+    process builds or uses, and the lock files no process holds. Never raises: a cache that
+    cannot be tidied (permissions, a full disk) still serves."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(root):
+            path = os.path.join(root, name)
+            with contextlib.suppress(OSError):
+                if name.endswith(".lock"):
+                    path = path[:-len(".lock")]
+                elif name.startswith(".") or not os.path.isdir(path) or not stale(path):
+                    continue   # "."-names: temporary folders of builds under way
+                try:
+                    fd = _lock(path, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:   # being built, or a lock a live process holds
+                    continue
+                try:
+                    if not name.endswith(".lock"):
+                        remove_if_unused(path)
+                finally:
+                    _unlock(path, fd)
 
 
 @contextlib.contextmanager

@@ -26,7 +26,8 @@ Parsed once per file: GGUFReader reads every metadata string (the vocabulary too
 seconds, and transformers' tokenizer conversion more; `prepare_gguf` does both once and keeps
 the result under $FERRUM_HOME/gguf/<file key> (ferrum/loader/cache.py), with the dequantized
 float32 weights of models up to DEQUANT_CACHE_MAX_BYTES (`dequantized_cache`), so a later
-start reads a JSON file, a tokenizer.json and a safetensors file instead.
+start reads a JSON file, a tokenizer.json and a safetensors file instead. Writing an entry
+drops those of files deleted or changed since (`_stale`, `cache.prune`).
 """
 from __future__ import annotations
 
@@ -395,8 +396,9 @@ def gguf_weights(path: str, table: list[list], config: ModelConfig, dense=None) 
 
 # ---- once per file: parse, convert the tokenizer, dequantize -----------------------------------
 # Cache entry <ferrum_home>/gguf/<file_key>/: meta.json (config, EOS ids, chat template, tensor
-# table), tokenizer/ (the converted tokenizer, saved by transformers) and model.safetensors
-# (every tensor dequantized to float32, when that takes at most DEQUANT_CACHE_MAX_BYTES).
+# table, the source file's path, size and mtime), tokenizer/ (the converted tokenizer, saved by
+# transformers) and model.safetensors (every tensor dequantized to float32, when that takes at
+# most DEQUANT_CACHE_MAX_BYTES).
 CACHE_FORMAT = 2   # 2: MoE / Gemma 3 fields in the config, one table row per expert
 DEQUANT_CACHE_MAX_BYTES = 2 << 30
 
@@ -409,12 +411,15 @@ def _parse(path: str, folder: str) -> dict:
     """Read the GGUF's metadata once (gguf's GGUFReader) and convert its tokenizer
     (transformers); write meta.json and tokenizer/ into `folder`; returns the meta."""
     import transformers
+    stat = os.stat(path)
     reader = open_reader(path)
     config = gguf_config(reader)
     meta = {"format": CACHE_FORMAT, "transformers": transformers.__version__,
             "config": dataclasses.asdict(config), "eos_token_ids": list(config.eos_token_id),
             "chat_template": gguf_field(reader, "tokenizer.chat_template"),
-            "tensors": tensor_table(reader, config), "tokenizer_error": None}
+            "tensors": tensor_table(reader, config), "tokenizer_error": None,
+            "source": {"path": os.path.realpath(path), "size": stat.st_size,   # for `_stale`
+                       "mtime_ns": stat.st_mtime_ns}}
     del reader
     try:
         hf = transformers.PreTrainedTokenizerFast.from_pretrained(
@@ -439,32 +444,61 @@ def _read_meta(folder: str) -> dict | None:
     return meta
 
 
+def _stale(folder: str) -> bool:
+    """Whether the cache entry `folder` is of no more use: the GGUF it was made from is gone,
+    or its size or mtime changed (it has a new key now), or the entry does not say which file
+    it was made from (made by an older ferrum; rebuilt on its next use)."""
+    try:
+        with open(os.path.join(folder, "meta.json")) as f:
+            source = json.load(f)["source"]
+        stat = os.stat(source["path"])
+    except (FileNotFoundError, ValueError, KeyError, TypeError):   # gone; or no "source"
+        return True
+    except OSError:   # e.g. no permission to look: the file may still be there
+        return False
+    return (stat.st_size, stat.st_mtime_ns) != (source["size"], source["mtime_ns"])
+
+
 def prepare_gguf(path: str) -> tuple[str, dict]:
     """The cache entry of a GGUF file, built on first use: (its folder, its meta). Later calls,
     in this or any process, read meta.json and skip the GGUF parse and tokenizer conversion.
+    The entry stays in use (`cache.use`) until this process exits. Writing an entry prunes
+    the cache (`cache.prune`): entries of GGUF files that are gone or changed since, and lock
+    files nobody holds, go unless another process builds or uses them.
     Raises what `open_reader`, `gguf_config` and `tensor_table` raise (nothing is cached then)."""
-    import tempfile
-
-    from ferrum.loader.cache import exclusive, ferrum_home, file_key, staged_folder
+    from ferrum.loader import cache
+    root = os.path.join(cache.ferrum_home(), "gguf")
     try:
-        folder = os.path.join(ferrum_home(), "gguf", file_key(path))
+        folder = os.path.join(root, cache.file_key(path))
     except OSError as e:
         raise WeightLoadError(f"cannot read GGUF file {path}: {e}") from e
     meta = _read_meta(folder)
-    if meta is not None:
+    if meta is not None and cache.use(folder):   # else removed meanwhile: build it again
         return folder, meta
     try:
-        with exclusive(folder):
+        with cache.exclusive(folder):
             meta = _read_meta(folder)   # another process may have built it while we waited
-            if meta is None:
+            built = meta is None
+            if built:
+                if not cache.remove_if_unused(folder):   # made by another ferrum/transformers,
+                    return _parse_to_temp(path)           # and a process has it loaded
                 _say(f"reading {os.path.basename(path)} once (metadata and tokenizer; cached "
                      f"in {folder})")
-                with staged_folder(folder) as tmp:
+                with cache.staged_folder(folder) as tmp:
                     meta = _parse(path, tmp)
+            cache.use(folder)   # cannot fail: removing it takes the lock held here
+        if built:
+            cache.prune(root, _stale)
         return folder, meta
     except PermissionError:   # a read-only $FERRUM_HOME: build into a temporary folder
-        folder = tempfile.mkdtemp(prefix="ferrum-gguf-")
-        return folder, _parse(path, folder)
+        return _parse_to_temp(path)
+
+
+def _parse_to_temp(path: str) -> tuple[str, dict]:
+    """`_parse` into a new temporary folder, for when the cache cannot hold the entry."""
+    import tempfile
+    folder = tempfile.mkdtemp(prefix="ferrum-gguf-")
+    return folder, _parse(path, folder)
 
 
 def dequantized_cache(path: str, folder: str, meta: dict, config: ModelConfig):
