@@ -535,7 +535,10 @@ def test_context_length_errors_give_the_numbers(server):
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": long_text}],
                                       "max_tokens": 5}, "messages"),
             ("/v1/responses", {"input": long_text}, "input"),
-            ("/v1/completions", {"prompt": long_text}, "prompt")]:
+            ("/v1/completions", {"prompt": long_text}, "prompt"),
+            # which prompt of a batch (it used to say "prompt" for any of them)
+            ("/v1/completions", {"prompt": ["hi", long_text]}, "prompt[1]"),
+            ("/v1/completions", {"prompt": [[5], [5] * MAX_MODEL_LEN]}, "prompt[1]")]:
         e = _err(_post(server, path, {"model": MODEL, **body}), 400)
         assert e["param"] == param and e["message"].startswith(f"{param}: "), (path, e)
         assert str(MAX_MODEL_LEN) in e["message"]

@@ -267,12 +267,14 @@ class OpenAIServing:
         model = self.check_model(req.model)
         # tokenizing a long prompt takes seconds: in a thread, so the event loop serves on
         many = isinstance(req.prompt, list) and bool(req.prompt) and not isinstance(req.prompt[0], int)
+        given = req.prompts()
+        names = [f"prompt[{i}]" if many else "prompt" for i in range(len(given))]
         prompts = await asyncio.to_thread(lambda: [
-            self._prompt(p, req.echo, f"prompt[{i}]" if many else "prompt")
-            for i, p in enumerate(req.prompts())])
+            self._prompt(p, req.echo, name) for p, name in zip(given, names)])
         max_tokens = 1 if req.echo_only else req.max_tokens
-        params = [req.sampling_params(self._max_tokens(len(p.token_ids), max_tokens, "max_tokens"))
-                  for p in prompts]
+        # a prompt too long is named as its other errors are: prompt[i] of a batch of prompts
+        params = [req.sampling_params(self._max_tokens(len(p.token_ids), max_tokens, "max_tokens", name))
+                  for p, name in zip(prompts, names)]
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._start(rid, prompts, params)
         if req.stream:
