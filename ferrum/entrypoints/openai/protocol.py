@@ -5,7 +5,9 @@ Every model forbids unknown fields (`extra="forbid"`): a field ferrum does not i
 every model is strict, so a value of the wrong JSON type (`"max_tokens": "5"`, `"stream": 1`,
 `"temperature": true`) is a 400 naming its field, not coerced. A JSON null for a field that has
 a default means that default, as an absent field does (OpenAI marks its optional fields
-nullable: `"n": null`, `"stream": null`, `"parallel_tool_calls": null`, ...). Value
+nullable: `"n": null`, `"stream": null`, `"parallel_tool_calls": null`, ...), and so does a
+null for an OpenAI field ferrum does not implement (a body's NULL_ONLY: `"suffix": null`,
+`"prediction": null`, ...), which SDKs that send every field write for one left unset. Value
 ranges (temperature >= 0, top_p in (0, 1], ...) are checked by `SamplingParams`, except
 temperature's upper bound, OpenAI's 2, which only the server sets (`Temperature`); it raises
 InvalidRequestError with the offending parameter; messages, tools, tool_choice and
@@ -21,7 +23,7 @@ structured-output fields: `structured_outputs` (vLLM's current name: {"json" | "
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
@@ -37,17 +39,21 @@ class _Strict(BaseModel):
     a field with a default is that default."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+    # OpenAI's fields of this body that ferrum does not implement: a null (what SDKs that send
+    # every field write for one left unset) means unset and is dropped; any other value stays
+    # an unknown field, a 400 naming it
+    NULL_ONLY: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_the_default(cls, data: Any) -> Any:
         """Drop the null members of a body that name a field with a default (by name or
-        alias), so the field's one default applies; a null for a required field, or for an
-        unknown one, stays and is refused."""
+        alias) or one of NULL_ONLY, so the field's one default applies; a null for a required
+        field, or for an unknown one, stays and is refused."""
         if not isinstance(data, dict):
             return data
         optional = {key for name, f in cls.model_fields.items() if not f.is_required()
-                    for key in (name, f.alias) if key}
+                    for key in (name, f.alias) if key} | cls.NULL_ONLY
         return {k: v for k, v in data.items() if v is not None or k not in optional}
 
 
@@ -155,6 +161,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     # 1 (OpenAI's default) is a no-op; more candidates per choice are not implemented (vLLM V1 neither)
     best_of: int | None = None
+    NULL_ONLY = frozenset({"suffix"})
 
     @property
     def echo_only(self) -> bool:
@@ -204,6 +211,9 @@ class ChatCompletionRequest(_SamplingFields):
     `tools`, `tool_choice`, `parallel_tool_calls`, `response_format`: OpenAI's, checked by
     `ferrum.entrypoints.chat_utils.prepare_chat`."""
 
+    NULL_ONLY = frozenset({"modalities", "audio", "prediction", "reasoning_effort", "verbosity",
+                           "web_search_options", "functions", "function_call", "prompt_cache_retention"})
+
     messages: list[Any] = Field(min_length=1)
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -219,6 +229,8 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False    # vLLM: continue the last (assistant) message
     store: bool | None = None               # OpenAI's stored completions: true is refused
     metadata: dict[str, str] | None = None  # accepted; unused (OpenAI tags stored completions)
+    safety_identifier: str | None = None    # accepted; unused (as in /v1/responses)
+    prompt_cache_key: str | None = None     # accepted; the prefix cache needs no key
     service_tier: ServiceTier | None = None
 
     def requested_max_tokens(self) -> int | None:

@@ -95,6 +95,8 @@ class ResponsesRequest(_Strict):
     """POST /v1/responses body. Unknown fields are refused with 400 naming them; fields that
     need stored state are refused by `check_stateless`."""
 
+    NULL_ONLY = frozenset({"prompt", "max_tool_calls", "prompt_cache_retention"})   # see _Strict
+
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
