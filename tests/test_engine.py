@@ -479,6 +479,30 @@ def test_generate_takes_vllm_dict_prompts(offline):
         assert e.value.param == param, prompts
 
 
+def chat_template_ids(hf, messages) -> list[int]:
+    """transformers' apply_chat_template(tokenize=True): a list of ids (4.x) or a BatchEncoding (5.x)."""
+    ids = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def test_get_tokenizer_is_the_hf_tokenizer_the_engine_uses(offline, folder):
+    """vLLM's `LLM.get_tokenizer()` (users call it for encode / apply_chat_template) was
+    missing. It returns the transformers tokenizer the engine holds: its ids for a text prompt
+    and a conversation are the ones generate and chat use. A model without a tokenizer: a
+    named error."""
+    from transformers import PreTrainedTokenizerFast
+    tok = offline.get_tokenizer()
+    assert isinstance(tok, PreTrainedTokenizerFast) and tok is offline.tokenizer.hf
+    sp = SamplingParams(max_tokens=1)
+    prompt = "The capital of France is"
+    assert tok.encode(prompt) == offline.generate(prompt, sp, use_tqdm=False)[0].prompt_token_ids
+    conv = [{"role": "user", "content": "What is the capital of France?"}]
+    assert chat_template_ids(tok, conv) == offline.chat(conv, sp)[0].prompt_token_ids
+    assert tok.decode(tok.encode(prompt)) == prompt
+    with make_llm(folder) as llm, pytest.raises(InvalidRequestError, match="no tokenizer"):
+        llm.get_tokenizer()
+
+
 def test_cache_too_small_and_unknown_model(folder):
     # max_model_len 128 needs 8 blocks of 16.
     with pytest.raises(CacheConfigError, match="not even one sequence"):
@@ -577,6 +601,19 @@ def test_smollm2_batch_of_64_runs_concurrently(smol):
         assert a.outputs[0].token_ids == outs[i].outputs[0].token_ids, (i, tok.decode(a.outputs[0].token_ids))
         assert a.outputs[0].text == outs[i].outputs[0].text
     w.assert_drained()
+
+
+def test_smollm2_get_tokenizer_is_the_gguf_tokenizer(smol):
+    """A GGUF model's get_tokenizer(): the fast tokenizer transformers converts from the
+    file, with the GGUF's chat template; its ids are the engine's."""
+    from transformers import PreTrainedTokenizerFast
+    tok = smol.get_tokenizer()
+    assert isinstance(tok, PreTrainedTokenizerFast)
+    assert tok.chat_template and tok.chat_template == smol.tokenizer.chat_template
+    prompt = "The capital of France is"
+    assert tok.encode(prompt) == smol.generate(prompt, SamplingParams(max_tokens=1),
+                                               use_tqdm=False)[0].prompt_token_ids
+    assert chat_template_ids(tok, CAPITAL) == smol.chat(CAPITAL, SamplingParams(max_tokens=1))[0].prompt_token_ids
 
 
 def test_smollm2_capital_of_france(smol):

@@ -44,6 +44,27 @@ class LLM:
         self._lock = threading.Lock()   # one generate at a time steps the engine
         self._closed = False
 
+    def get_tokenizer(self):
+        """The Hugging Face tokenizer the engine encodes and decodes with (vLLM's
+        `LLM.get_tokenizer()`): a transformers tokenizer. For a HF folder, what
+        `AutoTokenizer.from_pretrained` loads from it (a `PreTrainedTokenizerFast`, or the
+        model's subclass of it such as `GPT2TokenizerFast`, wherever a fast tokenizer exists);
+        for a GGUF model, a `PreTrainedTokenizerFast` that transformers converts from the
+        file's `tokenizer.ggml.*` metadata, with the GGUF's chat template set on it
+        (transformers 5 names that class `TokenizersBackend`). `encode(prompt)` gives the ids
+        `generate` uses for that text prompt, and its `chat_template` is the one `chat`
+        renders (the model's, or `LLM(chat_template=...)`). `apply_chat_template(...,
+        tokenize=True)` (a BatchEncoding in transformers 5: its "input_ids") gives `chat`'s
+        ids unless a message holds a special-token string: `chat` encodes those as text
+        (split_special_tokens), transformers as control tokens. It is the engine's own object,
+        not a copy: a change to it (added tokens, say) reaches the engine's tokenization too.
+        `LLM.tokenizer` is ferrum's wrapper around it (ferrum.tokenizer.Tokenizer). Raises
+        InvalidRequestError for a model without a tokenizer (only token-id prompts work)."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer (its folder has no tokenizer files, "
+                                      "or its GGUF's could not be converted); pass prompt token ids")
+        return self.tokenizer.hf
+
     def generate(self, prompts: str | dict | list[str | dict] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
