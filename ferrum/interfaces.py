@@ -69,12 +69,15 @@ class PromptLogprobs:
     token_logprobs: [R] float32, log_softmax(logits[row])[target].
     top_ids: [R, K] int64 and top_logprobs: [R, K] float32, the K largest logprobs of each row,
         descending (K = `num_top_logprobs`; K = 0 gives [R, 0]).
+    token_ranks: [R] int64, the target's vocabulary rank: how many of the row's logprobs are
+        >= its own (1 = the most likely token; vLLM's `Logprob.rank`).
     Logprobs are of the raw model logits (no penalties, bias or temperature), as vLLM's.
     """
 
     token_logprobs: torch.Tensor
     top_ids: torch.Tensor
     top_logprobs: torch.Tensor
+    token_ranks: torch.Tensor
 
 
 @dataclass

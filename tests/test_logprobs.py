@@ -8,11 +8,18 @@ characters are split over byte tokens that each decode to U+FFFD.
 """
 from __future__ import annotations
 
+import copy
+import json
+import math
+import pickle
+
 import pytest
 
+import ferrum
 from ferrum.engine.output_state import SequenceOutputState
 from ferrum.entrypoints.openai.logprobs import (TokenFormatter, chat_logprobs, completion_logprobs,
                                                 ready_tokens, token_texts)
+from ferrum.outputs import Logprob, logprob_entry
 from ferrum.sampling_params import SamplingParams
 
 CJK = "你好世界。"
@@ -122,3 +129,34 @@ def test_streamed_tokens_wait_until_their_text_is_final(tok):
         if state.finished:
             break
     assert sent == len(state.token_ids) and joined == state.text == " The cap"
+
+
+def test_logprob_is_a_float_with_vllm_fields(tok):
+    """The engine's logprob values: vLLM's `.logprob` / `.rank` / `.decoded_token`, and
+    everything a float did before (arithmetic, comparisons, ==, repr, json, pickle). The
+    OpenAI formatting gets plain floats from them, the same JSON as before."""
+    assert ferrum.Logprob is Logprob
+    lp = Logprob(-0.25, rank=3, decoded_token=" Paris")
+    assert (lp.logprob, lp.rank, lp.decoded_token) == (-0.25, 3, " Paris")
+    assert type(lp.logprob) is float and isinstance(lp, float)
+    assert lp == -0.25 and hash(lp) == hash(-0.25) and {7: lp} == {7: -0.25}
+    assert lp + 1.0 == 0.75 and type(lp + 1.0) is float and math.exp(lp) == math.exp(-0.25)
+    assert -1.0 < lp < 0 and max([Logprob(-2.0), lp]) is lp and sum([lp, lp]) == -0.5
+    assert repr(lp) == str(lp) == f"{lp}" == "-0.25" and f"{lp:.1f}" == "-0.2"
+    assert json.dumps({"7": lp}) == '{"7": -0.25}'
+    for back in (pickle.loads(pickle.dumps(lp)), copy.deepcopy(lp)):
+        assert (back, back.rank, back.decoded_token, type(back)) == (-0.25, 3, " Paris", Logprob)
+    assert Logprob(-1.0).rank is None and Logprob(-1.0).decoded_token is None
+    # what the engine builds: top entries ranked in order, then the chosen token if not among them
+    entry = logprob_entry([5, 9], [-0.5, -1.5], 4, -3.0, 17)
+    assert [(k, v, v.rank, v.decoded_token) for k, v in entry.items()] == \
+        [(5, -0.5, 1, None), (9, -1.5, 2, None), (4, -3.0, 17, None)]
+    assert list(logprob_entry([5, 9], [-0.5, -1.5], 9, -1.5, 4).items()) == [(5, -0.5), (9, -1.5)]
+    assert logprob_entry([5, 9], [-0.5, -1.5], 9, -1.5, 4)[9].rank == 2
+    ids = tok.encode(" Paris is")
+    lps = [logprob_entry([t, 905], [-0.5, float("-inf")], t, -0.5, 1) for t in ids]
+    out = completion_logprobs(TokenFormatter(tok), ids, lps, None)
+    chat = chat_logprobs(TokenFormatter(tok), ids, lps, None, 2)["content"]
+    values = out["token_logprobs"] + [v for top in out["top_logprobs"] for v in top.values()] + \
+        [e["logprob"] for e in chat] + [t["logprob"] for e in chat for t in e["top_logprobs"]]
+    assert {type(v) for v in values} == {float} and set(values) == {-0.5, -9999.0}

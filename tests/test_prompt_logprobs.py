@@ -34,15 +34,20 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def reference(folder, prompts):
-    """HF log_softmax over each prompt: [len - 1, V] float32, row p for prompt token p + 1."""
-    model = hf_model(folder)
-    out = []
+def hf(folder):
+    return hf_model(folder)
+
+
+def hf_logprobs(hf, ids: list[int]) -> torch.Tensor:
+    """HF log_softmax after each of `ids`: [len, V] float32, row p for the token after p."""
     with torch.no_grad():
-        for p in prompts:
-            logits = model(torch.tensor([p])).logits[0].float()
-            out.append(logits.log_softmax(-1)[:-1])
-    return out
+        return hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+
+@pytest.fixture(scope="module")
+def reference(hf, prompts):
+    """HF log_softmax over each prompt: [len - 1, V] float32, row p for prompt token p + 1."""
+    return [hf_logprobs(hf, p)[:-1] for p in prompts]
 
 
 def make_llm(folder, **kw) -> LLM:
@@ -85,6 +90,36 @@ def test_prompt_logprobs_equal_hf_whole_and_chunked(folder, prompts, reference):
             assert [o.outputs[0].token_ids for o in outs[:2]] == \
                 [o.outputs[0].token_ids for o in outs[len(prompts):]]
             assert llm.engine.executor.status().running_sequences == 0
+
+
+def check_ranks(entry: dict, token: int, ref: torch.Tensor, top: int) -> int:
+    """vLLM's Logprob fields of one position: `.logprob` is the value, no decoded_token, the
+    top entries ranked 1..top in order, and `token` (the prompt or chosen token) ranked as in
+    HF's full distribution `ref` [V]: 1 + the other tokens whose logprob is >= its own, within
+    TOL of float rounding. Returns its rank."""
+    assert all(v.logprob == v and type(v.logprob) is float and v.decoded_token is None
+               for v in entry.values())
+    assert [v.rank for v in entry.values()][:top] == list(range(1, top + 1))
+    rank, v = entry[token].rank, entry[token].logprob
+    assert 1 + int((ref > v + TOL).sum()) <= rank <= int((ref >= v - TOL).sum())
+    return rank
+
+
+def test_logprob_ranks_equal_hf(folder, hf, prompts, reference):
+    """Prompt and sample logprobs carry vLLM's rank: a prompt token's and a sampled token's
+    rank among the vocabulary by logprob equals the one HF's logits give (temperature 1, so
+    the sampled tokens are not all the most likely)."""
+    sp = SamplingParams(temperature=1.0, seed=1, max_tokens=12, logprobs=TOP, prompt_logprobs=TOP,
+                        ignore_eos=True)
+    with make_llm(folder) as llm:
+        out = llm.generate([prompts[3]], sp, use_tqdm=False)[0]
+    prompt_ranks = [check_ranks(e, t, reference[3][i], TOP)
+                    for i, (e, t) in enumerate(zip(out.prompt_logprobs[1:], prompts[3][1:]))]
+    c = out.outputs[0]
+    ref = hf_logprobs(hf, prompts[3] + c.token_ids)[len(prompts[3]) - 1:]
+    sample_ranks = [check_ranks(e, t, ref[i], TOP) for i, (e, t) in enumerate(zip(c.logprobs, c.token_ids))]
+    assert max(prompt_ranks) > TOP + 1 and max(sample_ranks) > 1   # not only the top ones
+    assert c.cumulative_logprob == pytest.approx(sum(e[t] for e, t in zip(c.logprobs, c.token_ids)))
 
 
 def test_prompt_logprobs_zero_gives_only_the_prompt_token(folder, prompts, reference):

@@ -208,6 +208,33 @@ def test_logprobs_include_chosen_token_outside_top_n():
         assert entry[t] == pytest.approx(lp[t].item())
 
 
+def test_logprobs_carry_vllm_ranks():
+    """Each value is a Logprob (a float) with vLLM's rank: a top-N entry its place in the top N,
+    the chosen token outside them its 1-based rank among the vocabulary by logprob, counted
+    here by sorting; a tied token ranks last among its equals (vLLM counts logprobs >= its
+    own); tokens a mask rules out (-inf) are not alternatives and rank no one down."""
+    torch.manual_seed(0)
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0, 1.0])
+    rows = 40
+    out = Sampler()(logits.expand(rows, V), build([SamplingParams(logprobs=2)] * rows))
+    lp = logits.log_softmax(-1).tolist()
+    by_logprob = sorted(range(V), key=lambda t: -lp[t])           # [3, 0, 5, 2, 1, 4]
+    chosen = out.token_ids.tolist()
+    assert {by_logprob.index(t) for t in chosen} >= {2, 3}         # some outside the top 2
+    for t, entry in zip(chosen, out.logprobs):
+        assert [(k, v.rank) for k, v in entry.items()][:2] == [(3, 1), (0, 2)]
+        assert entry[t].rank == by_logprob.index(t) + 1
+        assert all(v.logprob == v == pytest.approx(lp[k]) and type(v.logprob) is float
+                   and v.decoded_token is None for k, v in entry.items())
+    # all tied: every token has V logprobs >= its own
+    out = Sampler()(torch.zeros(4, V), build([SamplingParams(logprobs=0)] * 4))
+    assert [e[t].rank for t, e in zip(out.token_ids.tolist(), out.logprobs)] == [V] * 4
+    # min_tokens masks EOS: it is left out of the top V, whose ranks run 1..V-1
+    out = Sampler()(logits[None], build([SamplingParams(logprobs=V, min_tokens=1, temperature=0)]))
+    assert [(k, v.rank) for k, v in out.logprobs[0].items()] == \
+        [(t, r) for r, t in enumerate([t for t in by_logprob if t != EOS], 1)]
+
+
 def test_shape_mismatch_and_bad_token_ids():
     with pytest.raises(ValueError, match=r"\[1, 6\]"):
         Sampler()(torch.zeros(2, V), build([SamplingParams()]))

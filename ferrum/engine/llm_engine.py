@@ -33,7 +33,7 @@ from ferrum.executor.memory import pool_flag
 from ferrum.interfaces import (DecodeInput, KvCacheHandle, ModelExecutor, PrefillInput,
                                PromptLogprobs)
 from ferrum.layers.sampler import Sampler, SamplingMetadata, validate_token_ids
-from ferrum.outputs import CompletionOutput, RequestOutput
+from ferrum.outputs import CompletionOutput, RequestOutput, logprob_entry
 from ferrum.sampling_params import SamplingParams
 from ferrum.structured_output.manager import StructuredOutputManager
 
@@ -535,19 +535,19 @@ class LLMEngine:
     def _store_prompt_logprobs(lps: PromptLogprobs,
                                groups: list[tuple[Request, list[int], int]]) -> None:
         """Append a prefill's prompt logprobs to their requests (steps finish in launch order,
-        so a request's entries arrive in prompt order): per target, {token id: logprob} of the
-        request's top-N (N = its prompt_logprobs) followed by the target itself. Rows for
-        prompt tokens that already have an entry (recomputed after preemption) are skipped."""
-        token_lps = lps.token_logprobs.tolist()
+        so a request's entries arrive in prompt order): per target, {token id: Logprob} of the
+        request's top-N (N = its prompt_logprobs) followed by the target itself, ranked (see
+        Logprob). Rows for prompt tokens that already have an entry (recomputed after
+        preemption) are skipped."""
+        token_lps, token_ranks = lps.token_logprobs.tolist(), lps.token_ranks.tolist()
         top_ids, top_lps = lps.top_ids.tolist(), lps.top_logprobs.tolist()
         row = 0
         for req, targets, first_pos in groups:
             n = req.params.prompt_logprobs
             for j, tok in enumerate(targets):
                 if first_pos + j + 1 == len(req.prompt_logprobs):
-                    entry = dict(zip(top_ids[row][:n], top_lps[row][:n]))
-                    entry.setdefault(tok, token_lps[row])
-                    req.prompt_logprobs.append(entry)
+                    req.prompt_logprobs.append(logprob_entry(top_ids[row], top_lps[row][:n], tok,
+                                                             token_lps[row], token_ranks[row]))
                 row += 1
 
     def _fork(self, req: Request, parent: Sequence) -> None:

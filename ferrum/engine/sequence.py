@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ferrum.outputs import RequestMetrics
+from ferrum.outputs import Logprob, RequestMetrics
 from ferrum.sampling_params import SamplingParams
 
 
@@ -37,7 +37,7 @@ class Sequence:
         self.output_state = None            # ferrum.engine.output_state.SequenceOutputState, set by the engine
         seed = request.params.seed
         self.generator = None if seed is None else torch.Generator(device).manual_seed(seed + index)
-        self.logprobs: list[dict[int, float]] = []
+        self.logprobs: list[dict[int, Logprob]] = []
         self.cumulative_logprob = 0.0
         self.new_tokens = 0                 # generated since the last RequestOutput
         self.sampled_row = -1               # its row in the last launched step's samples
@@ -92,7 +92,7 @@ class Request:
     # With params.prompt_logprobs: entry i is {token id: logprob} for prompt token i (None for
     # token 0, which has no context), filled as prefill chunks finish; prompt_logprob_pos is
     # the next prompt position whose logits are still to be computed.
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprob_pos: int = 0
 
     def __post_init__(self) -> None:

@@ -30,7 +30,7 @@ def compute_prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tenso
     rows = [start + j for start, t in zip(chunk_starts, targets) for j in range(len(t))]
     ids = [tok for t in targets for tok in t]
     dev = hidden.device
-    token_lps, top_ids, top_lps = [], [], []
+    token_lps, top_ids, top_lps, ranks = [], [], [], []
     for s in range(0, len(rows), ROWS_PER_SLICE):
         idx = torch.tensor(rows[s:s + ROWS_PER_SLICE]).to(dev, non_blocking=True)
         logits = compute_logits(hidden[idx])
@@ -38,10 +38,12 @@ def compute_prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tenso
             continue
         logprobs = logits.float().log_softmax(-1)
         tgt = torch.tensor(ids[s:s + ROWS_PER_SLICE]).to(dev, non_blocking=True)
-        token_lps.append(logprobs.gather(1, tgt.unsqueeze(1)).squeeze(1))
+        token_lp = logprobs.gather(1, tgt.unsqueeze(1))
+        token_lps.append(token_lp.squeeze(1))
+        ranks.append((logprobs >= token_lp).sum(-1))
         values, indices = logprobs.topk(num_top, dim=-1)
         top_lps.append(values)
         top_ids.append(indices)
     if not token_lps:
         return None
-    return PromptLogprobs(torch.cat(token_lps), torch.cat(top_ids), torch.cat(top_lps))
+    return PromptLogprobs(torch.cat(token_lps), torch.cat(top_ids), torch.cat(top_lps), torch.cat(ranks))

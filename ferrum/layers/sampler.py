@@ -41,6 +41,7 @@ import torch
 from ferrum.errors import InvalidRequestError
 from ferrum.ops.sampling import gumbel_argmax
 from ferrum.ops.triton_utils import use_triton
+from ferrum.outputs import Logprob, logprob_entry
 from ferrum.sampling_params import SamplingParams
 
 
@@ -50,6 +51,8 @@ from ferrum.sampling_params import SamplingParams
 # (`ferrum.executor.memory`: 512 sequences of Llama-3's 128k vocabulary reserved 4.2 GB for a
 # batch-wide pipeline).
 SAMPLE_CHUNK_ROWS = 64
+
+_NEG_INF = float("-inf")
 
 
 def validate_token_ids(params: SamplingParams, vocab_size: int) -> None:
@@ -273,11 +276,12 @@ class SamplingMetadata:
 class SamplerOutput:
     """token_ids: [B] int64, on the logits' device.
     logprobs: None when no row asked for logprobs; else one entry per row: None for rows that
-    did not ask, else {token id: logprob} with the top-N tokens in descending order followed by
-    the chosen token if it is not among them (N = that row's `SamplingParams.logprobs`)."""
+    did not ask, else {token id: Logprob} with the top-N tokens in descending order followed by
+    the chosen token if it is not among them (N = that row's `SamplingParams.logprobs`); their
+    `rank` is their place in the top N, the chosen token's its rank in the vocabulary."""
 
     token_ids: torch.Tensor
-    logprobs: list[dict[int, float] | None] | None = None
+    logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 def bitmask_bias(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -377,24 +381,29 @@ def _fused_ok(logits: torch.Tensor, metadata: SamplingMetadata) -> bool:
 
 
 def _format_logprobs(processed: torch.Tensor, token_ids: torch.Tensor,
-                     metadata: SamplingMetadata) -> list[dict[int, float] | None]:
+                     metadata: SamplingMetadata) -> list[dict[int, Logprob] | None]:
     logprobs = processed.log_softmax(-1)
-    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    # the chosen token's vocabulary rank (vLLM's: how many logprobs are >= its own)
+    ranks = (logprobs >= chosen).sum(-1).tolist()
+    chosen = chosen.squeeze(1).tolist()
     ids = token_ids.tolist()
     top_n = metadata.max_num_logprobs or 0
     top_vals, top_ids = [[]] * len(ids), [[]] * len(ids)
     if top_n:
         values, indices = logprobs.topk(top_n, dim=-1)
         top_vals, top_ids = values.tolist(), indices.tolist()
-    result: list[dict[int, float] | None] = []
+    result: list[dict[int, Logprob] | None] = []
     for i, n in enumerate(metadata.num_logprobs):
         if n is None:
             result.append(None)
             continue
-        # tokens a mask ruled out (-inf) are not alternatives: a grammar may allow fewer than n
-        entry = {t: v for t, v in zip(top_ids[i][:n], top_vals[i][:n]) if v != float("-inf")}
-        entry.setdefault(ids[i], chosen[i])
-        result.append(entry)
+        vals = top_vals[i][:n]
+        # tokens a mask ruled out (-inf, sorted last) are not alternatives: a grammar may allow
+        # fewer than n
+        if vals and vals[-1] == _NEG_INF:
+            vals = vals[:vals.index(_NEG_INF)]
+        result.append(logprob_entry(top_ids[i], vals, ids[i], chosen[i], ranks[i]))
     return result
 
 

@@ -18,8 +18,10 @@ from ferrum.tokenizer.detokenizer import IncrementalDetokenizer, token_bytes_of
 
 
 def _finite(v: float | None) -> float | None:
-    """JSON has no -inf (a masked token's logprob): report -9999.0 instead, as vLLM does."""
-    return None if v is None else max(v, -9999.0)
+    """JSON has no -inf (a masked token's logprob): report -9999.0 instead, as vLLM does. A
+    plain float: the engine's values are `ferrum.outputs.Logprob`s, which the response only
+    needs the number of."""
+    return None if v is None else max(float(v), -9999.0)
 
 
 def token_texts(text: str, ends: list[int] | None, start: int, stop: int) -> list[str] | None:
