@@ -225,6 +225,23 @@ def test_required_schema_accepts_exactly_valid_calls():
             "name": "t", "parameters": {"type": "object", **good}}}]), "required")
     assert tool_choice_constraint(loop, {"type": "function", "function": {"name": "tree"}}).json["type"] == "object"
     assert tool_choice_constraint(tools, "auto") is None
+    # a forced call's arguments are a JSON object even where the schema does not say so ({}
+    # let the model write a string, which came back as content, or as a call, finishing "stop");
+    # a schema of another type cannot be enforced
+    for params in ({}, {"properties": {"a": {"type": "integer"}}}, {"type": ["object", "null"]}):
+        t = parse_tools([{"type": "function", "function": {"name": "f", "parameters": params}}])
+        for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+            schema = tool_choice_constraint(t, choice).json
+            args = schema["items"]["anyOf"][0]["properties"]["parameters"] if choice == "required" else schema
+            assert args["type"] == "object"
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate([{"name": "f", "parameters": "x"}] if choice == "required" else "x", schema)
+    for params in ({"type": "string"}, {"type": ["array", "null"]}):
+        t = parse_tools([{"type": "function", "function": {"name": "f", "parameters": params}}])
+        for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+            with pytest.raises(InvalidRequestError, match="must describe a JSON object") as info:
+                tool_choice_constraint(t, choice)
+            assert info.value.param == "tools[0].function.parameters"
     clash = parse_tools([CLOCK, {"type": "function", "function": {"name": "g", "parameters": {
         "type": "object", "$defs": {"zone": {"type": "string"}}}}}])
     with pytest.raises(InvalidRequestError, match="zone") as info:

@@ -25,7 +25,7 @@ tool_choice (OpenAI): "none" (tools are left out of the prompt and nothing is pa
 (default with tools: the model's own format is parsed), "required" (constrained decoding to a
 JSON array of {"name", "parameters"} calls built from the tools' parameter schemas), or
 {"type": "function", "function": {"name": ...}} (constrained to that function's parameter
-schema). `parallel_tool_calls: false` allows one call (the array ends after it); true, the
+schema); a forced call's arguments are a JSON object either way (`_arguments_schema`). `parallel_tool_calls: false` allows one call (the array ends after it); true, the
 default as in OpenAI and vLLM, allows several, and a model may repeat a call until max_tokens:
 the calls completed by then are returned (`ferrum.tool_parsers.constrained`). Every tool's
 parameters are checked as a JSON schema on every request, and the enforced ones as enforceable
@@ -278,22 +278,41 @@ def _lift_defs(schema: dict, defs: dict, where: str) -> dict:
     return schema
 
 
+def _arguments_schema(params: dict, where: str) -> dict:
+    """A tool's parameter schema as the grammar of a forced call's arguments, which are always a
+    JSON object (OpenAI's; clients pass them as keyword arguments, and the tool parsers read
+    nothing else as a call): a schema without `type` ({}, {"properties": ...}) gets "object",
+    else the model could write a string or an array there; one whose type leaves out "object"
+    cannot be enforced and is refused (raises InvalidRequestError naming `where`), as OpenAI
+    refuses it."""
+    kind = params.get("type")
+    if kind == "object":
+        return params
+    if kind is None or (isinstance(kind, list) and "object" in kind):
+        return {**params, "type": "object"}
+    raise _bad(where, f"must describe a JSON object (the arguments of a call are one), "
+                      f"got type {kind!r}")
+
+
 def tool_choice_constraint(tools: list[dict], tool_choice, parallel_tool_calls: bool = PARALLEL_TOOL_CALLS
                            ) -> StructuredOutputsParams | None:
     """The JSON schema that tool_choice "required" / a named function imposes (None for
     "none" / "auto"). Required: an array of 1 (or, with parallel_tool_calls, more) objects
-    {"name": one tool's name, "parameters": that tool's parameter schema}, name first."""
+    {"name": one tool's name, "parameters": that tool's parameter schema}, name first. The
+    arguments are JSON objects either way (`_arguments_schema`)."""
     if not isinstance(tool_choice, dict) and tool_choice != "required":
         return None
+    where = [f"tools[{i}].function.parameters" for i in range(len(tools))]
     if isinstance(tool_choice, dict):
         name = tool_choice["function"]["name"]
         i = next(i for i, t in enumerate(tools) if t["function"]["name"] == name)
-        return StructuredOutputsParams(json=tools[i]["function"]["parameters"], param=f"tools[{i}].function.parameters")
+        return StructuredOutputsParams(json=_arguments_schema(tools[i]["function"]["parameters"], where[i]),
+                                       param=where[i])
     defs: dict = {}
     variants = [{"type": "object",
                  "properties": {"name": {"const": t["function"]["name"]},
-                                "parameters": _lift_defs(t["function"]["parameters"], defs,
-                                                         f"tools[{i}].function.parameters")},
+                                "parameters": _lift_defs(_arguments_schema(t["function"]["parameters"], where[i]),
+                                                         defs, where[i])},
                  "required": ["name", "parameters"], "additionalProperties": False}
                 for i, t in enumerate(tools)]
     schema = {"type": "array", "minItems": 1, "items": {"anyOf": variants}, **defs}
