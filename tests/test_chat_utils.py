@@ -163,6 +163,7 @@ def test_bad_messages_are_named(messages, param, match):
     ([WEATHER, WEATHER], "tools[1].function.name"),
     ([{"type": "function", "function": {"name": "f", "parameters": "object"}}], "tools[0].function.parameters"),
     ([{"type": "function", "function": {"name": "f", "description": 3}}], "tools[0].function.description"),
+    ([{"type": "function", "function": {"name": "f", "strict": "true"}}], "tools[0].function.strict"),
 ])
 def test_bad_tools_are_named(tools, param):
     with pytest.raises(InvalidRequestError) as info:
@@ -242,6 +243,15 @@ def test_required_schema_accepts_exactly_valid_calls():
             with pytest.raises(InvalidRequestError, match="must describe a JSON object") as info:
                 tool_choice_constraint(t, choice)
             assert info.value.param == "tools[0].function.parameters"
+    # a function's strict: true closes its objects, as response_format's strict does
+    nested = {"properties": {"o": {"type": "object", "properties": {"k": {"type": "integer"}}}}}
+    for strict in (True, False):
+        t = parse_tools([{"type": "function", "function": {"name": "f", "parameters": nested, "strict": strict}}])
+        args = tool_choice_constraint(t, {"type": "function", "function": {"name": "f"}}).json
+        assert (args.get("additionalProperties"), args["properties"]["o"].get("additionalProperties")) == (
+            (False, False) if strict else (None, None))
+        req = tool_choice_constraint(t, "required").json
+        assert (req["items"]["anyOf"][0]["properties"]["parameters"].get("additionalProperties") is False) == strict
     clash = parse_tools([CLOCK, {"type": "function", "function": {"name": "g", "parameters": {
         "type": "object", "$defs": {"zone": {"type": "string"}}}}}])
     with pytest.raises(InvalidRequestError, match="zone") as info:

@@ -193,6 +193,8 @@ def parse_tools(tools) -> list[dict] | None:
             raise _bad(f"{where}.function.parameters", "must be a JSON schema object")
         if fn.get("description") is not None and not isinstance(fn["description"], str):
             raise _bad(f"{where}.function.description", "must be a string")
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise _bad(f"{where}.function.strict", f"must be a boolean, got {fn['strict']!r}")
         out.append({"type": "function", "function": {**{k: v for k, v in fn.items() if v is not None},
                                                      "parameters": params}})
     return out
@@ -278,20 +280,22 @@ def _lift_defs(schema: dict, defs: dict, where: str) -> dict:
     return schema
 
 
-def _arguments_schema(params: dict, where: str) -> dict:
-    """A tool's parameter schema as the grammar of a forced call's arguments, which are always a
-    JSON object (OpenAI's; clients pass them as keyword arguments, and the tool parsers read
+def _arguments_schema(fn: dict, where: str) -> dict:
+    """A tool's parameter schema as the grammar of a forced call's arguments, which are always
+    a JSON object (OpenAI's; clients pass them as keyword arguments, and the tool parsers read
     nothing else as a call): a schema without `type` ({}, {"properties": ...}) gets "object",
     else the model could write a string or an array there; one whose type leaves out "object"
     cannot be enforced and is refused (raises InvalidRequestError naming `where`), as OpenAI
-    refuses it."""
+    refuses it. With the function's `strict: true`, every object schema that does not set
+    additionalProperties is closed (`closed_objects`), as response_format's strict does."""
+    params = fn["parameters"]
     kind = params.get("type")
-    if kind == "object":
-        return params
     if kind is None or (isinstance(kind, list) and "object" in kind):
-        return {**params, "type": "object"}
-    raise _bad(where, f"must describe a JSON object (the arguments of a call are one), "
-                      f"got type {kind!r}")
+        params = {**params, "type": "object"}
+    elif kind != "object":
+        raise _bad(where, f"must describe a JSON object (the arguments of a call are one), "
+                          f"got type {kind!r}")
+    return closed_objects(params) if fn.get("strict") else params
 
 
 def tool_choice_constraint(tools: list[dict], tool_choice, parallel_tool_calls: bool = PARALLEL_TOOL_CALLS
@@ -306,12 +310,12 @@ def tool_choice_constraint(tools: list[dict], tool_choice, parallel_tool_calls: 
     if isinstance(tool_choice, dict):
         name = tool_choice["function"]["name"]
         i = next(i for i, t in enumerate(tools) if t["function"]["name"] == name)
-        return StructuredOutputsParams(json=_arguments_schema(tools[i]["function"]["parameters"], where[i]),
+        return StructuredOutputsParams(json=_arguments_schema(tools[i]["function"], where[i]),
                                        param=where[i])
     defs: dict = {}
     variants = [{"type": "object",
                  "properties": {"name": {"const": t["function"]["name"]},
-                                "parameters": _lift_defs(_arguments_schema(t["function"]["parameters"], where[i]),
+                                "parameters": _lift_defs(_arguments_schema(t["function"], where[i]),
                                                          defs, where[i])},
                  "required": ["name", "parameters"], "additionalProperties": False}
                 for i, t in enumerate(tools)]
