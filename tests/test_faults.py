@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import time
 
 import httpx
 import pytest
@@ -295,9 +298,26 @@ def test_server_reports_a_broken_executor_on_health(folder):
 
 # ---- tensor parallelism -------------------------------------------------------------------------
 
+def ctrl_c_in_forward(model, times: int) -> list:
+    """Send this process `times` SIGINTs from inside the next forward (layer 1). Returns the
+    hook handle."""
+    left = [times]
+
+    def on_layer1(module, args):
+        while left[0]:
+            left[0] -= 1
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)      # Python runs the handler between these ops
+    return model.model.layers[1].register_forward_pre_hook(on_layer1)
+
+
 def test_tp_fault_outside_the_forward_keeps_the_ranks_in_step(folder, reference):
     """A fault on rank 0 after the forward (sampler, stop checks) fails the step's requests;
-    the ranks never left step, so the TP engine goes on and matches TP=1."""
+    the ranks never left step, so the TP engine goes on and matches TP=1. So does a Ctrl-C
+    inside rank 0's forward: it is held until the step ends on every rank (before, it left
+    rank 1 inside the step: every later request failed with "the tensor-parallel executor is
+    shut down" while health() said all was well, and rank 1 died of a gloo timeout 30 s
+    later). A second Ctrl-C within the step breaks the executor, and health() says so."""
     with LLM(folder, progress=False, max_model_len=256, tensor_parallel_size=2) as llm:
         eng = llm.engine
         real, left = eng.sampler, [1]
@@ -314,6 +334,22 @@ def test_tp_fault_outside_the_forward_keeps_the_ranks_in_step(folder, reference)
         outs = llm.generate([PROMPTS["b"], PROMPTS["e"]], greedy(12), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == [reference["b"], reference["e"]]
         drained(eng)
+
+        hook = ctrl_c_in_forward(eng.executor.runner.model, 1)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([PROMPTS["a"]], greedy(12), use_tqdm=False)
+        hook.remove()
+        assert eng.health() is None
+        outs = llm.generate([PROMPTS["b"], PROMPTS["e"]], greedy(12), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [reference["b"], reference["e"]]
+        drained(eng)
+
+        procs = list(eng.executor.procs)
+        ctrl_c_in_forward(eng.executor.runner.model, 2)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([PROMPTS["a"]], greedy(12), use_tqdm=False)
+        assert "interrupted (Ctrl-C)" in eng.health()
+        assert all(p.poll() is not None for p in procs)   # stopped at once, not left to time out
 
 
 def test_tp_fault_inside_rank0s_forward_breaks_the_executor_with_the_reason(folder):

@@ -14,15 +14,19 @@ executor (`health()` says why; every later step raises): a worker that raises re
 error to rank 0's store and exits; a worker that dies closes its end of the step channel and
 breaks the next collective; a rank that hangs trips the TP group's timeout
 (`ParallelConfig.step_timeout_s`); rank 0's own forward failing leaves the others inside the
-step. Each becomes a TensorParallelError naming the rank.
+step. Each becomes a TensorParallelError naming the rank. A Ctrl-C is held until the step
+ends on every rank (a second one within the step breaks the executor).
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import logging
 import os
 import pickle
+import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -80,6 +84,38 @@ def validate_tp_sizes(cfg, tp: int, expert_parallel: bool = False) -> None:
               if _tp_size_problem(cfg, n, expert_parallel) is None]
         raise TensorParallelError(f"{problem}; sizes that divide this model: "
                                   f"{', '.join(map(str, ok))}")
+
+
+@contextlib.contextmanager
+def _sigint_held_until_step_end():
+    """Hold a Ctrl-C that comes while a step runs until it ends on every rank, then deliver it.
+
+    A KeyboardInterrupt inside rank 0's forward (Python raises it between any two ops) leaves
+    the other ranks waiting in a collective that never completes, and the executor is lost; a
+    single-device engine survives it. Held until the step's end, it stops the engine between
+    steps, as there. A second Ctrl-C within the step is delivered at once (a step that hangs
+    can still be left). Only the main thread gets signals; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):   # SIG_IGN / SIG_DFL / a handler not set from Python
+        yield
+        return
+    held = []
+
+    def hold(signum, frame):
+        if held:
+            previous(signum, frame)
+        held.append(frame)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            previous(signal.SIGINT, held[0])
 
 
 class TensorParallelExecutor(ExecutorBase):
@@ -177,26 +213,36 @@ class TensorParallelExecutor(ExecutorBase):
         if self._closed:
             raise TensorParallelError(self._broken or "the tensor-parallel executor is shut down")
         self._check_workers()
-        try:
-            self._send(msg)
-        except StepMessageError:
-            raise                    # nothing was sent: the ranks are still in step
-        except Exception as e:
-            self._break(e)
-        except BaseException:
-            self._closed = True      # Ctrl-C mid-send: the other ranks may wait for the rest
-            raise
-        try:
-            out = local()
-        except Exception as e:
-            self._break(e)
-        except BaseException:
-            # Ctrl-C mid-step: the other ranks may be stuck in a collective waiting for us,
-            # so shutdown must not wait for them to read a message.
-            self._closed = True
-            raise
-        self._step_no += 1
+        with _sigint_held_until_step_end():
+            try:
+                self._send(msg)
+            except StepMessageError:
+                raise                    # nothing was sent: the ranks are still in step
+            except Exception as e:
+                self._break(e)
+            except BaseException:
+                self._interrupted("sending")  # the other ranks may wait for the rest
+                raise
+            try:
+                out = local()
+            except Exception as e:
+                self._break(e)
+            except BaseException:
+                # a second Ctrl-C mid-step: the other ranks may be stuck in a collective
+                # waiting for us, so shutdown must not wait for them to read a message
+                self._interrupted("running")
+                raise
+            self._step_no += 1           # before a held Ctrl-C: every rank finished the step
         return out
+
+    def _interrupted(self, doing: str) -> None:
+        """Rank 0 left a step half-done (KeyboardInterrupt): the ranks are out of step for
+        good, so say so in health() and stop the workers now (they would otherwise wait in a
+        collective until the step timeout, then fail with a bare gloo / NCCL timeout)."""
+        self._closed = True
+        self._broken = (f"rank 0 was interrupted (Ctrl-C) while {doing} step {self._step_no + 1}; "
+                        "the other ranks are left inside it, so the executor stops")
+        self._kill_workers()
 
     def _break(self, exc: Exception):
         """The ranks are out of step: mark the executor broken, stop the workers, raise."""
