@@ -317,7 +317,8 @@ def test_tp_fault_outside_the_forward_keeps_the_ranks_in_step(folder, reference)
     inside rank 0's forward: it is held until the step ends on every rank (before, it left
     rank 1 inside the step: every later request failed with "the tensor-parallel executor is
     shut down" while health() said all was well, and rank 1 died of a gloo timeout 30 s
-    later). A second Ctrl-C within the step breaks the executor, and health() says so."""
+    later). A SIGTERM or SIGINT sent to rank 1 leaves it serving. A second Ctrl-C within the
+    step breaks the executor, and health() says so."""
     with LLM(folder, progress=False, max_model_len=256, tensor_parallel_size=2) as llm:
         eng = llm.engine
         real, left = eng.sampler, [1]
@@ -344,7 +345,16 @@ def test_tp_fault_outside_the_forward_keeps_the_ranks_in_step(folder, reference)
         assert [o.outputs[0].token_ids for o in outs] == [reference["b"], reference["e"]]
         drained(eng)
 
+        # SIGTERM / Ctrl-C reach every rank at once (systemd's unit, a terminal's process
+        # group, torchrun): rank 1 leaves stopping to rank 0 (before, it died of them and broke
+        # the requests rank 0 was still draining)
         procs = list(eng.executor.procs)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            os.kill(procs[0].pid, sig)
+        time.sleep(0.3)
+        outs = llm.generate([PROMPTS["b"]], greedy(12), use_tqdm=False)
+        assert outs[0].outputs[0].token_ids == reference["b"] and procs[0].poll() is None
+
         ctrl_c_in_forward(eng.executor.runner.model, 2)
         with pytest.raises(KeyboardInterrupt):
             llm.generate([PROMPTS["a"]], greedy(12), use_tqdm=False)

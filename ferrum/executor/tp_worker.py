@@ -53,9 +53,23 @@ def worker_loop(runner, recv, block_size: int, step_done=None) -> None:
             step_done()
 
 
+def _leave_stopping_to_rank0() -> None:
+    """Ignore Ctrl-C and SIGTERM in a worker rank. They reach every rank at once (a terminal's
+    Ctrl-C goes to its whole process group, torchrun forwards SIGTERM to each rank, systemd
+    signals every process of the unit), and a worker that died of one broke the steps rank 0
+    still runs while its server drains the open requests: they failed with "rank 1 exited
+    with code -15" / "Connection reset by peer". Rank 0 handles the signal and sends
+    'shutdown' when it is done; a worker whose rank 0 is gone stops anyway (EOF on the step
+    channel, a reset gloo connection, PR_SET_PDEATHSIG), and torchrun's SIGKILL after its
+    grace period still ends it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def run_spmd_worker(config: EngineConfig) -> None:
     """Rank > 0 under torchrun: build this rank's shard and follow rank 0's steps until it
     shuts down. Every rank runs the same `ferrum` command; rank 0 runs the engine."""
+    _leave_stopping_to_rank0()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = rank_device(resolve_device(config.device), int(os.environ.get("LOCAL_RANK", 0)))
     _, control = init_distributed(rank, world, device, None, config.parallel.step_timeout_s,
@@ -110,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--startup-timeout", type=float, required=True)
     args = p.parse_args(argv)
     _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is handled by the engine process
+    _leave_stopping_to_rank0()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     store = None
     try:
