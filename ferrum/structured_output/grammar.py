@@ -65,10 +65,17 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             return llguidance.LLMatcher.grammar_from_regex(params.regex)
         if kind == "choice":
             return llguidance.LLMatcher.grammar_from_lark(
-                "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice))
+                "start: " + " | ".join(_lark_literal(c) for c in params.choice))
         return llguidance.LLMatcher.grammar_from_lark(lark)
     except (ValueError, TypeError) as e:
         raise InvalidRequestError(f"{p}: invalid {kind}: {e}", param=p) from e
+
+
+def _lark_literal(text: str) -> str:
+    """A Lark string literal that matches exactly `text`: JSON's escaping, which llguidance's
+    Lark lexer reads, except that JSON leaves DEL (U+007F) raw and that lexer refuses a raw DEL
+    (a choice holding one was a 400 "lexer error"); escaped, it is an ordinary character."""
+    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
 def check_json_schema(schema, param: str, enforced: bool = True) -> None:
