@@ -171,7 +171,10 @@ def test_second_tp_engine_in_a_process_is_refused_and_the_first_serves_on(tmp_pa
     """A second LLM(..., tensor_parallel_size=2) while one lived joined the first one's
     process group: 30 s later a DistStoreError traceback, and its clean-up could tear down
     the first engine's group. Now it is refused at once, the first keeps serving, and once it
-    is shut down a new one starts."""
+    is shut down a new one starts. An engine dropped without shutdown() (`del llm`) stops its
+    workers and frees the process group, as a TP=1 engine frees its model (before, atexit's
+    reference kept it: its workers ran on and every later TP engine of the process was
+    refused, with no handle left to shut it down)."""
     d = make_tiny_model(str(tmp_path_factory.mktemp("second")), "llama")
     greedy = SamplingParams(temperature=0, max_tokens=4)
     with LLM(d, progress=False, max_model_len=256, tensor_parallel_size=2) as first:
@@ -181,8 +184,12 @@ def test_second_tp_engine_in_a_process_is_refused_and_the_first_serves_on(tmp_pa
             LLM(d, progress=False, max_model_len=256, tensor_parallel_size=2)
         assert time.monotonic() - t0 < 5
         assert first.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0].token_ids == ref
-    with LLM(d, progress=False, max_model_len=256, tensor_parallel_size=2) as again:
-        assert again.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0].token_ids == ref
+    again = LLM(d, progress=False, max_model_len=256, tensor_parallel_size=2)
+    assert again.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0].token_ids == ref
+    procs = list(again.engine.executor.procs)
+    del again
+    assert all(p.wait(10) is not None for p in procs)
+    assert not torch.distributed.is_initialized()   # what a next engine needs
 
 
 def test_smollm2_tp3_equals_tp1(smollm2_gguf_path):

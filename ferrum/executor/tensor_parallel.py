@@ -28,6 +28,7 @@ import pickle
 import signal
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -135,6 +136,8 @@ class TensorParallelExecutor(ExecutorBase):
         self._step_no = 0
         self.spmd = launched_by_torchrun()
         if not self.spmd and dist.is_initialized():
+            gc.collect()   # an engine dropped without shutdown() but held in a cycle: __del__
+        if not self.spmd and dist.is_initialized():
             # torch.distributed has one default group per process: joining it would wait 30 s
             # for ranks that never come, and cleaning up would tear down the other engine's group
             self._shut = True
@@ -150,7 +153,17 @@ class TensorParallelExecutor(ExecutorBase):
             self._closed = True
             self.shutdown()   # no worker, process group or TP state left for the next engine
             raise
-        atexit.register(self.shutdown)
+        # at exit, shut down an engine still alive; by weak reference, so that atexit does not
+        # keep a dropped engine (and its workers and process group) alive until then
+        ref = weakref.ref(self)
+        self._atexit = lambda: (ex := ref()) is not None and ex.shutdown()
+        atexit.register(self._atexit)
+
+    def __del__(self):
+        # `del llm` without shutdown(): stop the workers and free the process group (a TP=1
+        # engine frees its model the same way), else no later TP engine of this process starts
+        if hasattr(self, "_closed"):
+            self.shutdown()
 
     @property
     def procs(self) -> list:
@@ -352,6 +365,8 @@ class TensorParallelExecutor(ExecutorBase):
         if getattr(self, "_shut", False):
             return
         self._shut = True
+        if hasattr(self, "_atexit"):
+            atexit.unregister(self._atexit)
         if not self._closed:
             try:
                 self._send(("shutdown",))
