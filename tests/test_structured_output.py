@@ -151,6 +151,29 @@ def test_json_object_accepts_any_object_only(llm):
         assert accepted == ok, doc
 
 
+def test_keywords_that_constrain_nothing_are_not_refused(llm):
+    """uniqueItems: false and a propertyNames every key meets (what OpenAPI generators and zod
+    write) were 400s "Unimplemented keys" from llguidance; they are dropped, also in nested
+    schemas and tool parameters, and the grammar still enforces the rest. Constraining uses
+    of the keywords stay refused (test_bad_constraints_are_named_and_leave_nothing)."""
+    from ferrum.structured_output.grammar import check_json_schema
+    schema = {"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"type": "integer"}, "uniqueItems": False},
+        "m": {"type": "object", "propertyNames": {"type": "string"}, "additionalProperties": {"type": "boolean"}},
+        "uniqueItems": {"const": False}},                  # a property of that name is data
+        "required": ["tags", "m", "uniqueItems"], "additionalProperties": False}
+    grammar = llm.engine.structured.compile(StructuredOutputsParams(json=schema))
+    check_json_schema(schema, "tools[0].function.parameters")
+    for doc, ok in (('{"tags": [1, 1], "m": {"k": true}, "uniqueItems": false}', True),
+                    ('{"tags": [1], "m": {"k": 1}, "uniqueItems": false}', False)):
+        m = grammar.matcher()
+        accepted = m.consume_tokens(llm.tokenizer.encode(doc, add_special_tokens=False)) and m.is_accepting()
+        assert accepted == ok, doc
+    with pytest.raises(InvalidRequestError, match="propertyNames"):
+        llm.engine.structured.compile(StructuredOutputsParams(json={
+            "type": "object", "propertyNames": {"pattern": "^a"}}))
+
+
 def test_choice_with_greedy_logprobs_has_no_inf(llm):
     params = SamplingParams(temperature=0, max_tokens=20, logprobs=5,
                             structured_outputs={"choice": ["alpha", "beta"]})

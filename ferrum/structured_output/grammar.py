@@ -53,7 +53,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             raise InvalidRequestError(f"{p}: invalid grammar: {e}", param=p) from e
     try:
         if kind in ("json", "json_object"):
-            schema = params.json if kind == "json" else {"type": "object"}
+            schema = without_noops(params.json) if kind == "json" else {"type": "object"}
             if params.whitespace_pattern is not None:
                 options = {"whitespace_flexible": True, "whitespace_pattern": params.whitespace_pattern}
             elif params.disable_any_whitespace:
@@ -69,6 +69,36 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         return llguidance.LLMatcher.grammar_from_lark(lark)
     except (ValueError, TypeError) as e:
         raise InvalidRequestError(f"{p}: invalid {kind}: {e}", param=p) from e
+
+
+# keywords whose value is a subschema / a list of subschemas / a map of name -> subschema
+_SUBSCHEMA = ("items", "additionalProperties", "additionalItems", "contains", "propertyNames", "not",
+              "if", "then", "else", "unevaluatedItems", "unevaluatedProperties")
+_SUBSCHEMA_LISTS = ("items", "prefixItems", "anyOf", "oneOf", "allOf")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def without_noops(schema):
+    """A copy of a JSON schema without the keywords that constrain nothing but that llguidance
+    refuses as unimplemented (a 400 for a schema it can enforce exactly): `uniqueItems: false`
+    (OpenAPI and Jackson generators write it) and a `propertyNames` every key satisfies ({},
+    true, {"type": "string"}: zod writes the last for records). Other values of these keywords
+    are left for llguidance to refuse."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if (key == "uniqueItems" and value is False) or (
+                key == "propertyNames" and (value is True or value in ({}, {"type": "string"}))):
+            continue
+        if key in _SUBSCHEMA:
+            value = without_noops(value)
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            value = [without_noops(v) for v in value]
+        elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            value = {name: without_noops(v) for name, v in value.items()}
+        out[key] = value
+    return out
 
 
 def _lark_literal(text: str) -> str:
@@ -89,7 +119,8 @@ def check_json_schema(schema, param: str, enforced: bool = True) -> None:
         raise InvalidRequestError(f"{param}: must be a JSON schema object", param=param)
     options = {**_COMPACT_JSON, "lenient": not enforced}
     try:
-        text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=options)
+        text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(without_noops(schema)),
+                                                             defaults=options)
     except (ValueError, TypeError) as e:
         raise InvalidRequestError(f"{param}: invalid JSON schema: {e}", param=param) from e
     error = llguidance.LLMatcher.validate_grammar(text, None)
