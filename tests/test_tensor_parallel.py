@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -174,7 +175,8 @@ def test_second_tp_engine_in_a_process_is_refused_and_the_first_serves_on(tmp_pa
     is shut down a new one starts. An engine dropped without shutdown() (`del llm`) stops its
     workers and frees the process group, as a TP=1 engine frees its model (before, atexit's
     reference kept it: its workers ran on and every later TP engine of the process was
-    refused, with no handle left to shut it down)."""
+    refused, with no handle left to shut it down). An engine built in a thread that has ended
+    keeps its workers."""
     d = make_tiny_model(str(tmp_path_factory.mktemp("second")), "llama")
     greedy = SamplingParams(temperature=0, max_tokens=4)
     with LLM(d, progress=False, max_model_len=256, tensor_parallel_size=2) as first:
@@ -184,7 +186,14 @@ def test_second_tp_engine_in_a_process_is_refused_and_the_first_serves_on(tmp_pa
             LLM(d, progress=False, max_model_len=256, tensor_parallel_size=2)
         assert time.monotonic() - t0 < 5
         assert first.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0].token_ids == ref
-    again = LLM(d, progress=False, max_model_len=256, tensor_parallel_size=2)
+    # built in a thread that has ended, as by a loader thread: its workers serve on (before,
+    # PR_SET_PDEATHSIG killed them when that thread exited)
+    box = []
+    loader = threading.Thread(target=lambda: box.append(
+        LLM(d, progress=False, max_model_len=256, tensor_parallel_size=2)))
+    loader.start()
+    loader.join()
+    again = box.pop()
     assert again.generate([[5, 6, 7]], greedy, use_tqdm=False)[0].outputs[0].token_ids == ref
     procs = list(again.engine.executor.procs)
     del again

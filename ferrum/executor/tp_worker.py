@@ -15,12 +15,13 @@ Two ways in:
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import pickle
 import signal
 import sys
+import threading
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -60,7 +61,7 @@ def _leave_stopping_to_rank0() -> None:
     still runs while its server drains the open requests: they failed with "rank 1 exited
     with code -15" / "Connection reset by peer". Rank 0 handles the signal and sends
     'shutdown' when it is done; a worker whose rank 0 is gone stops anyway (EOF on the step
-    channel, a reset gloo connection, PR_SET_PDEATHSIG), and torchrun's SIGKILL after its
+    channel, a reset gloo connection, `_die_with_parent`), and torchrun's SIGKILL after its
     grace period still ends it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -85,12 +86,17 @@ def run_spmd_worker(config: EngineConfig) -> None:
 
 
 def _die_with_parent() -> None:
-    """Linux: SIGKILL this worker when the engine process dies, so no orphan is left."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    """Exit when the engine process that started this worker is gone, so no orphan is left
+    holding its shard. Watched from a thread, by the parent's pid: PR_SET_PDEATHSIG, used
+    before, fires when the *thread* that started the worker exits, so it killed the workers
+    of an engine built in a short-lived thread (a loader thread, asyncio.to_thread) at once."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:   # the parent's exit re-parents us
+            time.sleep(0.5)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True, name="ferrum-parent-watch").start()
 
 
 def serve_rank(rank: int, world: int, store, channel_spec: str) -> None:
