@@ -317,6 +317,22 @@ def test_llm_on_a_torchrun_worker_rank_is_a_named_error(script_model, monkeypatc
         LLM(script_model, progress=False, max_model_len=128, tensor_parallel_size=2)
 
 
+def test_torchrun_worker_rank_refuses_what_rank_0_refuses_at_once(script_model, monkeypatch):
+    """A config rank 0 refuses before joining (here 3 ranks for 4 heads; a rank count other
+    than tensor_parallel_size) left the other ranks in the rendezvous until it timed out, 30 s
+    later, with a DistStoreError traceback; they now raise rank 0's error at once."""
+    from ferrum.executor.tp_worker import run_spmd_worker
+    monkeypatch.setenv("RANK", "1")
+    for world, tp, match in ((3, 3, r"num_attention_heads \(4\).*tensor_parallel_size \(3\)"),
+                             (2, 4, "torchrun started 2 ranks but tensor_parallel_size is 4")):
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        config = EngineConfig.from_kwargs(model=script_model, tensor_parallel_size=tp, step_timeout_s=60)
+        t0 = time.monotonic()
+        with pytest.raises(TensorParallelError, match=match):
+            run_spmd_worker(config)
+        assert time.monotonic() - t0 < 5 and not torch.distributed.is_initialized()
+
+
 # ---- TP from an ordinary script (issue 13 item 8) ---------------------------------------------
 
 SCRIPT = """\

@@ -67,11 +67,29 @@ def _leave_stopping_to_rank0() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+def _refuse_what_rank0_refuses(config: EngineConfig, world: int) -> None:
+    """The checks rank 0 makes before it joins the process group (LLMEngine, the executor),
+    made here too: a config it refuses (a TP size that does not divide the heads, a
+    max_model_len past the model's) left this rank waiting for it until the rendezvous timed
+    out, 30 s later, with a DistStoreError traceback. Raises what rank 0 raises."""
+    from ferrum.config import resolve_max_model_len
+    from ferrum.errors import TensorParallelError
+    from ferrum.executor.tensor_parallel import validate_tp_sizes
+    from ferrum.loader.resolve import resolve_model
+    tp = config.parallel.tensor_parallel_size
+    if world != tp:
+        raise TensorParallelError(f"torchrun started {world} ranks but tensor_parallel_size is {tp}")
+    source = resolve_model(config.model)
+    resolve_max_model_len(source.config, config.scheduler.max_model_len)
+    validate_tp_sizes(source.config, tp, config.parallel.enable_expert_parallel)
+
+
 def run_spmd_worker(config: EngineConfig) -> None:
     """Rank > 0 under torchrun: build this rank's shard and follow rank 0's steps until it
     shuts down. Every rank runs the same `ferrum` command; rank 0 runs the engine."""
     _leave_stopping_to_rank0()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    _refuse_what_rank0_refuses(config, world)
     device = rank_device(resolve_device(config.device), int(os.environ.get("LOCAL_RANK", 0)))
     _, control = init_distributed(rank, world, device, None, config.parallel.step_timeout_s,
                                   expert_parallel=config.parallel.enable_expert_parallel)
