@@ -73,8 +73,8 @@
 #
 #  18: the probe, then the nano-vllm workload (ferrum alone) A/B/A without / with the table it
 #      wrote (FERRUM_SMALL_GEMM_TABLE, ferrum/ops/gemm_small.py).
-# The next lease (after 2026-12-07b, which got no machine: 10 failed starts and cooldowns,
-# 03:37-05:40 UTC): 18 first (carry .peers/vc/part.00), then 12 carrying .whl_test (.whl without
+# The next lease (after 2026-12-07b, which got no machine: 11 failed starts and cooldowns,
+# 03:37-05:48 UTC): 18 first (carry .peers/vc/part.00), then 12 carrying .whl_test (.whl without
 # llguidance, which no -m gpu test of step 12 imports: fits beside a chunk), then on an H200 10.
 #
 # The next lease (after h100-2026-12-07): 17 carrying .peers/vc/part.00, 14 carrying .old
