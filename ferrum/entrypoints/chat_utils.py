@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from ferrum.errors import InvalidRequestError
 from ferrum.sampling_params import SamplingParams
 from ferrum.structured_output import StructuredOutputsParams
+from ferrum.structured_output.json_schema import SUBSCHEMA_KEYS, SUBSCHEMA_LIST_KEYS, SUBSCHEMA_MAP_KEYS
 from ferrum.tokenizer.tokenizer import check_unicode_in
 from ferrum.tool_parsers import NamedToolParser, RequiredToolParser, ToolParser, tool_parser_class
 
@@ -235,12 +236,6 @@ def check_tool_schemas(tools: list[dict] | None, tool_choice) -> None:
         check_json_schema(fn["parameters"], f"tools[{i}].function.parameters", enforced)
 
 
-# subschema keywords beyond _SUBSCHEMA / _SUBSCHEMA_LISTS (which closed_objects uses) where
-# _root_refs looks too; keys of neither kind hold data or are unknown
-_MORE_SUBSCHEMA = ("not", "if", "then", "else", "unevaluatedItems", "unevaluatedProperties")
-_MORE_SUBSCHEMA_LISTS = ("allOf", "items")
-
-
 def _root_refs(schema) -> list[str]:
     """The "$ref"s in a schema that point into it by a JSON pointer other than through $defs /
     definitions ("", "#", "#/properties/..."; percent-encoding decoded): they change meaning
@@ -254,11 +249,11 @@ def _root_refs(schema) -> list[str]:
             ref.startswith("#/") and not urllib.parse.unquote(ref).startswith(("#/$defs/", "#/definitions/")))):
         refs.append(ref)
     for key, value in schema.items():
-        if key in _SUBSCHEMA or key in _MORE_SUBSCHEMA:
+        if key in SUBSCHEMA_KEYS:
             refs += _root_refs(value)
-        elif (key in _SUBSCHEMA_LISTS or key in _MORE_SUBSCHEMA_LISTS) and isinstance(value, list):
+        elif key in SUBSCHEMA_LIST_KEYS and isinstance(value, list):
             refs += [r for v in value for r in _root_refs(v)]
-        elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+        elif key in SUBSCHEMA_MAP_KEYS and isinstance(value, dict):
             refs += [r for v in value.values() for r in _root_refs(v)]
     return refs
 
@@ -325,10 +320,9 @@ def tool_choice_constraint(tools: list[dict], tool_choice, parallel_tool_calls: 
     return StructuredOutputsParams(json=schema, param="tool_choice")
 
 
-# keywords whose value is a schema / a list of schemas / a map of name -> schema
-_SUBSCHEMA = ("items", "additionalProperties", "contains", "additionalItems", "propertyNames")
-_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# subschemas closed_objects leaves as they are: allOf's parts (see there), and those whose
+# object would not be the value's (not, if / then / else, unevaluated*)
+_NOT_CLOSED = frozenset({"allOf", "not", "if", "then", "else", "unevaluatedItems", "unevaluatedProperties"})
 
 
 def closed_objects(schema):
@@ -341,11 +335,13 @@ def closed_objects(schema):
         return schema
     out = dict(schema)
     for key, value in schema.items():
-        if key in _SUBSCHEMA:
+        if key in _NOT_CLOSED:
+            continue
+        if key in SUBSCHEMA_KEYS:
             out[key] = closed_objects(value)
-        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+        elif key in SUBSCHEMA_LIST_KEYS and isinstance(value, list):
             out[key] = [closed_objects(v) for v in value]
-        elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+        elif key in SUBSCHEMA_MAP_KEYS and isinstance(value, dict):
             out[key] = {name: closed_objects(v) for name, v in value.items()}
     kind = schema.get("type")
     if (kind == "object" or (isinstance(kind, list) and "object" in kind)

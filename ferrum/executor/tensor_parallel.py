@@ -137,13 +137,13 @@ class TensorParallelExecutor(ExecutorBase):
         self.spmd = launched_by_torchrun()
         if not self.spmd and dist.is_initialized():
             gc.collect()   # an engine dropped without shutdown() but held in a cycle: __del__
-        if not self.spmd and dist.is_initialized():
-            # torch.distributed has one default group per process: joining it would wait 30 s
-            # for ranks that never come, and cleaning up would tear down the other engine's group
-            self._shut = True
-            raise TensorParallelError(
-                "another tensor-parallel engine is running in this process (one per process: "
-                "torch.distributed has a single process group); shut it down first (llm.shutdown())")
+            if dist.is_initialized():
+                # torch.distributed has one default group per process: joining it would wait 30 s
+                # for ranks that never come, and cleaning up would tear down the other engine's group
+                self._shut = True
+                raise TensorParallelError(
+                    "another tensor-parallel engine is running in this process (one per process: "
+                    "torch.distributed has a single process group); shut it down first (llm.shutdown())")
         try:
             if self.spmd:
                 self._join_torchrun(config, progress)

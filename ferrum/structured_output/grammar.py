@@ -35,6 +35,7 @@ import llguidance.hf
 from llguidance.gbnf_to_lark import any_to_lark
 
 from ferrum.errors import InvalidRequestError
+from ferrum.structured_output.json_schema import SUBSCHEMA_KEYS, SUBSCHEMA_LIST_KEYS, SUBSCHEMA_MAP_KEYS
 from ferrum.structured_output.params import StructuredOutputsParams
 
 # JSON written on one line with Python's default separators: the model may not add whitespace.
@@ -71,13 +72,6 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         raise InvalidRequestError(f"{p}: invalid {kind}: {e}", param=p) from e
 
 
-# keywords whose value is a subschema / a list of subschemas / a map of name -> subschema
-_SUBSCHEMA = ("items", "additionalProperties", "additionalItems", "contains", "propertyNames", "not",
-              "if", "then", "else", "unevaluatedItems", "unevaluatedProperties")
-_SUBSCHEMA_LISTS = ("items", "prefixItems", "anyOf", "oneOf", "allOf")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-
-
 def without_noops(schema):
     """A copy of a JSON schema without the keywords that constrain nothing but that llguidance
     refuses as unimplemented (a 400 for a schema it can enforce exactly): `uniqueItems: false`
@@ -91,11 +85,11 @@ def without_noops(schema):
         if (key == "uniqueItems" and value is False) or (
                 key == "propertyNames" and (value is True or value in ({}, {"type": "string"}))):
             continue
-        if key in _SUBSCHEMA:
+        if key in SUBSCHEMA_KEYS:
             value = without_noops(value)
-        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+        elif key in SUBSCHEMA_LIST_KEYS and isinstance(value, list):
             value = [without_noops(v) for v in value]
-        elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+        elif key in SUBSCHEMA_MAP_KEYS and isinstance(value, dict):
             value = {name: without_noops(v) for name, v in value.items()}
         out[key] = value
     return out
