@@ -330,6 +330,26 @@ def test_n_samples_seeded_fork_shares_blocks(folder):
     w.assert_drained()
 
 
+@pytest.mark.parametrize("prefix_caching, async_scheduling", [(True, False), (False, True)])
+def test_n_above_max_num_seqs_queues_the_rest(folder, prefix_caching, async_scheduling):
+    """n=5 samples with max_num_seqs=2: sample 1 forks, samples 2..4 wait and prefill the
+    prompt when admitted (from the prefix cache when on), and every sample equals the one
+    drawn with room for all five (as vLLM, which schedules n above its sequence cap)."""
+    p = [random.Random(6).randrange(2, VOCAB) for _ in range(40)]
+    sp = SamplingParams(n=5, temperature=1.0, seed=77, max_tokens=12, ignore_eos=True)
+    wide = make_llm(folder).generate([p], sp, use_tqdm=False)[0]
+    llm = make_llm(folder, max_num_seqs=2, enable_prefix_caching=prefix_caching,
+                   async_scheduling=async_scheduling)
+    w = Watch(llm)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    narrow = llm.generate([p, [5, 6, 7]], [sp, greedy], use_tqdm=False)
+    assert [c.index for c in narrow[0].outputs] == list(range(5))
+    assert [c.token_ids for c in narrow[0].outputs] == [c.token_ids for c in wide.outputs]
+    assert len(narrow[1].outputs[0].token_ids) == 6
+    assert w.max_running == 2
+    w.assert_drained()
+
+
 def test_async_scheduling_matches_sync(folder):
     """Seeded sampling (n=2, top-k/top-p), penalties and logprobs (which read output ids on
     the host, so the step after them waits) give identical outputs with async scheduling."""
@@ -426,8 +446,6 @@ def test_errors_are_named_and_leave_nothing_behind(folder):
         with pytest.raises(InvalidRequestError) as e:
             SamplingParams(**kw)
         assert e.value.param == param
-    with pytest.raises(InvalidRequestError, match="max_num_seqs"):
-        llm.generate([[5, 6]], SamplingParams(n=300, max_tokens=2), use_tqdm=False)
     # A bad prompt in the middle of a batch: the good ones queued before it are withdrawn.
     with pytest.raises(PromptTooLongError):
         llm.generate([[5, 6], [7, 8, 9], [5] * (MAX_LEN + 3)], greedy, use_tqdm=False)

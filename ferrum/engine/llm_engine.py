@@ -198,9 +198,6 @@ class LLMEngine:
         n = len(prompt_token_ids)
         check_prompt_len(n, self.max_model_len)
         validate_token_ids(params, self.vocab_size)
-        if params.n > self.config.scheduler.max_num_seqs:
-            raise InvalidRequestError(f"n={params.n} samples exceed max_num_seqs "
-                                      f"({self.config.scheduler.max_num_seqs})", param="n")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", param="stop")
         total = min(self.max_model_len, n + (params.max_tokens or self.max_model_len))
@@ -552,13 +549,21 @@ class LLMEngine:
 
     def _fork(self, req: Request, parent: Sequence) -> None:
         """n > 1: the other samples share the prompt's full blocks with sample 0 and compute
-        only the rest of the prompt themselves."""
+        only the rest of the prompt themselves. Those beyond max_num_seqs running sequences
+        wait at the front of the queue (as preempted ones do) and prefill the prompt when
+        admitted, from the prefix cache where it holds the prompt."""
         req.forked = True
+        waiting = []
         for i in range(1, req.params.n):
             child = self._new_seq(req, i)
-            child.num_computed_tokens = self.block_manager.fork(
-                parent.seq_id, child.seq_id, parent.num_prompt_tokens)
-            self.scheduler.add_running(child)
+            if len(self.scheduler.running) < self.config.scheduler.max_num_seqs:
+                child.num_computed_tokens = self.block_manager.fork(
+                    parent.seq_id, child.seq_id, parent.num_prompt_tokens)
+                self.scheduler.add_running(child)
+            else:
+                waiting.append(child)
+        for child in reversed(waiting):   # admitted in index order
+            self.scheduler.add(child, front=True)
 
     def _output(self, req: Request) -> RequestOutput:
         try:

@@ -261,18 +261,20 @@ class Scheduler:
             budget -= n
 
         # 3. Admit waiting sequences (FCFS; stop at the first that does not fit). A request
-        #    with n > 1 samples forks them after its prefill: keep their slots free too.
+        #    with n > 1 samples forks them after its prefill: keep their slots free too (at
+        #    most max_num_seqs in all; `LLMEngine._fork` queues the samples beyond that).
+        cap = self.config.max_num_seqs
         reserved = 0
         # the running sequences' future footprint (None: admit what fits now; see `_demands`)
         demands = None
         if self.waiting:
-            reserved = sum(s.request.params.n - 1 for s in self.running
+            reserved = sum(min(s.request.params.n, cap) - 1 for s in self.running
                            if s.index == 0 and not s.request.forked)
             demands = self._demands()
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            slots = seq.request.params.n if seq.index == 0 and not seq.request.forked else 1
-            if len(self.running) + reserved + slots > self.config.max_num_seqs:
+            slots = min(seq.request.params.n, cap) if seq.index == 0 and not seq.request.forked else 1
+            if len(self.running) + reserved + slots > cap:
                 break
             # A prefix-cache hit means fewer tokens to compute; the budget counts computed ones.
             reuse = not seq.needs_prompt_logprobs
