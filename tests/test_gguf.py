@@ -274,6 +274,38 @@ def test_gguf_cache_keeps_what_another_process_holds_locked(tmp_path, home):
     assert os.path.isdir(new)
 
 
+def test_gguf_cache_build_removes_scratch_of_killed_builds_only(tmp_path, home):
+    """A build killed mid-way (SIGKILL, OOM) left its `.tmp-*` folder in $FERRUM_HOME/gguf
+    forever. Now the next build removes it, and leaves alone the one of a build still running."""
+    import signal
+    build = ("import os, signal, sys\n"
+             "from ferrum.loader.cache import staged_folder\n"
+             "with staged_folder(sys.argv[1]):\n"
+             "    print('building', flush=True)\n"
+             "    if sys.stdin.readline() == 'die\\n':\n"
+             "        os.kill(os.getpid(), signal.SIGKILL)\n"
+             "    raise SystemExit   # a failed build: nothing is renamed into place\n")
+    builds, scratch = [], []
+    try:
+        for key in ("killed", "running"):   # one at a time, to tell their scratch folders apart
+            builds.append(subprocess.Popen([sys.executable, "-c", build, str(home / "gguf" / key)],
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+            assert builds[-1].stdout.readline() == "building\n"
+            scratch += set(os.listdir(home / "gguf")) - set(scratch)
+        (dead, live), (killed, running) = scratch, builds
+        killed.communicate("die\n")
+        assert killed.returncode == -signal.SIGKILL
+        assert sorted(os.listdir(home / "gguf")) == sorted([dead, live])   # left behind
+        new, _ = gguf_loader.prepare_gguf(write_gguf(tmp_path / "m.gguf"))
+        assert sorted(os.listdir(home / "gguf")) == sorted([live, os.path.basename(new)])
+    finally:
+        for b in builds:
+            if b.returncode is None:
+                b.communicate("")
+    assert running.returncode == 0
+    assert os.listdir(home / "gguf") == [os.path.basename(new)]   # it removed its own
+
+
 def test_gguf_cache_leaves_no_orphan_lock_files(tmp_path, home):
     orphan = home / "gguf" / "0123456789abcdef01234567.lock"   # as a killed process leaves it
     orphan.parent.mkdir(parents=True)

@@ -3,9 +3,11 @@
 ferrum/loader/gguf.py), each keyed by `file_key` of the file it was made from.
 
 A cache entry is built once, by one process (`exclusive` holds a lock file while it builds;
-others wait, then find it ready), into a temporary folder renamed into place, so a reader
-never sees a half-written entry. A process that loads an entry marks it in use until it exits
-(`use`: a shared flock on the entry's folder), since it reads the entry's files lazily.
+others wait, then find it ready), in a `.tmp-*` scratch folder (ferrum/loader/scratch.py) and
+renamed into place, so a reader never sees a half-written entry; the scratch folders of killed
+builds are removed by the next build beside them. A process that loads an entry marks it in
+use until it exits (`use`: a shared flock on the entry's folder), since it reads the entry's
+files lazily.
 
 Entries are removed only by `prune`, which a process runs after it writes a new entry: it drops
 the entries its `stale` test picks (for GGUF: the file they were made from is gone or changed),
@@ -22,9 +24,9 @@ import fcntl
 import hashlib
 import os
 import shutil
-import tempfile
 
 from ferrum.errors import StorageError
+from ferrum.loader.scratch import remove_unless_locked, same_file, scratch_folder
 
 
 def ferrum_home() -> str:
@@ -55,14 +57,6 @@ def file_key(path: str, sample: int = 1 << 20) -> str:
     return h.hexdigest()[:24]
 
 
-def _same(fd: int, path: str) -> bool:
-    """Whether `fd` is the file or folder now at `path`."""
-    try:
-        return os.path.samestat(os.fstat(fd), os.stat(path))
-    except FileNotFoundError:
-        return False
-
-
 def _lock(path: str, how: int) -> int:
     """An fd of `path + ".lock"` (created if missing) flocked with `how` (LOCK_NB: raises
     BlockingIOError when held). A holder may unlink the file before it lets go (`_unlock`); a
@@ -74,7 +68,7 @@ def _lock(path: str, how: int) -> int:
         except BaseException:
             os.close(fd)
             raise
-        if _same(fd, path + ".lock"):
+        if same_file(fd, path + ".lock"):
             return fd
         os.close(fd)
 
@@ -113,7 +107,7 @@ def use(folder: str) -> bool:
     except FileNotFoundError:
         return False
     fcntl.flock(fd, fcntl.LOCK_SH)   # waits only while a `remove_if_unused` deletes it
-    if not _same(fd, folder):
+    if not same_file(fd, folder):
         os.close(fd)
         return False
     _in_use[folder] = fd
@@ -122,21 +116,9 @@ def use(folder: str) -> bool:
 
 def remove_if_unused(folder: str) -> bool:
     """Delete the entry `folder` unless a process uses it (`use`); True when it is gone. The
-    caller holds `exclusive(folder)`, so nobody is building it."""
-    try:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    except FileNotFoundError:
-        return True
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return False
-    try:
-        shutil.rmtree(folder, ignore_errors=True)
-    finally:
-        os.close(fd)
-    return not os.path.exists(folder)
+    caller holds `exclusive(folder)`, so nobody is building it. Raises OSError when the folder
+    cannot be opened (no permission)."""
+    return remove_unless_locked(folder)
 
 
 def prune(root: str, stale) -> None:
@@ -162,34 +144,34 @@ def prune(root: str, stale) -> None:
                     _unlock(path, fd)
 
 
+_STAGING = ".tmp-"   # prefix of the scratch folders beside an entry or file being written
+
+
 @contextlib.contextmanager
 def staged_file(path: str):
-    """Yields a temporary path next to `path`; when the block succeeds the file there is
-    renamed to `path` (atomic on one filesystem), else it is removed."""
+    """Yields the path of a new empty file (mode 0600) in a scratch folder next to `path`; when
+    the block succeeds the file is renamed to `path` (atomic on one filesystem). The scratch
+    folder is removed either way, and those of killed processes beside it first (see
+    ferrum/loader/scratch.py). Raises StorageError when the folder of `path` cannot be made."""
     folder = os.path.dirname(path) or "."
     make_dirs(folder)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
-    os.close(fd)
-    try:
+    with scratch_folder(folder, _STAGING) as scratch:
+        tmp = os.path.join(scratch, os.path.basename(path))
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         yield tmp
         os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 @contextlib.contextmanager
 def staged_folder(path: str):
-    """Like `staged_file` for a folder: yields an empty temporary folder next to `path`,
-    renamed to `path` when the block succeeds (replacing an older one), else removed."""
+    """Like `staged_file` for a folder: yields an empty folder (mode 0700) in a scratch folder
+    next to `path`, renamed to `path` when the block succeeds (replacing an older one)."""
     parent = os.path.dirname(path) or "."
     make_dirs(parent)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=".tmp-")
-    try:
+    with scratch_folder(parent, _STAGING) as scratch:
+        tmp = os.path.join(scratch, os.path.basename(path))
+        os.mkdir(tmp, 0o700)
         yield tmp
         if os.path.isdir(path):
             shutil.rmtree(path)
         os.replace(tmp, path)
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
