@@ -911,6 +911,46 @@ def test_bad_tool_and_format_fields_are_named(server, case):
     assert e["type"] == "invalid_request_error"
 
 
+WRONG_CONSTRAINT_TYPES = [   # (extra body, param, the type expected, what the client sent)
+    # {"json": true} was "invalid json: Expecting object schema to apply options" (llguidance's)
+    ({"structured_outputs": {"json": True}}, "structured_outputs.json", "an object, or a string holding one",
+     "got boolean true"),
+    ({"structured_outputs": {"json": "[1]"}}, "structured_outputs.json", "an object", "the string holds array [1]"),
+    ({"structured_outputs": {"regex": 5}}, "structured_outputs.regex", "a non-empty string", "got number 5"),
+    ({"structured_outputs": {"choice": "a"}}, "structured_outputs.choice", "a non-empty list of non-empty strings",
+     'got string "a"'),
+    ({"structured_outputs": {"choice": ["a", 1]}}, "structured_outputs.choice", "list of non-empty strings",
+     "item 1 is number 1"),
+    ({"structured_outputs": {"grammar": []}}, "structured_outputs.grammar", "a non-empty string", "got array []"),
+    # these two were accepted: 1 == True, and disable_any_whitespace was not checked
+    ({"structured_outputs": {"json_object": 1}}, "structured_outputs.json_object", "a boolean", "got number 1"),
+    ({"structured_outputs": {"json_object": True, "disable_any_whitespace": "no"}},
+     "structured_outputs.disable_any_whitespace", "a boolean", 'got string "no"'),
+    ({"structured_outputs": "json"}, "structured_outputs", "an object", 'got string "json"'),
+    # pydantic's answer listed guided_json's union branches ("guided_json.dict[str,any]: ...")
+    ({"guided_json": True}, "guided_json", "an object, or a string holding one", "got boolean true"),
+    ({"guided_choice": "a"}, "guided_choice", "a non-empty list of non-empty strings", 'got string "a"'),
+    ({"guided_regex": 5}, "guided_regex", "a non-empty string", "got number 5"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": True}}},
+     "response_format.json_schema.schema", "a JSON schema object", "got boolean true"),
+]
+
+
+def test_wrong_constraint_types_are_named_with_the_type_expected(server, client):
+    """A structured-outputs option of the wrong JSON type is a 400 naming the option (param
+    structured_outputs.<key>, or the guided_* / response_format field), the type it must have
+    and the one it got, on completions as on chat; nothing is queued and the server serves on."""
+    for extra, param, expected, got in WRONG_CONSTRAINT_TYPES:
+        for path, body in [("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": ASK})]:
+            e = _err(_post(server, path, {"model": MODEL, "max_tokens": 2, **body, **extra}), 400)
+            assert e["param"] == param and e["message"].startswith(f"{param}: must be "), (extra, e)
+            assert expected in e["message"] and e["message"].endswith(got), (extra, e)
+    assert _status(server)["num_waiting"] == 0
+    r = client.completions.create(model=MODEL, prompt="hi", max_tokens=5,
+                                  extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert r.choices[0].text in ("yes", "no")
+
+
 def test_valid_schema_keywords_not_enforced_are_fine_where_nothing_is_enforced(client):
     """uniqueItems is valid JSON Schema that constrained decoding cannot enforce: a tool that
     uses it is refused only where its arguments are enforced (required / named), not under
@@ -931,7 +971,7 @@ def test_a_constraint_too_large_for_the_lexer_is_a_400(server, client):
             ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "b{999999}"}}),
             ("/v1/chat/completions", {"messages": ASK, "structured_outputs": {"regex": "b{999999}"}})]:
         e = _err(_post(server, path, {"model": MODEL, "max_tokens": 5, **body}), 400)
-        assert e["param"] == "structured_outputs" and "too many expressions" in e["message"], e
+        assert e["param"] == "structured_outputs.regex" and "too many expressions" in e["message"], e
     after = _status(server)
     assert after["requests_failed"] == before["requests_failed"]
     assert after["grammar_matchers"] == 0 and after["num_waiting"] == 0

@@ -244,11 +244,14 @@ def test_bad_constraints_are_named_and_leave_nothing(llm):
     for so, msg in bad:
         with pytest.raises(InvalidRequestError, match=msg) as info:
             eng.add_request(None, "Hi", SamplingParams(structured_outputs=so))
-        assert info.value.param == "structured_outputs"
-    for so in ({}, {"json": {}, "regex": "a"}, {"choice": []}, {"choice": "ab"}, {"jsn": {}}):
+        (key,) = so   # the option is named: structured_outputs.regex, ...
+        assert info.value.param == f"structured_outputs.{key}"
+    for so, param in (({}, ""), ({"json": {}, "regex": "a"}, ""), ({"jsn": {}}, ""),
+                      ({"choice": []}, ".choice"), ({"choice": "ab"}, ".choice"),
+                      ({"json": True}, ".json"), ({"json_object": 1}, ".json_object")):
         with pytest.raises(InvalidRequestError) as info:
             SamplingParams(structured_outputs=so)
-        assert info.value.param == "structured_outputs"
+        assert info.value.param == "structured_outputs" + param
     after = eng.status()
     assert after["num_waiting"] == before["num_waiting"] == 0
     assert after["grammar_matchers"] == 0 and not eng.has_unfinished_requests()

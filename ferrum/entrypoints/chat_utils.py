@@ -43,6 +43,7 @@ from ferrum.errors import InvalidRequestError
 from ferrum.sampling_params import SamplingParams
 from ferrum.structured_output import StructuredOutputsParams
 from ferrum.structured_output.json_schema import SUBSCHEMA_KEYS, SUBSCHEMA_LIST_KEYS, SUBSCHEMA_MAP_KEYS
+from ferrum.structured_output.params import json_value
 from ferrum.tokenizer.tokenizer import check_unicode_in
 from ferrum.tool_parsers import NamedToolParser, RequiredToolParser, ToolParser, tool_parser_class
 
@@ -375,7 +376,7 @@ def response_format_constraint(response_format) -> StructuredOutputsParams | Non
             raise _bad(f"{where}.name", f"is required: 1-64 letters, digits, '_' or '-'; got {name!r}")
         schema = spec.get("schema", {"type": "object"})   # OpenAI: schema is optional
         if not isinstance(schema, dict):
-            raise _bad(f"{where}.schema", "must be a JSON schema object")
+            raise _bad(f"{where}.schema", f"must be a JSON schema object; got {json_value(schema)}")
         strict = spec.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise _bad(f"{where}.strict", f"must be a boolean, got {strict!r}")

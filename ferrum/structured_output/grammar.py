@@ -44,8 +44,9 @@ _COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_sepa
 
 def grammar_text(params: StructuredOutputsParams) -> str:
     """The llguidance grammar (JSON text) for `params`. Raises InvalidRequestError (param
-    named) for a grammar llguidance's front-ends cannot read (bad GBNF, non-JSON schema)."""
-    kind, p = params.kind(), params.param
+    `params.param_name()`) for a grammar llguidance's front-ends cannot read (bad GBNF,
+    non-JSON schema)."""
+    kind, p = params.kind(), params.param_name()
     lark = None
     if kind == "grammar":
         try:
@@ -209,10 +210,11 @@ class GrammarCompiler:
         self._lock = threading.Lock()
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        """Raises InvalidRequestError naming `params.param` when the schema / regex / grammar
-        is invalid, uses something llguidance does not implement, or fails on its first
-        token (`first_steps_error`: too large for llguidance's lexer); the message says what."""
-        text = grammar_text(params)
+        """Raises InvalidRequestError naming `params.param_name()` when the schema / regex /
+        grammar is invalid, uses something llguidance does not implement, or fails on its
+        first token (`first_steps_error`: too large for llguidance's lexer); the message says
+        what."""
+        text, p = grammar_text(params), params.param_name()
         with self._lock:
             hit = self._cache.get(text)
             if hit is not None:
@@ -220,14 +222,14 @@ class GrammarCompiler:
                 return hit
         error = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
         if error and not error.startswith("WARNING"):
-            raise InvalidRequestError(f"{params.param}: cannot use this {params.kind()}: "
-                                      f"{error.strip()}", param=params.param)
+            raise InvalidRequestError(f"{p}: cannot use this {params.kind()}: {error.strip()}",
+                                      param=p)
         prototype = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
         error = (prototype.get_error() if prototype.is_error()
                  else first_steps_error(prototype, self.eos_token_ids))
         if error:
-            raise InvalidRequestError(f"{params.param}: cannot use this {params.kind()}: "
-                                      f"{_without_state(error)}", param=params.param)
+            raise InvalidRequestError(f"{p}: cannot use this {params.kind()}: "
+                                      f"{_without_state(error)}", param=p)
         compiled = CompiledGrammar(prototype)
         with self._lock:
             self._cache[text] = compiled

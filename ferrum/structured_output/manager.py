@@ -74,7 +74,8 @@ class StructuredOutputManager:
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """Compile (or fetch from the cache). Thread-safe: the server compiles in a worker
         thread before it queues a request, so the engine thread only finds it in the cache.
-        Raises InvalidRequestError naming params.param."""
+        Raises InvalidRequestError naming params.param (no tokenizer) or, for a constraint
+        that does not compile, params.param_name() (e.g. structured_outputs.regex)."""
         if self.tokenizer is None:
             raise InvalidRequestError(f"{params.param}: structured outputs need the model's "
                                       "tokenizer, and this model has none", param=params.param)

@@ -99,12 +99,15 @@ class _SamplingFields(_Strict):
     return_tokens_as_token_ids: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # structured outputs (vLLM); response_format (OpenAI) is read by each request type
-    structured_outputs: dict[str, Any] | None = None
-    guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
+    # structured outputs (vLLM); response_format (OpenAI) is read by each request type. Any:
+    # StructuredOutputsParams checks their types (one checker for these and the offline API),
+    # and its 400 names the key, the type given and the one expected (pydantic's answer to
+    # `"guided_json": true` listed its union's branches: "guided_json.dict[str,any]: ...")
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
     response_format: dict[str, Any] | None = None
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
