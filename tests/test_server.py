@@ -403,6 +403,23 @@ def test_bad_inputs(server):
     assert _post(server, "/v1/completions", ok).status_code == 200
 
 
+def test_a_bad_prompt_of_a_batch_is_named_by_its_index(server, client):
+    """An empty prompt or token ids outside the vocabulary in a list of prompts is named
+    prompt[i] (the engine checks one prompt and names it "prompt"), as a too-long one is; a
+    single prompt stays "prompt". The prompts queued before the bad one are aborted."""
+    ok = {"model": MODEL, "max_tokens": 2}
+    for prompt, param, says in [
+            (["hi", ""], "prompt[1]", "empty"), ([[5], []], "prompt[1]", "empty"),
+            ([[], [5]], "prompt[0]", "empty"), ([[5], [5], [10**7]], "prompt[2]", "[10000000] are outside"),
+            ([[5], [-1]], "prompt[1]", "[-1] are outside"),
+            ("", "prompt", "empty"), ([10**7], "prompt", "outside")]:
+        e = _err(_post(server, "/v1/completions", {**ok, "prompt": prompt}), 400)
+        assert e["param"] == param and says in e["message"], (prompt, e)
+        assert e["message"].startswith(param + (": " if "[" in param else " ")), e
+    assert _status(server)["num_waiting"] == 0
+    assert len(client.completions.create(prompt=["a", "b"], **ok).choices) == 2
+
+
 WRONG_TYPES = [   # (path, field, value): pydantic's lax mode took each ("5" -> 5, true -> 1)
     ("/v1/completions", "max_tokens", "5"), ("/v1/completions", "max_tokens", True),
     ("/v1/completions", "max_tokens", 5.0), ("/v1/completions", "temperature", "0.5"),

@@ -178,11 +178,12 @@ class OpenAIServing:
                 f"lower {param} to at most {limit - num_prompt}", param=param)
         return requested
 
-    async def _start(self, request_id: str, prompts: list[_Prompt],
-                     params: list[SamplingParams]) -> list[AsyncIterator[RequestOutput]]:
+    async def _start(self, request_id: str, prompts: list[_Prompt], params: list[SamplingParams],
+                     names: list[str] | None = None) -> list[AsyncIterator[RequestOutput]]:
         """Add one engine request per prompt; if one is refused, abort those already added.
         More prompts than the queue holds could never all be admitted: InvalidRequestError
-        (400), not QueueFullError's 503 "retry later"."""
+        (400), not QueueFullError's 503 "retry later". names: each prompt's field ("prompt[1]"),
+        which names the engine's errors about that prompt (it checks one prompt, "prompt")."""
         if len(prompts) > self.engine.max_waiting:
             raise InvalidRequestError(f"{len(prompts)} prompts in one request exceed the server's queue "
                                       f"limit (--max-waiting {self.engine.max_waiting}): send at most "
@@ -190,8 +191,13 @@ class OpenAIServing:
         streams = []
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
-                streams.append(await self.engine.add_request(f"{request_id}-{i}", None, sp,
-                                                             prompt_token_ids=p.token_ids))
+                try:
+                    streams.append(await self.engine.add_request(f"{request_id}-{i}", None, sp,
+                                                                 prompt_token_ids=p.token_ids))
+                except InvalidRequestError as e:   # empty, ids outside the vocabulary: which one
+                    if names is None or e.param != "prompt" or names[i] == "prompt":
+                        raise
+                    raise type(e)(f"{names[i]}: {e}", param=names[i]) from e
         except BaseException:
             for i in range(len(streams)):
                 self.engine.abort(f"{request_id}-{i}")
@@ -276,7 +282,7 @@ class OpenAIServing:
         params = [req.sampling_params(self._max_tokens(len(p.token_ids), max_tokens, "max_tokens", name))
                   for p, name in zip(prompts, names)]
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self._start(rid, prompts, params)
+        streams = await self._start(rid, prompts, params, names)
         if req.stream:
             return StreamingResponse(self._stream_errors(
                 self._completion_stream(rid, model, req, prompts, streams, t0)),
