@@ -11,7 +11,7 @@ import torch
 
 from ferrum import LLM, SamplingParams
 from ferrum.errors import (CacheConfigError, ConfigError, InvalidRequestError, ModelNotFoundError,
-                           OutOfKvCacheError, PromptTooLongError)
+                           OutOfKvCacheError, PromptTooLongError, QueueFullError)
 from tiny_models import make_tiny_model
 
 VOCAB = 128
@@ -729,3 +729,24 @@ def test_offline_batch_larger_than_the_queue_limit(folder):
         want = tokens(llm.generate(prompts, sp, use_tqdm=False))
     with make_llm(folder, max_waiting=2) as llm:
         assert tokens(llm.generate(prompts, sp, use_tqdm=False)) == want
+
+
+def test_queue_limit_counts_requests_not_queued_samples(folder):
+    """max_waiting counts waiting requests, not the samples of a running n above max_num_seqs
+    that wait for a slot (n=6 at max_num_seqs=2 queued 4 samples, and the server answered every
+    other request 503 "4 requests are waiting (limit 2)" while it ran)."""
+    sp = SamplingParams(n=6, temperature=1.0, seed=3, max_tokens=4, ignore_eos=True)
+    with make_llm(folder, max_num_seqs=2, max_waiting=2) as llm:
+        eng = llm.engine
+        eng.add_request("wide", [5, 6, 7], sp, queue_limit=True)
+        eng.step()                          # the prefill forks: 1 sample runs, 4 wait
+        assert len(eng.scheduler.waiting) == 4
+        eng.add_request("a", [8, 9], SamplingParams(max_tokens=2), queue_limit=True)
+        eng.add_request("b", [8, 9], SamplingParams(max_tokens=2), queue_limit=True)
+        with pytest.raises(QueueFullError, match="2 requests are waiting"):
+            eng.add_request("c", [8, 9], SamplingParams(max_tokens=2), queue_limit=True)
+        done = {}
+        while eng.has_unfinished_requests():
+            done.update((o.request_id, o) for o in eng.step() if o.finished)
+        assert sorted(done) == ["a", "b", "wide"]
+        assert [c.index for c in done["wide"].outputs] == list(range(6))

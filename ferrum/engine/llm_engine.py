@@ -205,9 +205,10 @@ class LLMEngine:
             raise OutOfKvCacheError(f"request needs {total} tokens of KV cache but the pool holds "
                                     f"{self.num_blocks * self.block_size}; lower max_tokens or "
                                     "raise --kv-cache-memory / --gpu-memory-utilization")
-        if queue_limit and len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
-            raise QueueFullError(f"{len(self.scheduler.waiting)} requests are waiting "
-                                 f"(limit {self.config.scheduler.max_waiting}); retry later")
+        limit = self.config.scheduler.max_waiting
+        if queue_limit and len(self.scheduler.waiting) >= limit:   # (the count walks the queue)
+            if (waiting := self.scheduler.num_waiting_requests()) >= limit:
+                raise QueueFullError(f"{waiting} requests are waiting (limit {limit}); retry later")
         grammar = (self.structured.compile(params.structured_outputs)
                    if params.structured_outputs is not None else None)
         req = Request(request_id, text, list(prompt_token_ids), params, grammar=grammar)

@@ -146,6 +146,11 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         (self.waiting.appendleft if front else self.waiting.append)(seq)
 
+    def num_waiting_requests(self) -> int:
+        """Requests waiting to start or to resume: sample 0 of each (new, or preempted). The
+        samples of an n above max_num_seqs that wait for a slot belong to a running request."""
+        return sum(s.index == 0 for s in self.waiting)
+
     def add_running(self, seq: Sequence) -> None:
         """A forked sample whose blocks are already allocated (n > 1)."""
         seq.status = SequenceStatus.RUNNING
