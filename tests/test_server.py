@@ -412,12 +412,19 @@ def test_a_bad_prompt_of_a_batch_is_named_by_its_index(server, client):
             (["hi", ""], "prompt[1]", "empty"), ([[5], []], "prompt[1]", "empty"),
             ([[], [5]], "prompt[0]", "empty"), ([[5], [5], [10**7]], "prompt[2]", "[10000000] are outside"),
             ([[5], [-1]], "prompt[1]", "[-1] are outside"),
-            ("", "prompt", "empty"), ([10**7], "prompt", "outside")]:
+            ("", "prompt", "empty"), ([10**7], "prompt", "outside"),
+            # a wrong JSON type: the item is named (it was pydantic's four union branches,
+            # "prompt.str: Input should be a valid string; prompt.list[str].1: ...")
+            (["hi", 5], "prompt[1]", "got number 5"), ([5, "a"], "prompt[1]", 'got string "a"'),
+            ([[5], [6, 1.5]], "prompt[1][1]", "got number 1.5"), ([True], "prompt[0]", "got boolean"),
+            ([[5], None], "prompt[1]", "got null"), (5, "prompt", "got number 5"),
+            (None, "prompt", "got null"), ({"a": 1}, "prompt", "got object")]:
         e = _err(_post(server, "/v1/completions", {**ok, "prompt": prompt}), 400)
         assert e["param"] == param and says in e["message"], (prompt, e)
         assert e["message"].startswith(param + (": " if "[" in param else " ")), e
     assert _status(server)["num_waiting"] == 0
     assert len(client.completions.create(prompt=["a", "b"], **ok).choices) == 2
+    assert len(client.completions.create(prompt=["a", [5, 6]], **ok).choices) == 2
 
 
 WRONG_TYPES = [   # (path, field, value): pydantic's lax mode took each ("5" -> 5, true -> 1)

@@ -23,7 +23,7 @@ structured-output fields: `structured_outputs` (vLLM's current name: {"json" | "
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
@@ -31,6 +31,7 @@ from ferrum.entrypoints.chat_utils import PARALLEL_TOOL_CALLS, response_format_c
 from ferrum.errors import InvalidRequestError
 from ferrum.sampling_params import MAX_LOGPROBS, SamplingParams
 from ferrum.structured_output import StructuredOutputsParams
+from ferrum.structured_output.params import json_value
 
 
 class _Strict(BaseModel):
@@ -147,8 +148,16 @@ class _SamplingFields(_Strict):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
-# A prompt: text, a list of texts, token ids, or a list of token-id lists (one request each).
-PromptType = Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
+def _is_token_id(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_token_ids(ids: list, name: str) -> list[int]:
+    for j, t in enumerate(ids):
+        if not _is_token_id(t):
+            raise InvalidRequestError(f"{name}[{j}]: a token id must be an integer; got {json_value(t)}",
+                                      param=f"{name}[{j}]")
+    return list(ids)
 
 
 class CompletionRequest(_SamplingFields):
@@ -157,7 +166,9 @@ class CompletionRequest(_SamplingFields):
     come first (the first token's are null). `max_tokens: 0` is allowed with `echo` only
     (scoring a prompt, as vLLM allows): nothing is generated."""
 
-    prompt: PromptType
+    # text, a list of texts, token ids, or a list of token-id lists (one request each), checked
+    # by `prompts` (Any: a wrong type is named by its index, not by pydantic's union branches)
+    prompt: Any
     # 16, OpenAI's documented default too, for a null max_tokens as for an absent one
     max_tokens: int = SamplingParams.max_tokens
     logprobs: int | None = None
@@ -196,15 +207,29 @@ class CompletionRequest(_SamplingFields):
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of single prompts (text or token ids). Raises
-        InvalidRequestError for an empty list."""
+        InvalidRequestError for an empty list or a value of the wrong type, named by its index
+        (prompt[1], prompt[1][0])."""
         p = self.prompt
         if isinstance(p, str):
             return [p]
+        if not isinstance(p, list):
+            raise InvalidRequestError("prompt must be a string, a list of strings, a list of token "
+                                      f"ids or a list of token-id lists; got {json_value(p)}",
+                                      param="prompt")
         if not p:
             raise InvalidRequestError("prompt is an empty list", param="prompt")
-        if isinstance(p[0], int):
-            return [list(p)]
-        return [x if isinstance(x, str) else list(x) for x in p]
+        if _is_token_id(p[0]):
+            return [_check_token_ids(p, "prompt")]
+        out = []
+        for i, x in enumerate(p):
+            if isinstance(x, str):
+                out.append(x)
+            elif isinstance(x, list):
+                out.append(_check_token_ids(x, f"prompt[{i}]"))
+            else:
+                raise InvalidRequestError(f"prompt[{i}]: must be a string or a list of token ids; "
+                                          f"got {json_value(x)}", param=f"prompt[{i}]")
+        return out
 
 
 class ChatCompletionRequest(_SamplingFields):
