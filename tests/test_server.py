@@ -455,6 +455,28 @@ def test_wrong_json_types_are_a_400_naming_the_field(server, path, field, value)
     assert e["param"] == field and e["type"] == "invalid_request_error", e
 
 
+def test_a_wrong_type_in_a_field_of_two_types_is_named_once(server):
+    """stop, tool_choice and the Responses API's input take one of two JSON types: a wrong item
+    of the list is named by its index, any other wrong value is said against both types. The
+    message was pydantic's union branches: "stop.str: Input should be a valid string;
+    stop.list[str].1: Input should be a valid string"."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for path, body, param, says in [
+            ("/v1/completions", {"prompt": "hi", "stop": ["a", 5]}, "stop", "stop[1]: "),
+            ("/v1/completions", {"prompt": "hi", "stop": 5}, "stop",
+             "stop: must be a string or a list of strings; got number 5"),
+            ("/v1/completions", {"prompt": "hi", "stop_token_ids": [1, "a"]}, "stop_token_ids",
+             "stop_token_ids[1]: "),
+            ("/v1/chat/completions", {**chat, "tool_choice": 5}, "tool_choice",
+             "tool_choice: must be a string or an object; got number 5"),
+            ("/v1/responses", {"input": [{"role": "user", "content": "hi"}, 5]}, "input", "input[1]: "),
+            ("/v1/responses", {"input": {"role": "user"}}, "input",
+             'input: must be a string or a list of objects; got object {"role": "user"}')]:
+        e = _err(_post(server, path, {"model": MODEL, **body}), 400)
+        assert e["param"] == param and e["message"].startswith(says), (body, e)
+        assert ".str" not in e["message"] and ".list[" not in e["message"], e
+
+
 NULLS = [   # (path, field): OpenAI allows null, which means the field's default
     ("/v1/completions", "n"), ("/v1/completions", "stream"), ("/v1/completions", "logprobs"),
     ("/v1/completions", "echo"), ("/v1/completions", "stream_options"),

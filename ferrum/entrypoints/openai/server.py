@@ -41,6 +41,7 @@ import copy
 import errno
 import hmac
 import logging
+import re
 import signal
 import socket
 import sys
@@ -64,6 +65,7 @@ from ferrum.entrypoints.openai.serving import OpenAIServing, error_body, ferrum_
 from ferrum.errors import (AddressInUseError, CannotListenError, FerrumError, InvalidRequestError,
                            QueueFullError, ServerShuttingDownError)
 from ferrum.metrics import Metrics
+from ferrum.structured_output.params import json_value
 
 log = logging.getLogger("ferrum")
 
@@ -198,12 +200,59 @@ class _RequireJson:
         return await self.app(scope, receive, send)
 
 
+# pydantic's name of a union branch, in the loc of the errors it gives for each branch
+_UNION_BRANCH = re.compile(r"str|int|float|bool|(list|dict)\[.*\]")
+_A = {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean"}
+_MANY = {"str": "strings", "int": "integers", "float": "numbers", "bool": "booleans"}
+
+
+def _branch(tag: str) -> str:
+    """'list[str]' -> 'a list of strings', 'dict[str,any]' -> 'an object'."""
+    if tag.startswith("dict["):
+        return "an object"
+    if tag.startswith("list["):
+        inner = tag[5:-1]
+        return "a list of " + (_MANY.get(inner) or ("objects" if inner.startswith("dict[") else "lists"))
+    return _A.get(tag, tag)
+
+
+def _merge_union_errors(errors: list[dict]) -> list[dict]:
+    """The errors of a field of several types (`str | list[str]`) as one: pydantic gives one
+    per branch ("stop.str: ...; stop.list[str].1: ..."). When the value is the container a
+    branch takes and only an item is wrong, that branch's errors without its name (stop[1]);
+    else one error that lists the types taken."""
+    out, i = [], 0
+    while i < len(errors):
+        loc = [x for x in errors[i].get("loc", ()) if x != "body"]
+        if len(loc) < 2 or not isinstance(loc[1], str) or not _UNION_BRANCH.fullmatch(loc[1]):
+            out.append(errors[i])
+            i += 1
+            continue
+        group = []
+        while i < len(errors):
+            other = [x for x in errors[i].get("loc", ()) if x != "body"]
+            if other[:1] != loc[:1] or len(other) < 2 or not isinstance(other[1], str) \
+                    or not _UNION_BRANCH.fullmatch(other[1]):
+                break
+            group.append((other, errors[i]))
+            i += 1
+        inside = [(l, e) for l, e in group if len(l) > 2]
+        if inside:
+            out += [{**e, "loc": [l[0], *l[2:]]} for l, e in inside]
+        else:
+            tags = list(dict.fromkeys(l[1] for l, _ in group))
+            value = group[0][1].get("input")
+            out.append({"loc": [loc[0]], "type": "union", "msg": "must be " + " or ".join(
+                map(_branch, tags)) + f"; got {json_value(value)}"})
+    return out
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """A readable message and the offending parameter from pydantic's error list."""
     parts, param = [], None
-    for err in exc.errors():
+    for err in _merge_union_errors(list(exc.errors())):
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        name = ".".join(loc) or None
+        name = "".join(f"[{x}]" if x.isdigit() else f".{x}" for x in loc).lstrip(".") or None
         param = param or (loc[0] if loc else None)
         if err.get("type") == "extra_forbidden":
             parts.append(f"unsupported field {name!r}: ferrum does not implement it")
