@@ -306,6 +306,24 @@ def test_gguf_cache_build_removes_scratch_of_killed_builds_only(tmp_path, home):
     assert os.listdir(home / "gguf") == [os.path.basename(new)]   # it removed its own
 
 
+@pytest.mark.parametrize("cut", ["header", "data"])
+def test_gguf_cache_rebuilds_an_unreadable_dequantized_file(tmp_path, home, cut):
+    """A cached model.safetensors that cannot be read (cut short by a disk error or an
+    interrupted copy of $FERRUM_HOME) is built again from the GGUF: every later start failed
+    with WeightLoadError "cannot read safetensors file ...: the file is unreadable or
+    truncated" until it was deleted by hand."""
+    ref = hf_weights("llama")
+    path = write_gguf(tmp_path / "m.gguf", "llama", ref)
+    load_gguf(path).weights()
+    folder, _ = gguf_loader.prepare_gguf(path)
+    target = os.path.join(folder, "model.safetensors")
+    os.truncate(target, 1000 if cut == "header" else os.path.getsize(target) - 8)
+    ws = load_gguf(path).weights()
+    for name, t in ref.items():
+        assert torch.equal(ws.get(name).load(), t), name
+    assert sorted(os.listdir(folder)) == ["meta.json", "model.safetensors"]   # no scratch, no lock
+
+
 def test_gguf_cache_leaves_no_orphan_lock_files(tmp_path, home):
     orphan = home / "gguf" / "0123456789abcdef01234567.lock"   # as a killed process leaves it
     orphan.parent.mkdir(parents=True)

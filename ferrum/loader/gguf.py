@@ -501,6 +501,17 @@ def _parse_to_temp(path: str) -> tuple[str, dict]:
     return folder, _parse(path, folder)
 
 
+def _readable(path: str) -> bool:
+    """Whether `path` is a whole safetensors file (its header, and data to the size it gives:
+    safetensors reads only the header and checks the file's size)."""
+    from safetensors import safe_open
+    try:
+        with safe_open(path, framework="pt"):
+            return True
+    except Exception:  # noqa: BLE001 - absent, unreadable or cut short: all mean build it
+        return False
+
+
 def dequantized_cache(path: str, folder: str, meta: dict, config: ModelConfig):
     """A SafetensorsSource over `folder`/model.safetensors: every tensor of the file
     dequantized to float32 and un-permuted, written on first use (about 3 s of numpy
@@ -514,9 +525,9 @@ def dequantized_cache(path: str, folder: str, meta: dict, config: ModelConfig):
     if nbytes > DEQUANT_CACHE_MAX_BYTES:
         return None
     target = os.path.join(folder, "model.safetensors")
-    if not os.path.exists(target):
+    if not _readable(target):
         with exclusive(target):
-            if not os.path.exists(target):
+            if not _readable(target):   # absent; or cut short (a disk error, a copy): replaced
                 from safetensors.torch import save_file
                 _say(f"dequantizing the weights once ({nbytes / 2**20:.0f} MiB of float32, cached "
                      f"in {folder})")
