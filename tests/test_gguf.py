@@ -345,6 +345,20 @@ def smollm2(smollm2_gguf_path):
     return load_gguf(smollm2_gguf_path, dequant_cache=False)
 
 
+def test_smollm2_cache_converts_an_unreadable_tokenizer_again(smollm2_gguf_path, home):
+    """The cached tokenizer.json cut short (or deleted) is converted again from the GGUF and
+    rewritten: the model had no tokenizer on every later start ("no usable tokenizer (Expecting
+    value: ...)", then `ferrum run`'s "add tokenizer.json/tokenizer_config.json to its folder")."""
+    want = load_gguf(smollm2_gguf_path).tokenizer_loader().encode("The capital of France")
+    folder, _ = gguf_loader.prepare_gguf(smollm2_gguf_path)
+    cached = os.path.join(folder, "tokenizer", "tokenizer.json")
+    size = os.path.getsize(cached)
+    os.truncate(cached, 100)
+    assert load_gguf(smollm2_gguf_path).tokenizer_loader().encode("The capital of France") == want
+    assert os.path.getsize(cached) == size
+    assert sorted(os.listdir(folder)) == ["meta.json", "tokenizer"]   # no scratch, no lock
+
+
 def test_smollm2_config_matches_transformers(smollm2, smollm2_hf_reference):
     hf, c = smollm2_hf_reference[0], smollm2.config
     assert c.architecture == "LlamaForCausalLM" and c.family == "llama"

@@ -422,14 +422,39 @@ def _parse(path: str, folder: str) -> dict:
                        "mtime_ns": stat.st_mtime_ns}}
     del reader
     try:
-        hf = transformers.PreTrainedTokenizerFast.from_pretrained(
-            os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
-        hf.save_pretrained(os.path.join(folder, "tokenizer"))
+        _convert_tokenizer(path).save_pretrained(os.path.join(folder, "tokenizer"))
     except Exception as e:  # noqa: BLE001  no or unsupported tokenizer: the model still serves ids
         meta["tokenizer_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     with open(os.path.join(folder, "meta.json"), "w") as f:
         json.dump(meta, f)
     return meta
+
+
+def _convert_tokenizer(path: str):
+    """The GGUF's tokenizer as transformers converts it (a PreTrainedTokenizerFast)."""
+    import transformers
+    return transformers.PreTrainedTokenizerFast.from_pretrained(
+        os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+
+
+def _cached_tokenizer(path: str, folder: str):
+    """The tokenizer the entry `folder` holds; when its files cannot be read (deleted, cut
+    short), converted again from the GGUF and written back (if the cache can take it)."""
+    from transformers import PreTrainedTokenizerFast
+    from ferrum.loader import cache
+    saved = os.path.join(folder, "tokenizer")
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(saved)
+    except Exception as e:  # noqa: BLE001 - any unreadable file: convert again
+        _say(f"the cached tokenizer in {saved} cannot be read ({type(e).__name__}); converting "
+             f"the one of {os.path.basename(path)} again")
+    hf = _convert_tokenizer(path)
+    try:
+        with cache.exclusive(saved), cache.staged_folder(saved) as tmp:
+            hf.save_pretrained(tmp)
+    except OSError:   # a read-only or full cache: this start has the tokenizer all the same
+        pass
+    return hf
 
 
 def _read_meta(folder: str) -> dict | None:
@@ -558,12 +583,10 @@ def load_gguf(path: str, dequant_cache: bool = True) -> ModelSource:
         return gguf_weights(path, meta["tensors"], config, dense)
 
     def tokenizer_loader():
-        from transformers import PreTrainedTokenizerFast
         from ferrum.tokenizer.tokenizer import Tokenizer
         if meta["tokenizer_error"]:
             raise ValueError(f"the GGUF's tokenizer could not be converted: {meta['tokenizer_error']}")
-        hf = PreTrainedTokenizerFast.from_pretrained(os.path.join(folder, "tokenizer"))
-        return Tokenizer(hf, eos, chat_template)
+        return Tokenizer(_cached_tokenizer(path, folder), eos, chat_template)
 
     return ModelSource(
         name=os.path.splitext(os.path.basename(path))[0],
