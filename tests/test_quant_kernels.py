@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+from test_triton_kernels import _has_ptxas
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -60,7 +61,8 @@ def _run_interpreted(name: str, interpret: bool = True) -> str:
     """Run check `name` in a subprocess with TRITON_INTERPRET=1 (or 0: compile only) and
     FERRUM_FORCE_TRITON=1."""
     env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0", FERRUM_FORCE_TRITON="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    # the tests folder too: this module imports test_triton_kernels
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.dirname(HERE), env.get("PYTHONPATH", "")])
     code = ("import importlib.util as u\n"
             f"s = u.spec_from_file_location('_ferrum_qk', {HERE!r}); m = u.module_from_spec(s)\n"
             f"s.loader.exec_module(m); m._interp_main({name!r})\n")
@@ -746,13 +748,6 @@ def check_sm90_compile(device: str) -> None:
     for qtype in gguf.PACKED_TYPES:
         build(gguf._gguf_dequant_kernel, dict(QTYPE=qtype, BLOCK_N=gguf.DEQUANT_BLOCK_N), dict(w_ptr="*u8", out_ptr="*bf16"),
               4, 2, f"gguf {qtype} dequant")
-
-
-def _has_ptxas() -> bool:
-    if not HAS_TRITON:
-        return False
-    spec = importlib.util.find_spec("triton")
-    return os.path.exists(os.path.join(os.path.dirname(spec.origin), "backends", "nvidia", "bin", "ptxas"))
 
 
 @pytest.mark.skipif(not _has_ptxas(), reason="needs triton with its bundled ptxas")
