@@ -22,6 +22,10 @@ _GREEDY_EPS = 1e-5
 # Most top logprobs per token a request may ask for (generated and prompt tokens alike).
 MAX_LOGPROBS = 20
 
+# Most samples (`n`) of one prompt: vLLM's default VLLM_MAX_N_SEQUENCES. Every sample is a
+# sequence the scheduler keeps and walks, so an unbounded n (10**6) held the engine for minutes.
+MAX_N = 16384
+
 
 def _is_number(v) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
@@ -122,8 +126,8 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, f"must be true or false, got {getattr(self, name)!r}")
-        if self.n < 1:
-            bad("n", f"must be an integer >= 1, got {self.n!r}")
+        if not 1 <= self.n <= MAX_N:
+            bad("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
         if self.temperature < 0:
             bad("temperature", f"must be >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):

@@ -247,7 +247,7 @@ def test_shape_mismatch_and_bad_token_ids():
 
 @pytest.mark.parametrize("kw, param", [
     (dict(ignore_eos="no"), "ignore_eos"), (dict(skip_special_tokens=1), "skip_special_tokens"),
-    (dict(min_tokens=1.5), "min_tokens"), (dict(n=True), "n"), (dict(max_tokens=True), "max_tokens"),
+    (dict(min_tokens=1.5), "min_tokens"), (dict(n=True), "n"), (dict(n=16385), "n"), (dict(max_tokens=True), "max_tokens"),
     (dict(seed=True), "seed"), (dict(logprobs=True), "logprobs"), (dict(temperature="0"), "temperature"),
     (dict(temperature=None), "temperature"), (dict(top_p=None), "top_p"), (dict(min_tokens="a"), "min_tokens"),
     (dict(stop=["\ud800"]), "stop"), (dict(stop=5), "stop"), (dict(stop={"a": 1}), "stop"),

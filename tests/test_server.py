@@ -619,6 +619,16 @@ def test_chat_max_tokens_below_one_names_the_field_sent(server, field, value):
     assert e["param"] == field and e["message"].startswith(f"{field} must be an integer >= 1"), e
 
 
+def test_n_above_the_limit_is_refused(server):
+    """n is capped at vLLM's default VLLM_MAX_N_SEQUENCES (16384): n = 10**6 was admitted as a
+    million sequences, and the engine spent minutes on it, even after the client gave up."""
+    for path, body in [("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/completions", {"prompt": PROMPT})]:
+        e = _err(_post(server, path, {"model": MODEL, **body, "max_tokens": 1, "n": 16385}), 400)
+        assert e["param"] == "n" and e["message"] == "n must be an integer in [1, 16384], got 16385", e
+    assert _status(server)["num_waiting"] == 0
+
+
 def test_completions_max_tokens_absent_or_null_is_16(server):
     """OpenAI's default for /v1/completions is 16 tokens, for a null max_tokens as for an absent
     one (null used to mean "the rest of the context"); chat's default stays vLLM's, the rest of
