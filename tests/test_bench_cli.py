@@ -396,6 +396,21 @@ def test_sched_sim_replays_a_pool_that_preempts():
     assert roomy["free_blocks_at_end"] == 400 and roomy["estimated_s"] > 0
 
 
+def test_decode_timing_benches_refuse_output_len_1_at_parse_time(capsys):
+    """latency's TPOT and sweep's step time need a decode step, i.e. a second generated token:
+    `--output-len 1` gave latency a 0.04 ms TPOT (25k tok/s, MBU 100% of a 'measured' roofline)
+    and crashed sweep after the model loaded (no median of an empty list)."""
+    from ferrum.entrypoints.cli import build_parser
+    parser = build_parser()
+    for bench in ("latency", "sweep"):
+        with pytest.raises(SystemExit) as info:
+            parser.parse_args(["bench", bench, "m", "--output-len", "1"])
+        assert info.value.code == 2, bench
+        assert "expected a whole number >= 2" in capsys.readouterr().err, bench
+        assert parser.parse_args(["bench", bench, "m", "--output-len", "2"]).output_len == 2
+    assert parser.parse_args(["bench", "throughput", "m", "--output-len", "1", "1"]).output_len == [1, 1]
+
+
 def test_bench_counts_and_lengths_are_whole_numbers_at_parse_time(capsys):
     """Every count / length flag of `ferrum bench` refuses 0 and negatives before a model loads
     (`--batch-sizes 0` crashed sweep after loading: no median of an empty list)."""

@@ -26,6 +26,18 @@ def positive_int(text: str) -> int:
     return n
 
 
+def decode_len(text: str) -> int:
+    """argparse type of the output length of benchmarks that time decode steps (latency's TPOT,
+    sweep's step time): a whole number >= 2, since the first token comes out of the prefill and
+    only the second one needs a decode step (1 gave latency a TPOT of the engine's bookkeeping,
+    tens of thousands of tok/s and an MBU of 100%, and sweep a traceback after the model loaded)."""
+    n = positive_int(text)
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 2 (the first token comes from the "
+                                         f"prefill; a decode step needs a second one), got {text!r}")
+    return n
+
+
 class MinMax(argparse.Action):
     """argparse action for `nargs=2` MIN MAX: an argparse error when MIN > MAX (a random
     length in [MIN, MAX] would fail with a traceback after the model has loaded)."""

@@ -29,8 +29,8 @@ import statistics
 import sys
 import time
 
-from ferrum.benchmarks.common import (add_common_args, llm_from_config, positive_float, positive_int, random_prompts,
-                                      sync_device)
+from ferrum.benchmarks.common import (add_common_args, decode_len, llm_from_config, positive_float, positive_int,
+                                      random_prompts, sync_device)
 from ferrum.benchmarks.hf_baseline import load_hf_model
 from ferrum.benchmarks.run_record import busy_processes, load_note, record, setup_threads, write_json
 from ferrum.benchmarks.mbu import decode_bytes_per_step, mbu_columns, measure_roofline_gbs, spec_bandwidth_gbs
@@ -42,7 +42,8 @@ def add_parser(subparsers, add_engine_args) -> None:
     p = subparsers.add_parser("latency", help="batch-1 prefill/decode speed (TTFT, TPOT, MBU) vs HF, vLLM, gpt-fast")
     add_engine_args(p)
     p.add_argument("--input-len", type=positive_int, default=128, help="prompt tokens per sequence")
-    p.add_argument("--output-len", type=positive_int, default=64, help="generated tokens per sequence")
+    p.add_argument("--output-len", type=decode_len, default=64,
+                   help="generated tokens per sequence (>= 2: the first comes from the prefill)")
     p.add_argument("--batch-size", type=positive_int, default=1, help="sequences per iteration")
     p.add_argument("--num-iters", type=positive_int, default=3, help="timed iterations (after one warm-up)")
     p.add_argument("--tp-sizes", type=positive_int, nargs="+", default=None,

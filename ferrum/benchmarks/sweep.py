@@ -23,7 +23,8 @@ import statistics
 import sys
 import time
 
-from ferrum.benchmarks.common import add_common_args, llm_from_config, positive_float, positive_int, random_prompts
+from ferrum.benchmarks.common import (add_common_args, decode_len, llm_from_config, positive_float, positive_int,
+                                      random_prompts)
 from ferrum.benchmarks.run_record import record, setup_threads, write_json
 from ferrum.benchmarks.mbu import decode_bytes_per_step, mbu_columns, measure_roofline_gbs, spec_bandwidth_gbs
 
@@ -35,7 +36,8 @@ def add_parser(subparsers, add_engine_args) -> None:
     p.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256],
                    help="batch sizes to run, one after another")
     p.add_argument("--input-len", type=positive_int, default=128, help="prompt tokens per sequence")
-    p.add_argument("--output-len", type=positive_int, default=64, help="generated tokens per sequence")
+    p.add_argument("--output-len", type=decode_len, default=64,
+                   help="generated tokens per sequence (>= 2: the first comes from the prefill)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0 times the sampling path")
     p.add_argument("--spec-bandwidth-gbs", type=positive_float, default=None, help="see `ferrum bench latency` (default: the device's spec sheet; none on CPU)")
     p.add_argument("--plot", default=None, help="PNG of decode tok/s and MBU over batch size (default: no plot)")
