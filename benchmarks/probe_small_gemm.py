@@ -5,7 +5,11 @@ ferrum.ops.gemm_small's Triton kernel over a grid of tiles and split-K factors. 
 128 x 128 tile grid with 16-96 CTAs for 132 SMs; smaller tiles and split-K fill the machine.
 
 Weights rotate through copies totalling > 4x the 50 MB L2, so each call reads them from HBM as
-a decode step does. Median of 20 CUDA-event timings per (shape, rows, variant); TFLOP/s and the
+a decode step does. Each (shape, rows, variant) is timed inside a CUDA graph, as the engine's
+decode steps run it: one graph calls it once per weight copy, twice over, best of 5 replays,
+divided by the calls. (Until 12-07 each call was timed alone between two CUDA events, which
+counted the host's launch, ~40 us, into a 3-40 us kernel: every case measured 37-46 us and no
+Triton variant could win.) TFLOP/s and the
 weight read rate (GB/s) for each; max |diff| of every Triton variant against cuBLAS. PROBE_ROWS
 (default "2 4 8 16 32 64 128 256") and PROBE_MODEL (qwen3-0.6b | llama3-8b) pick the cases.
 Writes $OUT/probe_small_gemm.json and $OUT/small_gemm_table.json: the cases where the best
@@ -24,7 +28,7 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ferrum.benchmarks.mbu import cuda_event_median_us  # noqa: E402
+from ferrum.benchmarks.mbu import cuda_graph_time_ms  # noqa: E402
 from ferrum.ops import gemm_small  # noqa: E402
 
 MODELS = {   # name: (N, K) of each decode-step linear (LM head last)
@@ -53,7 +57,6 @@ def main() -> None:
     for name, (N, K) in shapes.items():
         copies = max(1, -(-200 * 2**20 // (N * K * 2)))   # > 4x the L2 in total
         ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-        turn = itertools.cycle(range(copies))
         for M in rows:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             ref = F.linear(x, ws[0])
@@ -63,7 +66,7 @@ def main() -> None:
             def timed(key, fn):
                 try:
                     err = (fn(ws[0]).float() - ref.float()).abs().max().item()
-                    us = cuda_event_median_us(lambda: fn(ws[next(turn)]))
+                    us = 1e3 * cuda_graph_time_ms(lambda: [fn(w) for w in ws], iters=2) / copies
                 except Exception as e:   # out of shared memory / registers for this tile
                     row[key] = {"error": str(e).splitlines()[0][:160]}
                     return
