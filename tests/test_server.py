@@ -626,6 +626,11 @@ def test_n_above_the_limit_is_refused(server):
                        ("/v1/completions", {"prompt": PROMPT})]:
         e = _err(_post(server, path, {"model": MODEL, **body, "max_tokens": 1, "n": 16385}), 400)
         assert e["param"] == "n" and e["message"] == "n must be an integer in [1, 16384], got 16385", e
+    # and per request: a batch of prompts each within the cap would still add up past it
+    e = _err(_post(server, "/v1/completions", {"model": MODEL, "prompt": [PROMPT, PROMPT], "max_tokens": 1,
+                                                "n": 8193}), 400)
+    assert e["param"] == "n" and e["message"].startswith("2 prompts x n 8193 = 16386 samples in one request "
+                                                          "exceed 16384"), e
     assert _status(server)["num_waiting"] == 0
 
 

@@ -29,7 +29,7 @@ from ferrum.errors import (FerrumError, InvalidRequestError, ModelNotFoundError,
                            RequestFailedError, check_prompt_len)
 from ferrum.metrics import Metrics
 from ferrum.outputs import RequestOutput
-from ferrum.sampling_params import SamplingParams
+from ferrum.sampling_params import MAX_N, SamplingParams
 from ferrum.tool_parsers import ToolCallStreamer, ToolParser
 
 
@@ -188,6 +188,10 @@ class OpenAIServing:
             raise InvalidRequestError(f"{len(prompts)} prompts in one request exceed the server's queue "
                                       f"limit (--max-waiting {self.engine.max_waiting}): send at most "
                                       f"{self.engine.max_waiting} per request", param="prompt")
+        samples = sum(sp.n for sp in params)
+        if samples > MAX_N:   # n is capped per prompt; 4,096 prompts x n 16,384 would still OOM the server
+            raise InvalidRequestError(f"{len(prompts)} prompts x n {params[0].n} = {samples} samples in one "
+                                      f"request exceed {MAX_N}: lower n or send fewer prompts", param="n")
         streams = []
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
