@@ -77,6 +77,10 @@
 # 03:37-05:48 UTC): 18 first (carry .peers/vc/part.00), then 12 carrying .whl_test (.whl without
 # llguidance, which no -m gpu test of step 12 imports: fits beside a chunk), then on an H200 10.
 #
+# The next lease (after h100-2026-12-07b, whose probe timed the host launch and is void: 859cad9
+# times in CUDA graphs): 18 again (carry .peers/vc/part.00), then 12 carrying .whl_test
+# .peers/vc/part.01 (cut off on 12-07b when the machine was taken back), then on an H200 10.
+#
 # The next lease (after h100-2026-12-07): 17 carrying .peers/vc/part.00, 14 carrying .old
 # .peers/vc/part.01 (main's admission against 2d19606), then 12 carrying .whl (the quantized
 # kernel tests) and, on an H200, 10 (the quantized table against vLLM: part.02 and bin).
