@@ -421,6 +421,14 @@ def test_errors_are_named_and_leave_nothing_behind(folder):
         llm.generate([[5, VOCAB]], greedy, use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="this model has no tokenizer"):
         llm.generate("hello", greedy, use_tqdm=False)
+    # in a batch the bad prompt is named by its index, as the server does; the good ones before
+    # it are not left queued (w.assert_drained below)
+    for batch, kind, what in [([[5], []], InvalidRequestError, "prompt is empty"),
+                              ([[5], [6], [5] * MAX_LEN], PromptTooLongError, "max_model_len"),
+                              ([[5], [5, VOCAB]], InvalidRequestError, "vocabulary")]:
+        with pytest.raises(kind, match=rf"^prompts\[{len(batch) - 1}\]: .*{what}") as e:
+            llm.generate(batch, greedy, use_tqdm=False)
+        assert e.value.param == f"prompts[{len(batch) - 1}]"
     # arguments of the wrong type are named errors, not a TypeError from deep inside
     for prompts, param in [(None, "prompts"), (5, "prompts"), ([[5, 6], None], "prompts[1]"),
                            ([[5, 6], [7, 8.0]], "prompts[1]"), ([[True]], "prompts[0]")]:

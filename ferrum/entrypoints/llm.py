@@ -73,7 +73,8 @@ class LLM:
         sampling_params is one SamplingParams for all (default: `SamplingParams()`) or a list
         with one per prompt. All are queued first, so they run concurrently (continuous
         batching). Raises InvalidRequestError when prompts are of another type (param
-        "prompts" / "prompts[i]"), sampling_params is not a SamplingParams or a list of them
+        "prompts" / "prompts[i]"; an empty, too long or out-of-vocabulary prompt of several is
+        named "prompts[i]" too), sampling_params is not a SamplingParams or a list of them
         with one per prompt, plus what `LLMEngine.add_request` raises (nothing is left queued
         then), and EngineDeadError after `shutdown`."""
         prompts = _prompt_list(prompts)
@@ -85,11 +86,16 @@ class LLM:
                 return []
             ids = []
             try:
-                for p, sp in zip(prompts, params):
-                    if isinstance(p, str):
-                        ids.append(self.engine.add_request(None, p, sp))
-                    else:
-                        ids.append(self.engine.add_request(None, None, sp, prompt_token_ids=list(p)))
+                for i, (p, sp) in enumerate(zip(prompts, params)):
+                    try:
+                        if isinstance(p, str):
+                            ids.append(self.engine.add_request(None, p, sp))
+                        else:
+                            ids.append(self.engine.add_request(None, None, sp, prompt_token_ids=list(p)))
+                    except InvalidRequestError as e:   # empty, too long, ids outside the vocabulary
+                        if len(prompts) == 1 or e.param != "prompt":
+                            raise
+                        raise type(e)(f"prompts[{i}]: {e}", param=f"prompts[{i}]") from e
             except Exception:
                 for rid in ids:
                     self.engine.abort_request(rid)
