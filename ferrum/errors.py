@@ -1,5 +1,6 @@
 """Named errors. Every error a user can cause derives from FerrumError; the CLI prints it
 on one line and the server maps it to an OpenAI-style JSON body (status in `http_status`)."""
+from contextlib import contextmanager
 
 
 class FerrumError(Exception):
@@ -32,6 +33,20 @@ def check_prompt_len(num_prompt_tokens: int, max_model_len: int, param: str = "p
         raise PromptTooLongError(f"{param}: the prompt has {num_prompt_tokens} tokens but "
                                  f"max_model_len is {max_model_len}: at most {max_model_len - 1} "
                                  "prompt tokens are allowed", param=param)
+
+
+@contextmanager
+def prompt_named(name: str):
+    """Around `add_request` of one prompt of a batch: the engine checks one prompt and names
+    it "prompt" (empty, too long, ids outside the vocabulary); re-raise such an error as the
+    batch item `name` ("prompt[2]", "prompts[2]"), same type, message prefixed with the name.
+    `name` "prompt" (a single prompt) leaves errors as they are."""
+    try:
+        yield
+    except InvalidRequestError as e:
+        if e.param != "prompt" or name == "prompt":
+            raise
+        raise type(e)(f"{name}: {e}", param=name) from e
 
 
 class ConfigError(InvalidRequestError):

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from ferrum.config import EngineConfig
 from ferrum.engine.llm_engine import LLMEngine
-from ferrum.errors import EngineDeadError, InvalidRequestError
+from ferrum.errors import EngineDeadError, InvalidRequestError, prompt_named
 from ferrum.entrypoints.chat_utils import PARALLEL_TOOL_CALLS, apply_tool_calls, prepare_chat
 from ferrum.outputs import RequestOutput
 from ferrum.sampling_params import SamplingParams
@@ -87,15 +87,11 @@ class LLM:
             ids = []
             try:
                 for i, (p, sp) in enumerate(zip(prompts, params)):
-                    try:
+                    with prompt_named(f"prompts[{i}]" if len(prompts) > 1 else "prompt"):
                         if isinstance(p, str):
                             ids.append(self.engine.add_request(None, p, sp))
                         else:
                             ids.append(self.engine.add_request(None, None, sp, prompt_token_ids=list(p)))
-                    except InvalidRequestError as e:   # empty, too long, ids outside the vocabulary
-                        if len(prompts) == 1 or e.param != "prompt":
-                            raise
-                        raise type(e)(f"prompts[{i}]: {e}", param=f"prompts[{i}]") from e
             except Exception:
                 for rid in ids:
                     self.engine.abort_request(rid)

@@ -26,7 +26,7 @@ from ferrum.entrypoints.openai.logprobs import (TokenFormatter, chat_logprobs, c
 from ferrum.entrypoints.chat_utils import prepare_chat
 from ferrum.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from ferrum.errors import (FerrumError, InvalidRequestError, ModelNotFoundError, PromptTooLongError,
-                           RequestFailedError, check_prompt_len)
+                           RequestFailedError, check_prompt_len, prompt_named)
 from ferrum.metrics import Metrics
 from ferrum.outputs import RequestOutput
 from ferrum.sampling_params import MAX_N, SamplingParams
@@ -195,13 +195,9 @@ class OpenAIServing:
         streams = []
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
-                try:
+                with prompt_named(names[i] if names else "prompt"):
                     streams.append(await self.engine.add_request(f"{request_id}-{i}", None, sp,
                                                                  prompt_token_ids=p.token_ids))
-                except InvalidRequestError as e:   # empty, ids outside the vocabulary: which one
-                    if names is None or e.param != "prompt" or names[i] == "prompt":
-                        raise
-                    raise type(e)(f"{names[i]}: {e}", param=names[i]) from e
         except BaseException:
             for i in range(len(streams)):
                 self.engine.abort(f"{request_id}-{i}")
