@@ -43,8 +43,9 @@ def _check_logit_bias(bias: dict) -> dict[int, float]:
     if not isinstance(bias, dict):
         raise InvalidRequestError(f"logit_bias must be an object of token id -> bias, got "
                                   f"{type(bias).__name__}", param="logit_bias")
+    # a digit string longer than int() converts (4,300 digits) is no token id either: it was a 500
     bad_keys = [k for k in bias if not (isinstance(k, int) and not isinstance(k, bool) and k >= 0)
-                and not (isinstance(k, str) and k.isascii() and k.isdigit())]
+                and not (isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 4300)]
     bad_values = [(k, v) for k, v in bias.items()
                   if not _is_number(v) or not math.isfinite(v) or not -100 <= v <= 100]
     problems = []

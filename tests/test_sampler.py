@@ -278,6 +278,15 @@ def test_logit_bias_errors_name_every_bad_key():
     assert "[6, 9, 70000]" in info.value.args[0] and info.value.param == "logit_bias"
 
 
+def test_logit_bias_key_too_long_for_int_is_a_400():
+    """A key of 5,000 digits passed the digit check, then int() raised ValueError (Python's
+    4,300-digit limit): the server answered 500 "internal error: ValueError: Exceeds the limit"."""
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(logit_bias={"4" * 5000: 1.0})
+    assert info.value.param == "logit_bias" and "keys must be token ids" in info.value.args[0]
+    assert SamplingParams(logit_bias={"0" * 4299 + "5": 1.0}).logit_bias == {5: 1.0}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_matches_cpu_and_seeds_hold():
