@@ -81,6 +81,16 @@ def test_history_arguments_that_are_not_a_json_object_stay_strings(smollm2_token
     assert 'get_weather "{\\"city\\": \\"Par"</call>' in text and 'get_weather {"city": "Oslo"}' in text
 
 
+def test_history_arguments_nested_too_deep_stay_strings():
+    """Arguments nested deeper than json.loads recurses raised RecursionError: chat, /tokenize
+    and a Responses function_call item answered 500. They stay the string sent, as any other
+    string that is not a JSON object."""
+    deep = '{"a": ' + "[" * 5000 + "]" * 5000 + "}"
+    conv = [CONVERSATION[1], {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": deep}}]}]
+    assert parse_messages(conv)[1]["tool_calls"][0]["function"]["arguments"] == deep
+
+
 def test_a_function_without_parameters_takes_an_empty_object():
     """OpenAI: leaving `parameters` out declares a function without arguments, so under
     tool_choice "required" or its name the grammar allows {} only (an open object let the

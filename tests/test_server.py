@@ -938,6 +938,9 @@ BAD_FIELDS = [
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_grammar": "start: nothing_defined"}, "guided_grammar"),
     ({"guided_json": "{not json"}, "guided_json"),
+    # nested deeper than json.loads recurses: was a 500 (RecursionError)
+    ({"guided_json": "[" * 5000 + "]" * 5000}, "guided_json"),
+    ({"structured_outputs": {"json": "[" * 5000 + "]" * 5000}}, "structured_outputs.json"),
     # a regex llguidance's lexer cannot build (it fails on the first token, not when compiled)
     ({"guided_regex": "b{999999}"}, "guided_regex"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {

@@ -56,6 +56,9 @@ MALFORMED = [
     (Llama3JsonToolParser(), '{"name": "a", "parameters": {}} and more'),
     (MistralToolParser(), '[TOOL_CALLS][{"name": "a", "arguments": {"x": }]'),
     (MistralToolParser(), '[TOOL_CALLS]get_weather'),
+    # nested deeper than json.loads recurses (was RecursionError, a failed request)
+    (HermesToolParser(), '<tool_call>{"name": "a", "arguments": {"x": ' + "[" * 5000 + "]" * 5000 + '}}</tool_call>'),
+    (HermesToolParser(), '<tool_call>{"name": "a", "arguments": ' + "[" * 5000 + "]" * 5000 + '}</tool_call>'),
 ]
 
 # output that constrained decoding wrote, cut off by max_tokens: (parser, output, the calls);

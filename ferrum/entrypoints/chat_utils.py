@@ -95,7 +95,7 @@ def _arguments(value, where: str) -> dict | str:
         raise _bad(where, f"must be a string (the arguments as JSON), got {type(value).__name__}")
     try:
         parsed = json.loads(value)
-    except ValueError:
+    except (ValueError, RecursionError):   # RecursionError: nested deeper than json parses
         return value
     return parsed if isinstance(parsed, dict) else value
 

@@ -90,7 +90,7 @@ class StructuredOutputsParams:
         if isinstance(self.json, str):
             try:
                 schema = json.loads(self.json)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:   # RecursionError: nested too deep
                 raise self._bad("json", f"the JSON schema is not valid JSON: {e}") from e
             if not isinstance(schema, dict):
                 raise self._bad("json", f"must be {_TYPES['json'][1]}; the string holds "

@@ -132,7 +132,7 @@ def is_json_object(text: str) -> bool:
     """Whether `text` is the JSON text of an object (a call's arguments must be one)."""
     try:
         return isinstance(json.loads(text), dict)
-    except ValueError:
+    except (ValueError, RecursionError):   # RecursionError: nested deeper than json parses
         return False
 
 
@@ -191,7 +191,7 @@ class ToolParser(abc.ABC):
     def _scan(self, text: str, final: bool) -> Scan:
         try:
             s = self.scan(text, final)
-        except (NotJson, ValueError):
+        except (NotJson, ValueError, RecursionError):
             return Scan(content="", in_calls=True, malformed=True)
         if self.names is not None and any(c.name is not None and c.name not in self.names for c in s.calls):
             return Scan(content="", in_calls=True, malformed=True)   # OpenAI never returns an undeclared function
