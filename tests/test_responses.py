@@ -100,6 +100,7 @@ def test_function_call_items_become_chat_tool_messages():
     ({"role": "robot", "content": "x"}, "input[2].role"),
     ({"type": "function_call", "call_id": "c2", "name": "", "arguments": "{}"}, "input[2].name"),
     ({"type": "function_call", "call_id": 7, "name": "f", "arguments": "{}"}, "input[2].call_id"),
+    ({"type": "function_call", "call_id": "", "name": "f", "arguments": "{}"}, "input[2].call_id"),
     ({"type": "function_call_output", "call_id": "nope", "output": "r"}, "input[2].call_id"),
     ({"type": "function_call_output", "call_id": "c1", "output": {"a": 1}}, "input[2].output"),
     ({"type": "web_search_call"}, "input[2].type"),

@@ -310,7 +310,9 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
             msgs.append({"role": "system" if role == "developer" else role,
                          "content": _text_of(item.get("content"), where)})
         elif kind == "function_call":
-            call_id = _string_field(item, "call_id", where)
+            # non-empty: an output answers it by this id ("" reached chat's tool-message check,
+            # whose 400 said 'input: is required for tool messages')
+            call_id = _string_field(item, "call_id", where, empty_ok=False)
             name = _string_field(item, "name", where, empty_ok=False)
             call = {"id": call_id, "type": "function",
                     "function": {"name": name, "arguments": _string_field(item, "arguments", where)}}
