@@ -248,6 +248,39 @@ def test_function_call_items_and_their_events():
     assert call_a["id"].startswith("fc_") and call_a["id"] != call_b["id"]
 
 
+def test_message_logprobs_cover_the_message_text_only(tok):
+    """Text then a Hermes call, with include logprobs: the message's logprobs were those of
+    every token, the call's included ('Sure thing. <tool_call>...' for text 'Sure thing.'), and
+    streamed they stopped wherever the call began (the stream's differed from the answer's).
+    Both now hold the tokens of the message text, which they join to."""
+    from ferrum.entrypoints.openai.logprobs import TokenFormatter
+    from ferrum.entrypoints.openai.responses import _ResponseState
+    from ferrum.outputs import CompletionOutput, Logprob, RequestOutput
+    from ferrum.tool_parsers.hermes import HermesToolParser
+    text = 'Sure thing. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    ids = tok.encode(text)
+    ends = [len(tok.decode(ids[:i + 1])) for i in range(len(ids))]
+    assert tok.decode(ids) == text
+    req = ResponsesRequest(model=MODEL, input="x", include=["message.output_text.logprobs"])
+    for chunk in (None, 1, 3):   # None: the whole answer at once
+        state = _ResponseState("resp_1", MODEL, req, 5, TokenFormatter(tok), HermesToolParser())
+        cuts = [len(ids)] if chunk is None else [*range(chunk, len(ids), chunk), len(ids)]
+        sent = 0
+        for n in cuts:
+            done = n == len(ids)
+            now = text[:ends[n - 1]]
+            out = CompletionOutput(0, text=now, token_ids=ids[:n], finish_reason="stop" if done else None,
+                                   logprobs=[{t: Logprob(-0.5)} for t in ids[:n]],
+                                   token_text_ends=ends[:n], delta_text=now[sent:])
+            sent = len(now)
+            state.update(RequestOutput("r", None, [1], [out], finished=done), whole=chunk is None)
+        state.finish()
+        msg, call = state.body()["output"]
+        part = msg["content"][0]
+        assert part["text"] == "Sure thing." and call["arguments"] == '{"city": "Paris"}', chunk
+        assert "".join(e["token"] for e in part["logprobs"]) == "Sure thing.", (chunk, part["logprobs"])
+
+
 # ---- tools and text.format ---------------------------------------------------------------------
 TOOLS = [{"type": "function", **t["function"]} for t in CHAT_TOOLS]   # Responses' flat form
 ASK = "What is the weather in Paris?"

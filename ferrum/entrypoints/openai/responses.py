@@ -429,12 +429,14 @@ class _ResponseState:
         self.num_prompt = num_prompt
         self.num_tokens = 0
         self.text_len = 0                    # characters of output text taken so far
+        self.content_len = 0                 # of them, characters of message text (a prefix)
         self.num_logprob_tokens = 0          # tokens whose logprobs were taken
         self.finish_reason: str | None = None
         self.cached_tokens = 0
         self.items: list[dict] = []          # output items; the last may still be open
         self.open: dict | None = None        # the item being written
         self.pending_logprobs: list[dict] = []   # of tokens whose text has not been sent yet
+        self.pending_starts: list[int] = []      # where each pending token's text starts
         self._events: list[tuple[str, dict]] = []
 
     # ---- feeding ---------------------------------------------------------------------------
@@ -457,6 +459,8 @@ class _ResponseState:
                 self.fmt, c.token_ids[start:ready], (c.logprobs or [])[start:ready],
                 token_texts(c.text, c.token_text_ends, start, ready), self.req.top_logprobs or 0
             )["content"]
+            ends = c.token_text_ends
+            self.pending_starts += [ends[i - 1] if ends and i else 0 for i in range(start, ready)]
             self.num_logprob_tokens = ready
         if self.tool_parser is None:
             self.add_text(text)
@@ -472,15 +476,22 @@ class _ResponseState:
             self.add_call_delta(delta)
 
     def add_text(self, delta: str) -> None:
-        """Message text: opens the message item if needed, then one output_text.delta."""
-        if not delta and not (self.pending_logprobs and self._is_open("message")):
+        """Message text: opens the message item if needed, then one output_text.delta. With a
+        tool parser the message is a prefix of the output, and only the tokens that start in
+        its text so far go with it (not those of the calls after it, nor of text held back)."""
+        self.content_len += len(delta)
+        n = len(self.pending_logprobs)
+        if self.tool_parser is not None:
+            n = sum(1 for start in self.pending_starts if start < self.content_len)
+        if not delta and not (n and self._is_open("message")):
             return
         if not self._is_open("message"):
             self._close()
             self._open_message()
         part = self.open["content"][0]
         part["text"] += delta
-        lps, self.pending_logprobs = self.pending_logprobs, []
+        lps, self.pending_logprobs = self.pending_logprobs[:n], self.pending_logprobs[n:]
+        self.pending_starts = self.pending_starts[n:]
         part["logprobs"] += lps
         self.emit("response.output_text.delta", delta=delta, logprobs=lps, **self._where(0))
 
