@@ -71,6 +71,8 @@ class ModelConfig:
     rope_scaling: dict | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    o_proj_bias: bool = False   # Llama / Qwen3 / Gemma 3 `attention_bias` also biases o_proj
+    mlp_bias: bool = False      # Llama `mlp_bias`: gate, up and down projections
     qk_norm: bool = False
     hidden_act: str = "silu"
     bos_token_id: int | None = None
@@ -185,6 +187,11 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", family == "gemma3")),
             attention_bias=bool(getattr(hf, "attention_bias", getattr(
                 hf, "qkv_bias", family in ("qwen2", "qwen2_moe")))),
+            # transformers' Llama, Qwen3(-MoE) and Gemma 3 give o_proj a bias with q/k/v's;
+            # Qwen2(-MoE) bias q/k/v only
+            o_proj_bias=bool(getattr(hf, "attention_bias", False))
+            and family in ("llama", "qwen3", "qwen3_moe", "gemma3"),
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)) and family == "llama",
             qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_id=_id_list(getattr(hf, "eos_token_id", None)),

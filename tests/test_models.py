@@ -58,6 +58,9 @@ MODELS = {
     "llama-yarn4": dict(family="llama", rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                       "original_max_position_embeddings": 64}, seed=11),
     "qwen2-linear2": dict(family="qwen2", rope_scaling={"rope_type": "linear", "factor": 2.0}, seed=12),
+    # Llama's attention_bias also biases o_proj, and mlp_bias gate/up/down: both were dropped
+    "llama-attn-mlp-bias": dict(family="llama", attention_bias=True, mlp_bias=True, seed=13),
+    "qwen3-attn-bias": dict(family="qwen3", attention_bias=True, seed=14),
 }
 
 # Mixed prompt lengths: under one block, several blocks, and one past the llama3 original

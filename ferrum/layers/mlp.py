@@ -17,10 +17,11 @@ class GatedMLP(nn.Module):
     with `quant_config` both projections hold quantized weights."""
 
     def __init__(self, hidden: int, intermediate: int, act: str = "silu", reduce_results: bool = True,
-                 quant_config: QuantConfig | None = None):
+                 quant_config: QuantConfig | None = None, bias: bool = False):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, quant_config=quant_config)
-        self.down_proj = RowParallelLinear(intermediate, hidden, quant_config=quant_config,
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2, bias=bias,
+                                                       quant_config=quant_config)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, quant_config=quant_config,
                                            reduce_results=reduce_results)
         self.act_fn = get_act_and_mul(act)
         self.silu = act == "silu"

@@ -48,7 +48,7 @@ class LlamaAttention(nn.Module):
                                           quant_config=quant_config)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * D, cfg.hidden_size, bias=False,
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * D, cfg.hidden_size, bias=cfg.o_proj_bias,
                                         quant_config=quant_config)
         self.rotary_emb = rotary_emb  # one instance shared by all layers (one cos/sin table)
         self.qk_norm = cfg.qk_norm
@@ -83,7 +83,7 @@ class LlamaDecoderLayer(nn.Module):
             self.mlp = SparseMoeBlock(cfg, quant_config)
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act,
-                                quant_config=quant_config)
+                                quant_config=quant_config, bias=cfg.mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
