@@ -116,6 +116,11 @@ class ModelConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise UnsupportedModelError(f"model config: {name} must be a whole number >= 1, got {v!r}")
+        if not self.moe_layers or not all(self.moe_layers):   # some layer has the dense MLP
+            v = self.intermediate_size
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise UnsupportedModelError(f"model config: intermediate_size must be a whole number "
+                                            f">= 1, got {v!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise UnsupportedModelError(
                 f"model config: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
@@ -248,6 +253,12 @@ def _rope_fields(params: dict, arch: str, where: str) -> tuple[float, dict | Non
     if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
         raise UnsupportedModelError(f"partial rotary embedding (partial_rotary_factor "
                                     f"{params['partial_rotary_factor']}) is not supported")
+    for key in ("rope_theta", "factor"):   # a string or 0 here failed deep in the RoPE table
+        v = params.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise UnsupportedModelError(f"rope {key} ({where}) must be a number > 0, got {v!r}")
     theta = float(params.get("rope_theta", 10000.0))
     if rtype == "default":
         return theta, None
@@ -291,6 +302,9 @@ def _family_fields(hf, arch: str) -> dict[str, Any]:
     out["hidden_act"] = act
 
     window = getattr(hf, "sliding_window", None) or None
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise UnsupportedModelError(f"model config: sliding_window must be a whole number >= 1 or "
+                                    f"null, got {window!r}")
     types = getattr(hf, "layer_types", None)
     if window and types is None:  # Mistral, Mixtral, Phi-3, Qwen3-MoE: every layer slides
         types = ["sliding_attention"] * L
