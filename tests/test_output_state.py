@@ -12,7 +12,7 @@ class ByteTokenizer:
     """Token i decodes to VOCAB[i]; invalid UTF-8 becomes U+FFFD like HF's byte-level decoder."""
 
     VOCAB = [b"<eos>", b"Hello", b" wor", b"ld", b"\n", b"###", b"#", b"##", b" END", b"E", b"ND",
-             b"\xf0\x9f", b"\x98\x80", b"x", b"\xe6\x97\xa5"]
+             b"\xf0\x9f", b"\x98\x80", b"x", b"\xe6\x97\xa5", b"ND\xf0\x9f"]
 
     def decode(self, ids, skip_special_tokens=True):
         pieces = [self.VOCAB[i] for i in ids if not (skip_special_tokens and i == EOS)]
@@ -143,6 +143,18 @@ def test_incomplete_character_at_length_limit_is_dropped():
     character, not U+FFFD (issue 19 item 7)."""
     state, deltas = run(SamplingParams(max_tokens=2), [b"x", b"\xf0\x9f"])
     assert state.text == "x" and deltas == ["x", ""]
+
+
+def test_stop_string_in_text_released_at_the_end_is_cut():
+    """Text the detokenizer holds until the sequence ends (a token whose last bytes begin a
+    character that never completes) is searched for stop strings too: "ND" came out of
+    flush() at EOS / max_tokens after the stop check, so " worEND" was returned and streamed
+    with stop_reason None."""
+    for params, end in ((SamplingParams(stop=["END"]), [b"<eos>"]),
+                        (SamplingParams(stop=["END"], max_tokens=3), [])):
+        state, deltas = run(params, [b" wor", b"E", b"ND\xf0\x9f"] + end)
+        assert (state.text, state.finish_reason, state.stop_reason) == (" wor", "stop", "END")
+        assert "".join(deltas) == " wor"
 
 
 def test_no_tokenizer_means_token_ids_only():

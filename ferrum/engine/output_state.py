@@ -129,10 +129,15 @@ class SequenceOutputState:
             self._finish(reason, None)
 
     def _finish(self, reason: str, stop_reason: int | None) -> None:
-        # A character still incomplete at the end is emitted as U+FFFD (what a one-shot
-        # decode shows); after a stop string nothing more is added.
+        # The detokenizer's held-back text (less a character still incomplete at the end)
+        # comes out now, and may hold or complete a stop string; after a stop string nothing
+        # more is added.
         if self.detok is not None:
+            old_len = len(self.text)
             self.text += self.detok.flush()
+            if (self.params.stop and len(self.token_ids) >= self.params.min_tokens
+                    and self._match_stop_string(old_len)):
+                return
         self.finish_reason, self.stop_reason = reason, stop_reason
 
     def fail(self) -> None:
