@@ -359,3 +359,28 @@ def test_a_second_pull_leaves_the_running_pulls_folder_alone(fake_store, tmp_pat
     assert len(seen[0]) == 1 and seen[0][0].startswith(".pull-")
     assert open(path, "rb").read() == PAYLOAD and len(calls) == 2
     assert sorted(os.listdir(folder)) == ["tiny.gguf", "tiny.gguf.sha256"]
+
+
+@pytest.mark.parametrize("tensor, shape", [
+    ("model.layers.0.self_attn.q_proj.weight", (128, 64)),   # 8 heads' rows, the config has 4
+    ("model.layers.0.self_attn.k_proj.weight", (64, 64)),
+    ("model.layers.1.mlp.gate_proj.weight", (200, 64)),
+    ("model.layers.1.self_attn.o_proj.weight", (64, 128)),  # row-parallel: the input dim
+])
+def test_tensor_larger_than_the_config_says_is_refused(tmp_path, tensor, shape):
+    """A projection larger than config.json's sizes (a config edited, or taken from another
+    model of the family) loaded its first rows / columns without a word (the loaders narrow
+    every tensor to a rank's slice and only checked that the slice fitted), so the model ran
+    on part of its weights; now the whole dim must match and the error names the tensor."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from ferrum.loader.model_loader import load_weights
+    from ferrum.models.registry import get_model_class
+    folder = _tiny_folder(tmp_path)
+    sd = load_file(str(folder / "model.safetensors"))
+    sd[tensor] = torch.randn(*shape)
+    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    source = resolve_model(str(folder))
+    model = get_model_class(source.config)(source.config)
+    with pytest.raises(WeightLoadError, match=rf"{tensor}: tensor has shape \({shape[0]}, {shape[1]}\), expected"):
+        load_weights(model, source.weights(), progress=False)

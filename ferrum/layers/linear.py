@@ -63,6 +63,14 @@ class LinearBase(nn.Module):
         """(first checkpoint input feature, count) this rank holds; None: all of them."""
         return None
 
+    def checkpoint_out_features(self, shard_id=None) -> int:
+        """Output features of sub-matrix `shard_id` in the checkpoint, over all ranks."""
+        return self.out_features
+
+    def checkpoint_in_features(self) -> int:
+        """Input features in the checkpoint, over all ranks."""
+        return self.in_features
+
     def weight_loader(self, param: nn.Parameter, lazy, shard_id=None) -> None:
         """Copy this rank's slice of `lazy` into `param` (or into the rows of sub-matrix
         `shard_id`), following the parameter's shard spec. Raises TensorParallelError when a
@@ -73,24 +81,28 @@ class LinearBase(nn.Module):
 
     def shard_slice(self, param: nn.Parameter, lazy, shard_id=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(view of `param` that sub-matrix `shard_id` fills, this rank's slice of `lazy`)."""
-        dst, src_dim, src_start, src_len = param.data, None, 0, 0
+        dst, src_dim, src_start, src_len, src_full = param.data, None, 0, 0, 0
         if param.output_dim is not None:
             off, start, n = self.output_shard(shard_id)
             d = param.output_div
             self._check_div((off, start, n), d, "output features")
             dst = dst.narrow(param.output_dim, off // d, n // d)
             src_dim, src_start, src_len = param.output_dim, start // d, n // d
+            src_full = -(-self.checkpoint_out_features(shard_id) // d)
         shard = self.input_shard()
         if param.input_dim is not None and shard is not None:
             start, n = shard
             d = param.input_div
             self._check_div((start, n), d, "input features")
             src_dim, src_start, src_len = param.input_dim, start // d, n // d
+            src_full = -(-self.checkpoint_in_features() // d)
         if src_dim is None:
             return dst, lazy.load()
-        if len(lazy.shape) <= src_dim or lazy.shape[src_dim] < src_start + src_len:
-            raise WeightLoadError(f"tensor has shape {tuple(lazy.shape)}, too small for "
-                                  f"{src_len} entries from {src_start} along dim {src_dim}")
+        # the whole dim, not only this rank's slice: a larger tensor (a config.json whose heads
+        # or sizes do not match the weights) would otherwise load its first rows without a word
+        if len(lazy.shape) <= src_dim or lazy.shape[src_dim] != src_full:
+            raise WeightLoadError(f"tensor has shape {tuple(lazy.shape)}, expected {src_full} "
+                                  f"entries along dim {src_dim} (from config.json's sizes)")
         return dst, lazy.narrow(src_dim, src_start, src_len)
 
     def _check_div(self, sizes: tuple[int, ...], d: int, what: str) -> None:
@@ -127,6 +139,9 @@ class ColumnParallelLinear(LinearBase):
         n = self.out_per_rank
         return 0, self.tp.rank * n, n
 
+    def checkpoint_out_features(self, shard_id=None):
+        return self.out_per_rank * self.tp.size
+
 
 class MergedColumnParallelLinear(LinearBase):
     """Several column-parallel matrices stacked into one GEMM (gate_proj + up_proj).
@@ -141,6 +156,9 @@ class MergedColumnParallelLinear(LinearBase):
     def output_shard(self, shard_id=None):
         n = self.out_sizes[shard_id]
         return sum(self.out_sizes[:shard_id]), self.tp.rank * n, n
+
+    def checkpoint_out_features(self, shard_id=None):
+        return self.out_sizes[shard_id] * self.tp.size
 
 
 class QKVParallelLinear(LinearBase):
@@ -171,6 +189,11 @@ class QKVParallelLinear(LinearBase):
         off = self.q_size + (0 if shard_id == "k" else self.kv_size)
         return off, kv_rank * self.kv_size, self.kv_size
 
+    def checkpoint_out_features(self, shard_id=None):
+        if shard_id == "q":
+            return self.q_size * self.tp.size
+        return self.kv_size * self.tp.size // self.kv_replicas
+
 
 class RowParallelLinear(LinearBase):
     """y = all_reduce(x_r W_r^T) with W split by input columns; bias added once, after.
@@ -188,6 +211,9 @@ class RowParallelLinear(LinearBase):
     def input_shard(self):
         n = self.in_per_rank
         return self.tp.rank * n, n
+
+    def checkpoint_in_features(self):
+        return self.in_per_rank * self.tp.size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in_features / tp] (this rank's slice) -> [T, out_features], summed over the
