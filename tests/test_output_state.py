@@ -157,6 +157,23 @@ def test_stop_string_in_text_released_at_the_end_is_cut():
         assert "".join(deltas) == " wor"
 
 
+def test_a_long_stop_string_costs_linear_time_per_token():
+    """The hold-back check sliced every suffix of the text up to the longest stop's length and
+    compared each: O(len(stop)^2) per token, so one request with a 100,000-character stop
+    took 26 s over 3,200 tokens of SmolLM2 output (16 ms a token at the end, holding up every
+    other sequence's step). The hold-back is unchanged: the longest suffix that is a proper
+    prefix of a stop."""
+    import time
+    t0 = time.perf_counter()
+    state, deltas = run(SamplingParams(stop=["H" + "x" * 100_000], max_tokens=3000), [b"Hello"] * 3000,
+                        max_model_len=10_000)
+    assert time.perf_counter() - t0 < 5   # 0.02 s; the quadratic check took 18 s
+    assert state.text == "Hello" * 3000 and deltas[-1] == "Hello"
+    state, deltas = run(SamplingParams(stop=["x" * 10, "Hellox#"], max_tokens=6),
+                        [b"Hello", b"x", b"x", b"#", b"x", b"x"])
+    assert deltas == ["", "", "Hello", "xx#", "", "xx"]
+
+
 def test_no_tokenizer_means_token_ids_only():
     state = SequenceOutputState(SamplingParams(max_tokens=2), None, [1], [EOS], 100)
     state.append(13), state.append(13)

@@ -55,7 +55,6 @@ class SequenceOutputState:
         self.max_model_len = max_model_len
         self.detok = (IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
                       if tokenizer is not None else None)
-        self.max_stop_len = max((len(s) for s in params.stop), default=0)
         self.token_ids: list[int] = []
         self.text = ""
         self.text_ends: list[int] = []   # len(text) after each token (see token_text_ends)
@@ -147,12 +146,23 @@ class SequenceOutputState:
             self.finish_reason, self.stop_reason = "error", None
 
     def _held_back(self) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-        for n in range(min(self.max_stop_len - 1, len(self.text)), 0, -1):
-            tail = self.text[-n:]
-            if any(stop.startswith(tail) for stop in self.params.stop):
-                return n
-        return 0
+        """Length of the longest suffix of `text` that is a proper prefix of a stop string.
+        A suffix of length n is one only if the stop's n-th character is the text's last, so
+        only those n are tried (str.rfind, longest first): slicing and comparing every tail
+        length cost O(len(stop)^2) per token (a 100,000-character stop slowed each step to
+        tens of ms once the text grew)."""
+        text, best = self.text, 0
+        if not text:
+            return 0
+        last = text[-1]
+        for stop in self.params.stop:
+            k = stop.rfind(last, 0, min(len(stop) - 1, len(text)))   # a suffix of k + 1 chars
+            while k >= best:
+                if text[-k - 1] == stop[0] and text.endswith(stop[:k + 1]):
+                    best = k + 1
+                    break
+                k = stop.rfind(last, 0, k)
+        return best
 
     def stream_delta(self) -> str:
         """Text that is safe to send now and was not returned before; "" if none. Deltas
