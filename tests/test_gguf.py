@@ -211,6 +211,20 @@ def test_unsupported_quant_type_is_named(tmp_path, home):
         load_gguf(path)
 
 
+
+@pytest.mark.parametrize("qtype", [QT.F32, QT.Q8_0])
+def test_tensor_larger_than_the_metadata_says_is_refused(tmp_path, home, qtype):
+    """A q_proj of 8 heads' rows in a GGUF whose metadata says 4 heads loaded its first 64
+    rows without a word (the check only asked that the rows a rank reads exist); now the
+    shape must be the metadata's, and the error names the tensor."""
+    from ferrum import LLM
+    w = hf_weights("llama")
+    w["model.layers.0.self_attn.q_proj.weight"] = torch.randn(128, 64)
+    path = write_gguf(tmp_path / "m.gguf", "llama", weights=w, qtype=qtype)
+    with pytest.raises(WeightLoadError, match=r"q_proj.weight: tensor has shape \(128, 64\), expected \(64, 64\)"):
+        LLM(path, max_model_len=64)
+
+
 # ---------------------------------------------------------------- the per-file cache
 
 def _exit_this_process():

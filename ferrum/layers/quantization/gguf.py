@@ -65,9 +65,10 @@ class GGUFLinearMethod(LinearMethod):
             raise WeightLoadError("a GGUF-quantized layer can only load tensors from a GGUF file")
         off, start, n = layer.output_shard(shard_id)
         k_full = layer.in_features * (layer.tp.size if layer.input_sharded else 1)
-        if len(lazy.shape) != 2 or lazy.shape[1] != k_full or start + n > lazy.shape[0]:
-            raise WeightLoadError(f"tensor has shape {tuple(lazy.shape)}, expected rows {start}..{start + n} "
-                                  f"of {layer.in_features} input features per rank")
+        rows_full = layer.checkpoint_out_features(shard_id)  # all of them: a larger tensor is wrong too
+        if len(lazy.shape) != 2 or tuple(lazy.shape) != (rows_full, k_full):
+            raise WeightLoadError(f"tensor has shape {tuple(lazy.shape)}, expected ({rows_full}, {k_full}) "
+                                  "(from the GGUF metadata's sizes)")
         qtype = int(lazy.qtype)
         shard = layer.input_shard() if layer.input_sharded else None
         if qtype in gguf_ops.PACKED_TYPES:
