@@ -153,11 +153,14 @@ class ModelConfig:
         defaults of its `model_type`, then `from_hf_config`. Raises UnsupportedModelError for
         an unknown model type, architecture or option."""
         from transformers import AutoConfig
+        if not isinstance(d, dict):
+            raise UnsupportedModelError(f"a model config must be a JSON object, got {type(d).__name__}")
         try:
             hf = AutoConfig.for_model(**d)
-        except (ValueError, KeyError, TypeError) as e:
+        except Exception as e:  # noqa: BLE001  transformers' validation errors are of many types
+            why = " ".join(str(e).split())   # on one line
             raise UnsupportedModelError(
-                f"unsupported model config (model_type {d.get('model_type')!r}: {e}); supported "
+                f"unsupported model config (model_type {d.get('model_type')!r}: {why}); supported "
                 f"architectures: {sorted(SUPPORTED_ARCHITECTURES)}") from e
         return cls.from_hf_config(hf)
 

@@ -384,3 +384,21 @@ def test_tensor_larger_than_the_config_says_is_refused(tmp_path, tensor, shape):
     model = get_model_class(source.config)(source.config)
     with pytest.raises(WeightLoadError, match=rf"{tensor}: tensor has shape \({shape[0]}, {shape[1]}\), expected"):
         load_weights(model, source.weights(), progress=False)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("not json", "cannot be read as JSON"),
+    ("[1, 2]", "must be a JSON object, got list"),
+    ('{"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_attention_heads": "4"}',
+     "num_attention_heads"),
+])
+def test_dummy_config_that_cannot_be_used_is_a_named_one_line_error(tmp_path, text, match):
+    """`ferrum run dummy:/etc/passwd` (or any file that is not a config.json) ended in a
+    JSONDecodeError traceback, a JSON list in AttributeError, and a field of the wrong type in
+    transformers' StrictDataclassFieldValidationError over three lines; now each is an
+    UnsupportedModelError on one line."""
+    from ferrum.errors import UnsupportedModelError
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(UnsupportedModelError, match=match) as info:
+        resolve_model(f"dummy:{tmp_path / 'config.json'}")
+    assert "\n" not in str(info.value)
