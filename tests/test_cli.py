@@ -744,3 +744,18 @@ def test_run_says_when_the_context_length_ended_the_answer(tmp_path, capsys):
         assert "[stopped at the context length, 24 tokens (--ctx-size)]" in capsys.readouterr().err
         stream(llm.engine, list(range(3, 19)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), out=out)
         assert "context length" not in capsys.readouterr().err
+
+
+def test_run_stats_line_of_one_token_has_no_decode_rate(tmp_path, capsys):
+    """One generated token has no decode step to time: the stats line gives tokens and TTFT,
+    not 'decode nan tokens/s'; two or more tokens give the rate."""
+    from ferrum.entrypoints.run import stream
+    from tiny_models import make_tiny_model
+    folder = make_tiny_model(str(tmp_path / "m"), "llama", layers=1, vocab=64, max_pos=128)
+    with LLM(folder, progress=False, device="cpu", dtype="float32") as llm:
+        for max_tokens in (1, 3):
+            stream(llm.engine, [3, 4, 5], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                   out=io.StringIO())
+            err = capsys.readouterr().err
+            assert f"[{max_tokens} tokens in" in err and "TTFT" in err and "nan" not in err
+            assert ("decode" in err) == (max_tokens > 1)

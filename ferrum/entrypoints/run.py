@@ -93,10 +93,10 @@ def stream(engine, prompt_ids: list[int], params: SamplingParams, out=None,
     if ctx_end:
         print(f"[stopped at the context length, {engine.max_model_len} tokens (--ctx-size)]", file=sys.stderr)
     if stats and n:
-        decode = (n - 1) / (t1 - first) if n > 1 and t1 > first else float("nan")
-        print(f"[{n} tokens in {t1 - t0:.2f} s; TTFT {1000 * (first - t0):.0f} ms, "
-              f"decode {decode:.1f} tokens/s{'; interrupted' if interrupted else ''}]",
-              file=sys.stderr)
+        # one token has no decode step to time: no rate then (it printed "decode nan tokens/s")
+        decode = f", decode {(n - 1) / (t1 - first):.1f} tokens/s" if n > 1 and t1 > first else ""
+        print(f"[{n} tokens in {t1 - t0:.2f} s; TTFT {1000 * (first - t0):.0f} ms"
+              f"{decode}{'; interrupted' if interrupted else ''}]", file=sys.stderr)
     return text, interrupted
 
 
