@@ -36,17 +36,23 @@ def check_prompt_len(num_prompt_tokens: int, max_model_len: int, param: str = "p
 
 
 @contextmanager
-def prompt_named(name: str):
+def prompt_named(name: str, about: str = "prompt"):
     """Around `add_request` of one prompt of a batch: the engine checks one prompt and names
     it "prompt" (empty, too long, ids outside the vocabulary); re-raise such an error as the
-    batch item `name` ("prompt[2]", "prompts[2]"), same type, message prefixed with the name.
-    `name` "prompt" (a single prompt) leaves errors as they are."""
+    batch item `name` ("prompt[2]", "prompts[2]"), same type, the message led by the new name.
+    `name` "prompt" (a single prompt) leaves errors as they are. `about`: the param renamed,
+    with what follows it ("messages[1].content" -> "messages[3][1].content" for name
+    "messages[3]", about "messages": a conversation of `LLM.chat`'s batch)."""
     try:
         yield
     except InvalidRequestError as e:
-        if e.param != "prompt" or name == "prompt":
+        param = e.param or ""
+        if name == about or not (param == about or param.startswith((about + "[", about + "."))):
             raise
-        raise type(e)(f"{name}: {e}", param=name) from e
+        renamed, msg = name + param[len(about):], str(e)
+        # the message names the param first ("prompt: the prompt has ..."): rename it there
+        msg = renamed + msg[len(param):] if msg.startswith(param + ": ") else f"{name}: {msg}"
+        raise type(e)(msg, param=renamed) from e
 
 
 class ConfigError(InvalidRequestError):

@@ -484,6 +484,25 @@ def test_chat_takes_one_sampling_params_per_conversation(offline):
         offline.generate("hi", {}, use_tqdm=False)
 
 
+def test_chat_names_the_bad_conversation_of_a_batch(offline):
+    """A bad or too long conversation in `LLM.chat`'s batch is named messages[i] (param and
+    message), as `generate` names prompts[i]; alone it is "messages" (its too long prompt was
+    called "prompt", the conversations in a batch were not told apart). Nothing stays queued."""
+    from live_server import MAX_MODEL_LEN
+    conv = [{"role": "user", "content": "hi"}]
+    long = [{"role": "user", "content": "hi " * MAX_MODEL_LEN}]
+    sp = SamplingParams(max_tokens=2)
+    cases = [([conv, [{"role": "user"}]], r"^messages\[1\]\[0\]\.content: is required", "messages[1][0]"),
+             ([conv, conv, long], r"^messages\[2\]: the prompt has .*max_model_len", "messages[2]"),
+             (long, r"^messages: the prompt has .*max_model_len", "messages")]
+    for conversations, match, param in cases:
+        with pytest.raises(InvalidRequestError, match=match) as e:
+            offline.chat(conversations, sp)
+        assert e.value.param.startswith(param), (e.value.param, param)
+        assert not offline.engine.has_unfinished_requests()
+    assert len(offline.chat([conv, conv], sp)) == 2
+
+
 def test_generate_takes_vllm_dict_prompts(offline):
     """vLLM's prompt dicts, {"prompt": text} and {"prompt_token_ids": ids} (vLLM takes token
     ids only this way), were refused ("got dict"); now they give what the plain string / id

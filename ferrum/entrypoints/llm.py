@@ -79,6 +79,12 @@ class LLM:
         then), and EngineDeadError after `shutdown`."""
         prompts = _prompt_list(prompts)
         params = _params_list(sampling_params, len(prompts), "prompt")
+        return self._generate(prompts, params, use_tqdm, "prompts" if len(prompts) > 1 else "prompt")
+
+    def _generate(self, prompts: list, params: list[SamplingParams], use_tqdm: bool,
+                  item: str) -> list[RequestOutput]:
+        """Queue every prompt, then run them to the end. item: what the engine's errors about
+        one prompt are named ("prompt", or item[i] for a batch's "prompts" / "messages")."""
         with self._lock:
             if self._closed:
                 raise EngineDeadError("this LLM was shut down; create a new one")
@@ -87,7 +93,7 @@ class LLM:
             ids = []
             try:
                 for i, (p, sp) in enumerate(zip(prompts, params)):
-                    with prompt_named(f"prompts[{i}]" if len(prompts) > 1 else "prompt"):
+                    with prompt_named(f"{item}[{i}]" if len(prompts) > 1 else item):
                         if isinstance(p, str):
                             ids.append(self.engine.add_request(None, p, sp))
                         else:
@@ -136,21 +142,25 @@ class LLM:
         the remaining content. split_special_tokens: see Tokenizer.apply_chat_template (None:
         the engine's setting). add_generation_prompt / continue_final_message as in
         `Tokenizer.render_chat` (to continue the last message, pass add_generation_prompt=False
-        too, as in vLLM). Raises InvalidRequestError naming the bad field."""
+        too, as in vLLM). Raises InvalidRequestError naming the bad field (in a batch, under
+        its conversation: "messages[2][0].content"; a too long one is "messages[2]")."""
         # a list of conversations (lists), else one conversation (prepare_chat checks it)
         convs = messages if isinstance(messages, list) and (
             not messages or isinstance(messages[0], list)) else [messages]
         params = _params_list(sampling_params, len(convs), "conversation")
         parser = self.engine.config.tool_call_parser if tool_parser is None else tool_parser
-        chats = [prepare_chat(self.tokenizer, c, tools=tools, tool_choice=tool_choice,
-                              parallel_tool_calls=parallel_tool_calls,
-                              response_format=response_format, tool_parser=parser,
-                              add_generation_prompt=add_generation_prompt,
-                              continue_final_message=continue_final_message,
-                              chat_template=chat_template,
-                              split_special_tokens=split_special_tokens) for c in convs]
-        outs = self.generate([c.prompt_token_ids for c in chats],
-                             [c.sampling_params(sp) for c, sp in zip(chats, params)], use_tqdm=use_tqdm)
+        chats = []
+        for i, c in enumerate(convs):   # in a batch, a bad conversation is named messages[i]
+            with prompt_named(f"messages[{i}]" if len(convs) > 1 else "messages", about="messages"):
+                chats.append(prepare_chat(self.tokenizer, c, tools=tools, tool_choice=tool_choice,
+                                          parallel_tool_calls=parallel_tool_calls,
+                                          response_format=response_format, tool_parser=parser,
+                                          add_generation_prompt=add_generation_prompt,
+                                          continue_final_message=continue_final_message,
+                                          chat_template=chat_template,
+                                          split_special_tokens=split_special_tokens))
+        outs = self._generate([c.prompt_token_ids for c in chats],
+                              [c.sampling_params(sp) for c, sp in zip(chats, params)], use_tqdm, "messages")
         for chat, out in zip(chats, outs):
             for completion in out.outputs:
                 apply_tool_calls(chat.tool_parser, completion)
