@@ -77,10 +77,17 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
             if len(group) > 1:
                 found.append(sorted(group))
 
-    sys.setrecursionlimit(10000)
-    for v in graph:
-        if v not in index:
-            visit(v)
+    # one frame per module on the search path; put the limit back after, as test_layout runs
+    # this inside pytest's process (a limit left at 10,000 let json.loads parse 5,000 nested
+    # brackets in later tests that expect it to refuse them)
+    old_limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(old_limit, 10000))
+    try:
+        for v in graph:
+            if v not in index:
+                visit(v)
+    finally:
+        sys.setrecursionlimit(old_limit)
     return found
 
 
