@@ -68,22 +68,14 @@
 #      alone, with --step-log (a call that can carry a vLLM chunk).
 # (Steps 17-18 of 2026-12-07 timed KV pages head-major, no faster, and were removed:
 # benchmarks/results/h100-2026-12-07.)
-#  17: benchmarks/probe_small_gemm.py: Qwen3-0.6B's decode linears at 2-256 rows, cuBLAS against
-#      Triton tiles and split-K (nothing carried is needed: a call that can carry a vLLM chunk).
-#
-#  18: the probe, then the nano-vllm workload (ferrum alone) A/B/A without / with the table it
-#      wrote (FERRUM_SMALL_GEMM_TABLE, ferrum/ops/gemm_small.py).
-# The next lease (after 2026-12-07b, which got no machine: 11 failed starts and cooldowns,
-# 03:37-05:48 UTC): 18 first (carry .peers/vc/part.00), then 12 carrying .whl_test (.whl without
-# llguidance, which no -m gpu test of step 12 imports: fits beside a chunk), then on an H200 10.
-#
-# The next lease (after h100-2026-12-07b, whose probe timed the host launch and is void: 859cad9
-# times in CUDA graphs): 18 again (carry .peers/vc/part.00), then 12 carrying .whl_test
-# .peers/vc/part.01 (cut off on 12-07b when the machine was taken back), then on an H200 10.
-#
-# The next lease (after h100-2026-12-07): 17 carrying .peers/vc/part.00, 14 carrying .old
-# .peers/vc/part.01 (main's admission against 2d19606), then 12 carrying .whl (the quantized
-# kernel tests) and, on an H200, 10 (the quantized table against vLLM: part.02 and bin).
+# (Steps 17-18 of 2026-12-07b/c timed Qwen3-0.6B's decode linears at 2-256 rows, cuBLAS against a
+# Triton tile GEMM, then the nano-vllm workload with the table of Triton's wins: decode no faster,
+# removed with the kernel: benchmarks/results/h100-2026-12-07c.)
+# The next lease (after h100-2026-12-07c, which ran 18 and 12): on an H200, 10 (the quantized
+# table against vLLM) in three calls that carry one vLLM chunk each (the machine stays warm 30 s):
+# 12 carrying .whl_test .peers/vc/part.00, 13 carrying .whl .peers/vc/part.01 (or .peers/vc/part.01
+# alone when .whl and it do not fit), then 10 carrying .peers/vllm_bench.py .peers/vc/part.02
+# .peers/vc/bin.
 # The lease plan since 3c3d8b1 (no wheels for the benchmarks; .whl + a chunk did not fit one call
 # on 2026-12-06e): 14 carrying .old .peers/vc/part.00, 16 carrying .peers/vc/part.01, 15 carrying
 # .peers/vllm_bench.py .peers/vc/part.02 .peers/vc/bin, then 12 carrying .whl (the tests).
@@ -93,7 +85,7 @@ set -u -o pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-step=${1:?step 1-17}
+step=${1:?step 1-16}
 mkdir -p /tmp/vc
 for p in .peers/vc/part.*; do [[ -f $p ]] && cp "$p" /tmp/vc/; done
 [[ -d .peers/vc/bin ]] && cp -r .peers/vc/bin /tmp/vc/
@@ -238,27 +230,7 @@ tests/test_moe.py tests/test_sliding_window.py" LIMIT_tests=280 bash benchmarks/
             --max-num-batched-tokens 16384 --workload nanovllm --step-log "$OUT/steplog" \
             --out "$OUT/nanovllm_steplog.json" >"$OUT/nanovllm_steplog.log" 2>&1
         ;;
-    17)
-        # the small model's decode linears at 2-256 rows: cuBLAS against Triton tiles and split-K
-        # (h100-2026-12-07: Qwen3-0.6B's GEMMs at 256 rows ran at ~310 TFLOP/s, 12.7% of a step)
-        timeout -k 10 400 python3 benchmarks/probe_small_gemm.py >"$OUT/probe_small_gemm.log" 2>&1
-        ;;
-    18)
-        # the probe (writes $OUT/small_gemm_table.json: the cases Triton won by >= 3%), then the
-        # nano-vllm workload, ferrum alone, without / with that table / without (A/B/A)
-        timeout -k 10 300 python3 benchmarks/probe_small_gemm.py >"$OUT/probe_small_gemm.log" 2>&1
-        # an empty table changes nothing: no A/B/A then
-        grep -q '"config"' "$OUT/small_gemm_table.json" 2>/dev/null || exit 0
-        for v in 0 1 0b; do
-            table=""; [[ $v == 1 ]] && table=$OUT/small_gemm_table.json
-            FERRUM_SMALL_GEMM_TABLE=$table timeout -k 10 110 python3 -m ferrum.entrypoints.cli bench throughput \
-                benchmarks/configs/qwen3-0.6b.json --load-format dummy --dtype bfloat16 --device cuda --max-num-seqs 256 \
-                --max-model-len 4096 --max-num-batched-tokens 16384 --workload nanovllm --out "$OUT/nanovllm_sg$v.json" \
-                >>"$OUT/sg.log" 2>&1
-            grep -h '"output_tok_s"' "$OUT/nanovllm_sg$v.json" | head -1
-        done
-        ;;
-    *) echo "step 1-18" >&2; exit 2 ;;
+    *) echo "step 1-16" >&2; exit 2 ;;
 esac
 # the device tool returns at most 8 files: pack them all when there are more
 # (Triton's cache parts stay out: each is at most 15 MB, the limit of one returned file being 16 MiB)

@@ -644,8 +644,8 @@ def check_fp8_quant_rows(device: str) -> None:
 
 
 def check_gemv(device: str) -> None:
-    """Batch-1 GEMV and the small-row GEMM against F.linear in float64, on unmasked (even) and
-    masked tiles, with and without bias."""
+    """Batch-1 GEMV against F.linear in float64, on unmasked (even) and masked tiles, with and
+    without bias."""
     from ferrum.ops import gemv
     gen = torch.Generator().manual_seed(5)
     for dtype in (torch.bfloat16, torch.float16):
@@ -658,30 +658,6 @@ def check_gemv(device: str) -> None:
             ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
             assert got.shape == (1, N) and got.dtype == dtype
             _assert_close(got, ref, dtype, f"gemv {dtype} N={N} K={K} bias={bias} cfg={cfg}")
-    # the small-row GEMM (ferrum.ops.gemm_small) on ragged M / N / K, split-K 1 and 3 (K tiles
-    # left over per split), with and without bias; dispatch through linear() from a table
-    from ferrum.ops import gemm_small, linear
-    for M, N, K, bias, cfg in ((3, 40, 96, False, (16, 32, 32, 1, 4, 2)), (17, 70, 200, True, (16, 32, 32, 3, 4, 2)),
-                               (5, 64, 64, True, (16, 64, 64, 1, 2, 1))):
-        x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
-        w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(torch.bfloat16)
-        b = torch.randn(N, generator=gen).to(torch.bfloat16) if bias else None
-        got = gemm_small.gemm(x.to(device), w.to(device), None if b is None else b.to(device), cfg)
-        ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
-        assert got.shape == (M, N) and got.dtype == torch.bfloat16
-        _assert_close(got, ref, torch.bfloat16, f"gemm_small M={M} N={N} K={K} bias={bias} cfg={cfg}")
-    x = torch.randn(6, 96, generator=gen).to(torch.bfloat16).to(device)
-    w = (torch.randn(40, 96, generator=gen) / 96 ** 0.5).to(torch.bfloat16).to(device)
-    table = {(40, 96): [(4, (16, 32, 32, 1, 4, 2)), (8, (16, 32, 32, 3, 4, 2))]}
-    assert gemm_small.config_for(x, w, table) == (16, 32, 32, 3, 4, 2)   # the fewest rows >= 6
-    assert gemm_small.config_for(x[:1], w, table) is None and gemm_small.config_for(x, w[:, :64], table) is None
-    assert gemm_small.config_for(torch.cat([x, x]), w, table) is None    # 12 rows: none listed
-    gemm_small._TABLE = table
-    try:
-        _assert_close(linear.linear(x, w), torch.nn.functional.linear(x.double(), w.double()), torch.bfloat16,
-                      "linear through the small-GEMM table")
-    finally:
-        gemm_small._TABLE = None
 
 
 def check_prefill_graph(device: str) -> None:
@@ -955,23 +931,6 @@ def test_decode_attn_config_overrides_the_default_tile():
     finally:
         KERNELS.decode_attn_config = saved
         tb.DECODE_NUM_STAGES = None
-
-
-def test_small_gemm_table_file(tmp_path):
-    """The table probe_small_gemm.py writes loads as {(N, K): [(rows, config)] by rows}; a file
-    of another shape is a ValueError naming it."""
-    import json
-    from ferrum.ops import gemm_small
-    good = tmp_path / "t.json"
-    good.write_text(json.dumps({"gpu": "x", "entries": [
-        {"N": 1024, "K": 2048, "M": 64, "config": [32, 64, 128, 2, 4, 3], "us": 5.0},
-        {"N": 1024, "K": 2048, "M": 16, "config": [16, 64, 128, 4, 4, 3]}]}))
-    assert gemm_small.load_table(str(good)) == {(1024, 2048): [(16, (16, 64, 128, 4, 4, 3)),
-                                                             (64, (32, 64, 128, 2, 4, 3))]}
-    for doc in ({"cases": {}}, {"entries": [{"N": 1, "K": 2, "M": 3, "config": [1, 2]}]}):
-        good.write_text(json.dumps(doc))
-        with pytest.raises(ValueError, match="t.json"):
-            gemm_small.load_table(str(good))
 
 
 def test_sdpa_prefill_gate():

@@ -1,8 +1,7 @@
 """y = x W^T + b: the one place that picks the implementation for every linear layer and the
 LM head. The batch-1 Triton GEMV on CUDA (`ferrum.ops.gemv`: one row, 16-bit; the Gluon one,
-`ferrum.ops.gemv_gluon`, for the shapes its tuning table lists), a Triton tile GEMM for the
-2-256-row cases a measured table lists (`ferrum.ops.gemm_small`, FERRUM_SMALL_GEMM_TABLE), numpy's BLAS on
-CPU for one-token forwards (`ferrum.ops.cpu_blas`: float32, one process), oneDNN on a weight
+`ferrum.ops.gemv_gluon`, for the shapes its tuning table lists), numpy's BLAS on CPU for
+one-token forwards (`ferrum.ops.cpu_blas`: float32, one process), oneDNN on a weight
 packed at load for the other CPU forwards (`ferrum.ops.cpu_packed`, when the layer has one),
 else `F.linear`."""
 from __future__ import annotations
@@ -10,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ferrum.ops import cpu_blas, cpu_packed, gemm_small, gemv, gemv_gluon
+from ferrum.ops import cpu_blas, cpu_packed, gemv, gemv_gluon
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -24,9 +23,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if cfg is not None:  # only shapes where the sweep found it faster (GLUON_GEMV_CONFIGS)
             return gemv_gluon.dense_gemv(x, weight, None, bias, cfg)
         return gemv.gemv(x, weight, bias)
-    cfg = gemm_small.config_for(x, weight)
-    if cfg is not None:  # only where the probe timed it faster than cuBLAS on this GPU
-        return gemm_small.gemm(x, weight, bias, cfg)
     if cpu_blas.can_use(x, weight, single_process):
         return cpu_blas.blas_linear(x, weight, bias)
     if packed is not None and x.dim() == 2:
