@@ -311,7 +311,17 @@ def ctrl_c_in_forward(model, times: int) -> list:
     return model.model.layers[1].register_forward_pre_hook(on_layer1)
 
 
-def test_tp_fault_outside_the_forward_keeps_the_ranks_in_step(folder, reference):
+@pytest.fixture
+def sigint_raises():
+    """Ctrl-C raises KeyboardInterrupt in this process, as in a terminal. A shell that starts
+    pytest in the background (`cmd &`, nohup) leaves SIGINT ignored, and Python then installs
+    no handler: the SIGINTs sent here were lost, and the test failed with "DID NOT RAISE"."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_tp_fault_outside_the_forward_keeps_the_ranks_in_step(folder, reference, sigint_raises):
     """A fault on rank 0 after the forward (sampler, stop checks) fails the step's requests;
     the ranks never left step, so the TP engine goes on and matches TP=1. So does a Ctrl-C
     inside rank 0's forward: it is held until the step ends on every rank (before, it left
