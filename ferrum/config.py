@@ -112,15 +112,11 @@ class ModelConfig:
         """A config.json or GGUF header with a size of 0, below 0 or not a whole number (or
         heads that do not group over the KV heads) is an UnsupportedModelError here, not a
         ZeroDivisionError or a negative tensor size deep in the KV pool or the model."""
-        for name in self._SIZES:
+        dense = not self.moe_layers or not all(self.moe_layers)   # some layer has the dense MLP
+        for name in self._SIZES + (("intermediate_size",) if dense else ()):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            if not _is_whole(v):
                 raise UnsupportedModelError(f"model config: {name} must be a whole number >= 1, got {v!r}")
-        if not self.moe_layers or not all(self.moe_layers):   # some layer has the dense MLP
-            v = self.intermediate_size
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise UnsupportedModelError(f"model config: intermediate_size must be a whole number "
-                                            f">= 1, got {v!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise UnsupportedModelError(
                 f"model config: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
@@ -244,6 +240,16 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn", "longrope")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
+def _is_number(v) -> bool:
+    """An int or float, not a bool (JSON's true would pass isinstance(v, int))."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_whole(v) -> bool:
+    """A whole number >= 1 (a size, a count), not a bool."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
 def _rope_fields(params: dict, arch: str, where: str) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling or None) from one HF `rope_parameters` dict."""
     params = dict(params or {})
@@ -260,7 +266,7 @@ def _rope_fields(params: dict, arch: str, where: str) -> tuple[float, dict | Non
         v = params.get(key)
         if v is None:
             continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+        if not (_is_number(v) and v > 0):
             raise UnsupportedModelError(f"rope {key} ({where}) must be a number > 0, got {v!r}")
     theta = float(params.get("rope_theta", 10000.0))
     if rtype == "default":
@@ -305,7 +311,7 @@ def _family_fields(hf, arch: str) -> dict[str, Any]:
     out["hidden_act"] = act
 
     window = getattr(hf, "sliding_window", None) or None
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+    if window is not None and not _is_whole(window):
         raise UnsupportedModelError(f"model config: sliding_window must be a whole number >= 1 or "
                                     f"null, got {window!r}")
     types = getattr(hf, "layer_types", None)
@@ -543,11 +549,11 @@ def check_positive(cfg, ints: tuple[str, ...] = (), floats: tuple[str, ...] = ()
     from the flag that caused it."""
     for name in ints:
         v = getattr(cfg, name)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+        if v is not None and not _is_whole(v):
             raise ConfigError(f"{name} must be a whole number >= 1, got {v!r}", param=name)
     for name in floats:
         v = getattr(cfg, name)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        if not (_is_number(v) and math.isfinite(v) and v > 0):
             raise ConfigError(f"{name} must be a finite number > 0, got {v!r}", param=name)
 
 

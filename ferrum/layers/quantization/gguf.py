@@ -64,7 +64,7 @@ class GGUFLinearMethod(LinearMethod):
         if not hasattr(lazy, "qtype"):
             raise WeightLoadError("a GGUF-quantized layer can only load tensors from a GGUF file")
         off, start, n = layer.output_shard(shard_id)
-        k_full = layer.in_features * (layer.tp.size if layer.input_sharded else 1)
+        k_full = layer.checkpoint_in_features()
         rows_full = layer.checkpoint_out_features(shard_id)  # all of them: a larger tensor is wrong too
         if len(lazy.shape) != 2 or tuple(lazy.shape) != (rows_full, k_full):
             raise WeightLoadError(f"tensor has shape {tuple(lazy.shape)}, expected ({rows_full}, {k_full}) "
