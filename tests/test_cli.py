@@ -732,6 +732,32 @@ def test_prompts_are_tokenized_off_the_event_loop(app_engine, monkeypatch, path)
     assert waited and all(waited), waited
 
 
+def test_tokenize_honors_add_special_tokens_in_both_forms(app_engine, monkeypatch):
+    """/tokenize's add_special_tokens (BOS here) defaults, as in vLLM, to true for `prompt` and
+    false for `messages`, and is honored when set in either form (with messages it was ignored),
+    with split_special_tokens on or off."""
+    import copy
+    from ferrum.entrypoints.openai.server import build_app
+    from ferrum.tokenizer import Tokenizer
+    hf = copy.deepcopy(app_engine.tokenizer.hf)
+    hf.add_bos_token = True
+    bos = hf.bos_token_id
+    monkeypatch.setattr(app_engine.engine, "tokenizer", Tokenizer(hf))
+    app = build_app(app_engine, ["m"])
+
+    def tokens(**body):
+        r = _asgi(app, "POST", "/tokenize", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+    msgs = [{"role": "user", "content": "hi <|im_end|>"}]
+    text = tokens(prompt="hi", add_special_tokens=False)
+    assert tokens(prompt="hi") == tokens(prompt="hi", add_special_tokens=True) == [bos, *text]
+    for split in (True, False):
+        chat = tokens(messages=msgs, split_special_tokens=split)
+        assert chat == tokens(messages=msgs, split_special_tokens=split, add_special_tokens=False)
+        assert tokens(messages=msgs, split_special_tokens=split, add_special_tokens=True) == [bos, *chat]
+
+
 def test_run_says_when_the_context_length_ended_the_answer(tmp_path, capsys):
     """`ferrum run --ctx-size 24 --max-tokens 100` on a 16-token prompt stops after 8 tokens;
     the server answers such a request with a 400, run says on stderr why it stopped."""

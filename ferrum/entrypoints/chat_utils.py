@@ -473,14 +473,16 @@ def prepare_chat(tokenizer, messages, *, tools=None, tool_choice=None,
                  parallel_tool_calls: bool = PARALLEL_TOOL_CALLS, response_format=None,
                  tool_parser: str = "auto", add_generation_prompt: bool = True,
                  continue_final_message: bool = False, chat_template: str | None = None,
-                 split_special_tokens: bool | None = None) -> ChatPrompt:
+                 split_special_tokens: bool | None = None,
+                 add_special_tokens: bool = False) -> ChatPrompt:
     """OpenAI chat fields -> ChatPrompt (prompt ids, constraint, tool parser).
 
     tokenizer: ferrum Tokenizer (None: InvalidRequestError, chat needs one). tool_parser:
     "auto" (from the chat template, `ferrum.tool_parsers.detect_tool_parser`) or a name in
     `ferrum.tool_parsers.TOOL_PARSERS`. add_generation_prompt / continue_final_message: see
     `Tokenizer.render_chat`. split_special_tokens: see `Tokenizer.apply_chat_template` (None:
-    the tokenizer's setting). Raises InvalidRequestError
+    the tokenizer's setting); add_special_tokens: BOS etc. on top of the template's (see there,
+    default False). Raises InvalidRequestError
     naming the bad field."""
     if tokenizer is None:
         raise _bad("messages", "this model has no tokenizer, so it cannot chat; use "
@@ -506,7 +508,8 @@ def prepare_chat(tokenizer, messages, *, tools=None, tool_choice=None,
     ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
                                         continue_final_message=continue_final_message,
                                         chat_template=chat_template, tools=offered,
-                                        split_special_tokens=split_special_tokens)
+                                        split_special_tokens=split_special_tokens,
+                                        add_special_tokens=add_special_tokens)
     max_calls = None if parallel_tool_calls else 1
     parser, skip = None, None
     if choice == "required":

@@ -174,23 +174,26 @@ class TemplateTextEncoder:
             return [self.protect(v) for v in value]
         return value
 
-    def encode(self, rendering: str) -> list[int]:
-        """Token ids of a rendering of protected values (no BOS / EOS added)."""
+    def encode(self, rendering: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of a rendering of protected values; add_special_tokens adds BOS / EOS
+        etc. as the tokenizer's own encode would (on top of the template's markup)."""
         check_unicode(rendering, "messages")
         if _TYPED not in rendering:   # nothing typed looked like a special token
-            return self.hf.encode(rendering, add_special_tokens=False)
+            return self.hf.encode(rendering, add_special_tokens=add_special_tokens)
         if not hasattr(self.hf, "backend_tokenizer"):  # a slow (Python) tokenizer
-            return self._encode_pieces(rendering)
-        return self._encode_with_copy(rendering)
+            ids = self._encode_pieces(rendering)
+            return self.hf.build_inputs_with_special_tokens(ids) if add_special_tokens else ids
+        return self._encode_with_copy(rendering, add_special_tokens)
 
-    def _encode_with_copy(self, rendering: str) -> list[int]:
+    def _encode_with_copy(self, rendering: str, add_special_tokens: bool = False) -> list[int]:
         copy, to_special = self._tokenizer_copy()
         text = self._rendered.sub(
             lambda m: (self.strings[int(m.group(1))] if m.group(1) is not None
                        else f"{_MARKUP}{self._index[m.group(2)]}{_MARKUP_END}"), rendering)
         # encode_batch, not encode: it lets go of the GIL while it runs (seconds for a long
-        # text), so the server's event loop runs beside a prompt tokenized in a thread
-        ids = copy.encode_batch([text], add_special_tokens=False)[0].ids
+        # text), so the server's event loop runs beside a prompt tokenized in a thread; the
+        # copy keeps the original's post-processor, so add_special_tokens adds the same BOS
+        ids = copy.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return [to_special.get(i, i) for i in ids]
 
     def _encode_pieces(self, rendering: str) -> list[int]:
@@ -327,9 +330,11 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None,
                             split_special_tokens: bool | None = None,
-                            continue_final_message: bool = False, **template_kwargs) -> list[int]:
-        """Token ids of the rendered conversation, without added BOS / EOS (the template writes
-        them when the model wants them).
+                            continue_final_message: bool = False, add_special_tokens: bool = False,
+                            **template_kwargs) -> list[int]:
+        """Token ids of the rendered conversation, by default without added BOS / EOS (the
+        template writes them when the model wants them); add_special_tokens=True adds them on
+        top, as the tokenizer's encode does (vLLM's /tokenize and chat `add_special_tokens`).
 
         split_special_tokens (None: `self.split_special_tokens`, True unless configured):
         True encodes a special-token string inside any string of the conversation (message
@@ -343,11 +348,11 @@ class Tokenizer:
         if not split:
             text = self._render(msgs, add_generation_prompt, chat_template, continue_final_message,
                                 **template_kwargs)
-            return self.encode(text, add_special_tokens=False, param="messages")
+            return self.encode(text, add_special_tokens=add_special_tokens, param="messages")
         guard = self.template_text
         text = self._render(guard.protect(msgs), add_generation_prompt, chat_template,
                             continue_final_message, **guard.protect(template_kwargs))
-        return guard.encode(text)
+        return guard.encode(text, add_special_tokens)
 
     @property
     def token_bytes(self) -> TokenBytes:

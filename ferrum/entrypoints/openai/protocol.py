@@ -290,13 +290,15 @@ class ChatCompletionRequest(_SamplingFields):
 class TokenizeRequest(_Strict):
     """POST /tokenize: `prompt` text (encoded as /v1/completions encodes it: special-token
     strings in it are parsed), or chat `messages` rendered with the chat template (encoded as
-    /v1/chat/completions does, `split_special_tokens` included)."""
+    /v1/chat/completions does, `split_special_tokens` included). add_special_tokens (BOS etc.
+    as the tokenizer adds them) defaults, as in vLLM, to true for `prompt` and to false for
+    `messages`, whose template writes its own; set, it is honored in both forms."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[Any] | None = None
     tools: list[Any] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     split_special_tokens: bool | None = None
     continue_final_message: bool = False

@@ -350,15 +350,17 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | Non
             raise InvalidRequestError("this model has no tokenizer")
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
+        special = body.add_special_tokens   # None: true for a prompt, false for messages (vLLM)
         if body.prompt is not None:
             ids = await asyncio.to_thread(tok.encode, body.prompt,
-                                          add_special_tokens=body.add_special_tokens)
+                                          add_special_tokens=special is not False)
         else:
             ids = (await asyncio.to_thread(
                 prepare_chat, tok, body.messages, tools=body.tools,
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
-                split_special_tokens=body.split_special_tokens)).prompt_token_ids
+                split_special_tokens=body.split_special_tokens,
+                add_special_tokens=special is True)).prompt_token_ids
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
     @app.post("/detokenize")
