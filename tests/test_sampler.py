@@ -352,3 +352,13 @@ def test_batches_past_the_chunk_sample_in_slices_with_the_same_results(monkeypat
     for r, allowed in zip((3, 5, 9), ([7, 8, EOS], [20, 21], [33, 64])):
         assert sliced.token_ids[r].item() in allowed
     assert EOS not in (sliced.token_ids[5].item(), sliced.token_ids[8].item())
+
+
+@pytest.mark.parametrize("big", [V, V + 1, 2**63, 10**30])
+def test_top_k_above_the_vocabulary_keeps_every_token_in_a_batch_with_top_k(big):
+    # vLLM takes a top_k of V or more as no top-k. ferrum put the value itself in the batch's
+    # int64 top_k column once another row used top-k, and 2**63 overflowed it: the step failed
+    # and every request in it with it
+    md = build([SamplingParams(top_k=big), SamplingParams(top_k=2)])
+    probs = sampling_probs(process_logits(torch.stack([LOGITS, LOGITS]), md), md)
+    torch.testing.assert_close(probs, torch.stack([torch.tensor(P), expect({1: 0.40, 3: 0.25})]))

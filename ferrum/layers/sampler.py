@@ -185,7 +185,9 @@ class SamplingMetadata:
             # Sampling options of greedy rows are ignored: they take the argmax anyway.
             metadata.temperature = _column([1.0 if g else p.temperature
                                             for p, g in zip(params, greedy)], torch.float32, device)
-            top_k = [p.top_k if (p.top_k > 0 and not g) else vocab_size
+            # a top_k of V or more keeps every token (as vLLM): V, which also keeps 2**63 out
+            # of the int64 column
+            top_k = [min(p.top_k, vocab_size) if (p.top_k > 0 and not g) else vocab_size
                      for p, g in zip(params, greedy)]
             if any(k < vocab_size for k in top_k):
                 metadata.top_k = _column(top_k, torch.long, device)
