@@ -155,6 +155,28 @@ def test_penalties_numerically():
     torch.testing.assert_close(process_logits(logits, md), want)
 
 
+
+@pytest.mark.parametrize("penalty", [1e-50, 1e-40, 1e40, 1e50])
+def test_extreme_repetition_penalties_keep_logits_finite(penalty):
+    # 1e-50 is 0 in float32 and a seen positive logit / 1e-40 overflows: an inf logit made the
+    # softmax NaN, so the row sampled token 0 and its logprobs were NaN (the server's JSON
+    # then failed: a 500); 1e50 is inf in float32, and a seen logit 0 * inf was NaN
+    logits = torch.tensor([[2.0, 0.0, -1.0, 3.0, -2.0, 1.0]] * 2)
+    md = build([SamplingParams(repetition_penalty=penalty, temperature=1e-4, logprobs=2),
+                SamplingParams(repetition_penalty=penalty, temperature=0.0, logprobs=2)],
+               prompts=[[0, 1, 2]] * 2)
+    processed = process_logits(logits, md)
+    assert torch.isfinite(processed).all()
+    probs = sampling_probs(processed, md)
+    assert torch.isfinite(probs).all()
+    out = Sampler()(logits, md)
+    # a tiny penalty lifts the seen positive logit (token 0) above all; a huge one sinks the
+    # seen ones and leaves the largest unseen (token 3) on top
+    want = 0 if penalty < 1 else 3
+    assert out.token_ids.tolist() == [want, want]
+    assert all(math.isfinite(v) for row in out.logprobs for v in row.values())
+
+
 def test_presence_frequency_ignore_prompt_and_rows_without_penalty():
     logits = torch.zeros(2, V)
     md = build([SamplingParams(frequency_penalty=1.0), SamplingParams()],

@@ -5,7 +5,8 @@ Pipeline, per row (the order of vLLM's v1 sampler):
 1. logit_bias: `logits[t] += bias[t]` (OpenAI `logit_bias`).
 2. repetition penalty (CTRL, Keskar et al. 2019, arXiv:1909.05858 section 4.1): for every token
    seen in the prompt or the output so far, a positive logit is divided by the penalty and a
-   negative one multiplied by it (the sign rule of HF transformers / vLLM).
+   negative one multiplied by it (the sign rule of HF transformers / vLLM); the result is kept
+   within +-1e30, so that an extreme penalty (1e-50, 1e50) leaves every logit finite.
 3. presence / frequency penalties (OpenAI API reference, "Parameter details" of the text
    generation guide): `logits[t] -= presence * (count[t] > 0) + frequency * count[t]`, where
    `count` counts the *output* tokens only.
@@ -53,6 +54,12 @@ from ferrum.sampling_params import SamplingParams
 SAMPLE_CHUNK_ROWS = 64
 
 _NEG_INF = float("-inf")
+
+# The bound of a repetition-penalised logit. A penalty near 0 (1e-40; 1e-50 is 0 in float32)
+# overflows a seen logit to inf, and an inf logit makes the softmax NaN; 1e30 stays finite
+# divided by the smallest sampled temperature (1e-5), below float32's 3.4e38.
+_MAX_PENALISED_LOGIT = 1e30
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def validate_token_ids(params: SamplingParams, vocab_size: int) -> None:
@@ -199,7 +206,8 @@ class SamplingMetadata:
                 metadata.min_p = _column(min_p, torch.float32, device)
 
         if any(p.repetition_penalty != 1.0 for p in params):
-            metadata.repetition_penalty = _column([p.repetition_penalty for p in params],
+            # at most float32's max: a penalty of 1e50 would be inf, and a seen logit 0 * inf NaN
+            metadata.repetition_penalty = _column([min(p.repetition_penalty, _FLOAT32_MAX) for p in params],
                                                   torch.float32, device)
             metadata.seen = _counts([pr + out if p.repetition_penalty != 1.0 else []
                                      for p, pr, out in zip(params, prompt_ids, output_ids)],
@@ -313,6 +321,7 @@ def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
     if metadata.repetition_penalty is not None:
         penalised = torch.where(logits > 0, logits / metadata.repetition_penalty,
                                 logits * metadata.repetition_penalty)
+        penalised.clamp_(-_MAX_PENALISED_LOGIT, _MAX_PENALISED_LOGIT)
         logits = torch.where(metadata.seen, penalised, logits)
     if metadata.output_counts is not None:
         logits -= (metadata.frequency_penalty * metadata.output_counts
