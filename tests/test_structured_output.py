@@ -125,6 +125,25 @@ def test_json_object_choice_regex_and_grammars(llm):
             assert c.token_ids[-1] not in llm.engine.eos_token_ids
 
 
+def test_min_tokens_yields_to_a_grammar_that_allows_only_stop_tokens(llm):
+    """min_tokens masked every token such a grammar allowed (its EOS, or a stop_token_ids
+    token the regex forces), so the row had nothing left: a NaN softmax sampled token 0, the
+    grammar rejected it and the request failed (the server's 500). The grammar wins, as its
+    completion already stops a sequence under min_tokens."""
+    a = llm.engine.tokenizer.encode("a")
+    assert len(a) == 1
+    # "a": under min_tokens the stop token is text, and the complete grammar ends the output
+    cases = [({"grammar": "start: "}, [], ""), ({"regex": "a"}, a, "a")]
+    cases = [(t, *case) for t in (0.0, 1.0) for case in cases]   # greedy and sampled rows
+    params = [SamplingParams(temperature=t, seed=1, max_tokens=5, min_tokens=3, logprobs=2,
+                             stop_token_ids=stop, structured_outputs=so) for t, so, stop, _ in cases]
+    outs = llm.generate(["Go"] * len(cases), params, use_tqdm=False)
+    for (t, so, _, text), out in zip(cases, outs):
+        c = out.outputs[0]
+        assert (c.finish_reason, c.text, out.error) == ("stop", text, None), (t, so)
+        assert len(c.token_ids) == 1 and c.logprobs[0][c.token_ids[0]] == 0.0
+
+
 def test_special_token_strings_in_a_constraint_are_text(llm):
     """Before: a constraint that forces the text "<|im_end|>" made llguidance allow the special
     token <|im_end|> (its encoder parsed the forced string), which its matcher then rejected:

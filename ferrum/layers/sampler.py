@@ -12,7 +12,8 @@ Pipeline, per row (the order of vLLM's v1 sampler):
    `count` counts the *output* tokens only.
 4. min_tokens: while `len(output) < min_tokens`, every token that would stop the sequence (the
    EOS ids unless `ignore_eos`, and `stop_token_ids`) gets -inf. With `ignore_eos` the EOS
-   does not stop, so it is not masked (as in vLLM).
+   does not stop, so it is not masked (as in vLLM). Not on a row whose grammar (5) allows only
+   tokens it masks: the grammar wins, as its completion stops a sequence under min_tokens.
 5. structured outputs: rows under a grammar get -inf on every token their bitmask does not
    allow (the bitmask comes from `ferrum.structured_output`; one gather + index_add covers all
    of them, see `bitmask_bias`).
@@ -326,11 +327,20 @@ def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
     if metadata.output_counts is not None:
         logits -= (metadata.frequency_penalty * metadata.output_counts
                    + metadata.presence_penalty * (metadata.output_counts > 0))
+    # min_tokens yields to a grammar that allows only tokens it masks (EOS where the grammar
+    # ends, a stop token the grammar forces), as it yields to a grammar's completion (the
+    # engine stops such a sequence): masking them all left the row nothing to sample (NaN)
+    unmasked = None
     if metadata.min_tokens_rows is not None:
+        if metadata.grammar_rows is not None:
+            unmasked = logits.clone()
         logits[metadata.min_tokens_rows, metadata.min_tokens_cols] = float("-inf")
     if metadata.grammar_rows is not None:
-        logits.index_add_(0, metadata.grammar_rows,
-                          bitmask_bias(metadata.grammar_bitmask, metadata.vocab_size))
+        grammar = bitmask_bias(metadata.grammar_bitmask, metadata.vocab_size)
+        logits.index_add_(0, metadata.grammar_rows, grammar)
+        if unmasked is not None:
+            unmasked.index_add_(0, metadata.grammar_rows, grammar)
+            logits = torch.where(torch.isneginf(logits).all(-1, keepdim=True), unmasked, logits)
     return logits
 
 
