@@ -102,7 +102,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
     # The engine's context limit, set by the model runner (None: max_position_embeddings);
-    # LongRoPE picks its long or short factors by it.
+    # LongRoPE picks its long or short factors by it, and the RoPE tables have that many rows.
     max_model_len: int | None = None
 
     _SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",

@@ -242,3 +242,41 @@ def test_phi3_longrope_matches_hf(tmp_path_factory, max_model_len, lens):
         diff = (logits[i] - ref).abs().max().item()
         assert diff < ATOL, f"max_model_len={max_model_len} prompt {len(p)}: max abs diff {diff:.3e}"
         assert toks[i] == ref.argmax(-1).tolist()
+
+
+def test_rope_tables_have_one_row_per_usable_position(tmp_path):
+    """The RoPE cos/sin tables have max_model_len rows, not max_position_embeddings: a config
+    that claims 10**12 positions (the table was 10**12 rows: an 8 TB allocation) loads at
+    max_model_len 96 and gives exactly the logits of the same (dummy, seeded) weights under a
+    512-position config."""
+    import json
+    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128,
+          "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "eos_token_id": 1}
+    prompts = _prompts(15)[:2]   # 37 and 5 tokens, + 20 decode steps
+    runs = []
+    for max_pos in (512, 10**12):
+        path = tmp_path / f"{max_pos}.json"
+        path.write_text(json.dumps({**hf, "max_position_embeddings": max_pos}))
+        cfg = EngineConfig.from_kwargs(model=f"dummy:{path}", dtype="float32", device="cpu",
+                                       max_model_len=96, num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+        ex = SingleDeviceExecutor(resolve_model(cfg.model), cfg, progress=False)
+        assert ex.runner.model.model.layers[0].self_attn.rotary_emb.cos.shape == (96, 8)
+        runs.append(_run_executor(ex, prompts, DECODE_STEPS, None, seed=15))
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]
+
+
+@pytest.mark.parametrize("rope_scaling", [
+    LLAMA3_ROPE, {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "yarn", "original_max_position_embeddings": 64},   # factor: 4096 / 64
+    {"rope_type": "longrope", "original_max_position_embeddings": 64, "short_factor": [1.0] * 8,
+     "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 8.0, 12.0, 16.0]}], ids=lambda rs: rs["rope_type"])
+def test_rope_tables_for_max_model_len_keep_the_scaling_of_the_config(rope_scaling):
+    """A table sized to max_model_len is the first rows of the max_position_embeddings one:
+    the scalings still read the config's values (YaRN's factor from max_position_embeddings,
+    LongRoPE's attention factor), not max_model_len."""
+    from ferrum.layers.rotary_embedding import RotaryEmbedding
+    full = RotaryEmbedding(16, 4096, 10000.0, rope_scaling)
+    short = RotaryEmbedding(16, 4096, 10000.0, rope_scaling, max_model_len=100)
+    assert short.cos.shape == short.sin.shape == (100, 8)
+    assert torch.equal(short.cos, full.cos[:100]) and torch.equal(short.sin, full.sin[:100])

@@ -108,17 +108,22 @@ def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None = None,
 
 
 class RotaryEmbedding(nn.Module):
-    """cos / sin tables [max_position, head_dim / 2] float32 for positions 0..max_position-1,
-    for one RoPE variant (`rope_inv_freq`; scaled by its attention factor), computed in
-    float64; one instance is shared by all layers of a model that use that variant."""
+    """cos / sin tables [N, head_dim / 2] float32 for positions 0..N-1, for one RoPE variant
+    (`rope_inv_freq`; scaled by its attention factor), computed in float64; one instance is
+    shared by all layers of a model that use that variant.
+
+    max_position: the config's max_position_embeddings, which the scaling formulas read;
+    max_model_len: the engine's context limit. N is max_model_len (the positions the engine
+    can use; no more than max_position), else max_position: a 1M-context config served at 4k
+    positions keeps 4k rows, not 0.5 GB of them."""
 
     def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None,
                  max_model_len: int | None = None):
         super().__init__()
         freq, attn = rope_inv_freq(head_dim, base, rope_scaling, max_position, max_model_len)
-        t = torch.arange(max_position, dtype=torch.float64)
+        t = torch.arange(min(max_model_len or max_position, max_position), dtype=torch.float64)
         freqs = torch.outer(t, freq)
-        # [max_position, head_dim/2] each; kept in float32 so bf16 models rotate accurately.
+        # [N, head_dim/2] each; kept in float32 so bf16 models rotate accurately.
         self.register_buffer("cos", (freqs.cos() * attn).float(), persistent=False)
         self.register_buffer("sin", (freqs.sin() * attn).float(), persistent=False)
 

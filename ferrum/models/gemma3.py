@@ -80,7 +80,7 @@ class Gemma3Model(nn.Module):
         global_rope = RotaryEmbedding(*common, cfg.rope_theta, cfg.rope_scaling, cfg.max_model_len)
         local_rope = global_rope
         if cfg.layer_types is not None and cfg.rope_local_theta != cfg.rope_theta:
-            local_rope = RotaryEmbedding(*common, cfg.rope_local_theta)
+            local_rope = RotaryEmbedding(*common, cfg.rope_local_theta, max_model_len=cfg.max_model_len)
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(cfg, local_rope if cfg.is_sliding(i) else global_rope, i, quant_config)
             for i in range(cfg.num_hidden_layers))
