@@ -783,5 +783,6 @@ def test_run_stats_line_of_one_token_has_no_decode_rate(tmp_path, capsys):
             stream(llm.engine, [3, 4, 5], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
                    out=io.StringIO())
             err = capsys.readouterr().err
-            assert f"[{max_tokens} tokens in" in err and "TTFT" in err and "nan" not in err
+            assert f"[{max_tokens} token{'s' if max_tokens > 1 else ''} in" in err   # not "[1 tokens"
+            assert "TTFT" in err and "nan" not in err
             assert ("decode" in err) == (max_tokens > 1)

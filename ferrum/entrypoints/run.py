@@ -52,6 +52,11 @@ def sigint_flag():
         signal.signal(signal.SIGINT, previous)
 
 
+def _tokens(n: int) -> str:
+    """'1 token', '3 tokens'."""
+    return f"{n} token{'' if n == 1 else 's'}"
+
+
 def stream(engine, prompt_ids: list[int], params: SamplingParams, out=None,
            stats: bool = True) -> tuple[str, bool]:
     """Generate and write the text to `out` (default stdout) as it comes. Returns (text,
@@ -86,7 +91,7 @@ def stream(engine, prompt_ids: list[int], params: SamplingParams, out=None,
     out.write("\n")
     out.flush()
     if error is not None:
-        raise RequestFailedError(f"the request failed in the engine after {n} tokens "
+        raise RequestFailedError(f"the request failed in the engine after {_tokens(n)} "
                                  f"(the text above is incomplete): {error}")
     # a "length" stop before max_tokens is the context's end: say so (the server's 400 cannot here)
     ctx_end = reason == "length" and (params.max_tokens is None or n < params.max_tokens)
@@ -95,7 +100,7 @@ def stream(engine, prompt_ids: list[int], params: SamplingParams, out=None,
     if stats and n:
         # one token has no decode step to time: no rate then (it printed "decode nan tokens/s")
         decode = f", decode {(n - 1) / (t1 - first):.1f} tokens/s" if n > 1 and t1 > first else ""
-        print(f"[{n} tokens in {t1 - t0:.2f} s; TTFT {1000 * (first - t0):.0f} ms"
+        print(f"[{_tokens(n)} in {t1 - t0:.2f} s; TTFT {1000 * (first - t0):.0f} ms"
               f"{decode}{'; interrupted' if interrupted else ''}]", file=sys.stderr)
     return text, interrupted
 
