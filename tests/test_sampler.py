@@ -55,6 +55,9 @@ def test_top_p_keeps_smallest_prefix_reaching_p():
     torch.testing.assert_close(probs_for(top_p=0.7), expect({1: 0.40, 3: 0.25, 0: 0.15}))
     # top_p below the top token's mass keeps the top token alone.
     torch.testing.assert_close(probs_for(top_p=0.1), expect({1: 1.0}))
+    # also one that is 0 in float32 (it dropped every token: NaN, token 0 sampled)
+    torch.testing.assert_close(probs_for(top_p=1e-50), expect({1: 1.0}))
+    torch.testing.assert_close(probs_for(top_p=1e-50, top_k=3), expect({1: 1.0}))
 
 
 def test_top_k_then_top_p_on_renormalised_probs():

@@ -364,6 +364,9 @@ def sampling_probs(processed: torch.Tensor, metadata: SamplingMetadata) -> torch
             # less than top_p, which keeps the smallest prefix reaching top_p (and rank 0).
             mass_before = sorted_probs.cumsum(-1) - sorted_probs
             drop |= mass_before >= metadata.top_p
+            # the top token stays whatever top_p is (vLLM keeps it so too): a top_p below
+            # float32's least (1e-50 is 0 there) dropped it, and a row of no token sampled NaN
+            drop[:, 0] = False
         logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = logits.softmax(-1)
     if metadata.min_p is not None:
