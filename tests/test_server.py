@@ -158,6 +158,29 @@ def test_stop_strings_cut_the_text(client):
     assert streamed[-1].choices[0].finish_reason == "stop"
 
 
+def test_stop_reason_names_the_stop_in_every_choice(client):
+    """As in vLLM, completion and chat choices, whole and streamed, carry stop_reason: the stop
+    string or stop token id that ended the choice, null for anything else (here max_tokens)
+    and on every chunk before the last. Completions had no stop_reason at all."""
+    kw = dict(model=MODEL, temperature=0, max_tokens=8)
+    ids = {"logprobs": True, "extra_body": {"ignore_eos": True, "return_tokens_as_token_ids": True}}
+    for create, prompt, text_of, tokens_of in [
+            (client.completions.create, {"prompt": PROMPT}, lambda ch: ch.text,
+             lambda ch: ch.logprobs.tokens),
+            (client.chat.completions.create, {"messages": [{"role": "user", "content": "stop reason"}]},
+             lambda ch: ch.message.content, lambda ch: [t.token for t in ch.logprobs.content])]:
+        full = create(**prompt, **kw, **{**ids, "logprobs": 0 if "prompt" in prompt else True}).choices[0]
+        assert full.finish_reason == "length" and full.stop_reason is None
+        stop, stop_id = text_of(full)[4:7], int(tokens_of(full)[3].removeprefix("token_id:"))
+        r = create(**prompt, **kw, stop=[stop], extra_body={"ignore_eos": True}).choices[0]
+        assert (r.finish_reason, r.stop_reason) == ("stop", stop)
+        r = create(**prompt, **kw, extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]}).choices[0]
+        assert (r.finish_reason, r.stop_reason) == ("stop", stop_id)
+        chunks = list(create(**prompt, **kw, stop=stop, stream=True, extra_body={"ignore_eos": True}))
+        assert [c.choices[0].stop_reason for c in chunks] == [None] * (len(chunks) - 1) + [stop]
+        assert chunks[-1].choices[0].finish_reason == "stop"
+
+
 def test_n2_and_seed_reproducibility(client):
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, n=2,
               extra_body={"ignore_eos": True})

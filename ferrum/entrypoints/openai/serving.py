@@ -291,9 +291,9 @@ class OpenAIServing:
         choices, ntok = [], 0
         for i, (p, out) in enumerate(zip(prompts, finals)):
             for c in out.outputs:
-                ids, text, reason = c.token_ids, c.text, c.finish_reason
+                ids, text, reason, stop = c.token_ids, c.text, c.finish_reason, c.stop_reason
                 if req.echo_only:  # the one token generated is not part of the answer
-                    ids, text, reason = [], "", "length"
+                    ids, text, reason, stop = [], "", "length", None
                 ntok += len(ids)
                 prefix = (p.text or "") if req.echo else ""
                 lp = None
@@ -306,7 +306,7 @@ class OpenAIServing:
                         echoed = self._echo_logprobs(p, out, req.return_tokens_as_token_ids)
                         lp = {k: echoed[k] + lp[k] for k in lp}
                 choices.append({"index": i * req.n + c.index, "text": prefix + text,
-                                "logprobs": lp, "finish_reason": reason})
+                                "logprobs": lp, "finish_reason": reason, "stop_reason": stop})
         choices.sort(key=lambda c: c["index"])
         return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
                              "model": model, "system_fingerprint": self.system_fingerprint,
@@ -325,11 +325,12 @@ class OpenAIServing:
 
         usage = {"usage": None} if req.include_usage else {}   # OpenAI: null on all but the last chunk
 
-        def chunk(index, text, logprobs=None, finish_reason=None):
+        def chunk(index, text, logprobs=None, finish_reason=None, stop_reason=None):
             return _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                          "system_fingerprint": fingerprint,
                          "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                      "finish_reason": finish_reason}], **usage})
+                                      "finish_reason": finish_reason, "stop_reason": stop_reason}],
+                         **usage})
 
         n = req.n
         sent_tokens: dict[int, int] = {}     # choice index -> tokens already streamed
@@ -375,7 +376,7 @@ class OpenAIServing:
                 if c.finished:
                     finished.add(idx)
                     ntok += len(c.token_ids)
-                yield chunk(idx, c.delta_text, lp, c.finish_reason)
+                yield chunk(idx, c.delta_text, lp, c.finish_reason, c.stop_reason)
         if req.include_usage:
             yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                         "system_fingerprint": fingerprint, "choices": [],
@@ -408,6 +409,7 @@ class OpenAIServing:
                 media_type="text/event-stream")
         (out,) = await self._collect(streams, t0, raw)
         choices = [{"index": c.index, **chat_message(chat.tool_parser, c.text, c.finish_reason),
+                    "stop_reason": c.stop_reason,
                     "logprobs": (chat_logprobs(
                         self.fmt, c.token_ids, c.logprobs or [],
                         token_texts(c.text, c.token_text_ends, 0, len(c.token_ids)), top_n,
@@ -426,11 +428,12 @@ class OpenAIServing:
 
         usage = {"usage": None} if req.include_usage else {}   # OpenAI: null on all but the last chunk
 
-        def chunk(index, delta, logprobs=None, finish_reason=None):
+        def chunk(index, delta, logprobs=None, finish_reason=None, stop_reason=None):
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                          "model": model, "system_fingerprint": fingerprint,
                          "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                      "finish_reason": finish_reason}], **usage})
+                                      "finish_reason": finish_reason, "stop_reason": stop_reason}],
+                         **usage})
 
         for j in range(req.n):  # the role comes first, as OpenAI sends it
             yield chunk(j, {"role": "assistant", "content": ""})
@@ -472,7 +475,7 @@ class OpenAIServing:
                     delta["tool_calls"] = calls
                 if not delta and not c.finished and lp is None:
                     continue
-                yield chunk(c.index, delta, lp, finish_reason)
+                yield chunk(c.index, delta, lp, finish_reason, c.stop_reason)
         if req.include_usage:
             yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                         "model": model, "system_fingerprint": fingerprint, "choices": [],
