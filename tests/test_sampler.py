@@ -86,6 +86,15 @@ def test_tiny_temperature_is_greedy():
     assert Sampler()(LOGITS[None], md).token_ids.tolist() == [1]
 
 
+
+def test_a_temperature_beyond_float32_flattens_and_keeps_masks():
+    # 1e39 is inf in float32, and a masked logit (-inf, here EOS under min_tokens) / inf was
+    # NaN: the softmax of the row was NaN and it sampled token 0 whatever the mask said
+    md = build([SamplingParams(temperature=1e39, min_tokens=1)], outputs=[[]])
+    torch.testing.assert_close(sampling_probs(process_logits(LOGITS[None], md), md)[0],
+                               expect({t: 1.0 for t in range(V) if t != EOS}))
+
+
 def test_mixed_batch_greedy_rows_ignore_sampling_options():
     params = [SamplingParams(temperature=0.0, top_k=3), SamplingParams(top_k=1)]
     logits = torch.stack([LOGITS, LOGITS.flip(0)])

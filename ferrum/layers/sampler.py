@@ -191,7 +191,8 @@ class SamplingMetadata:
 
         if not metadata.all_greedy:
             # Sampling options of greedy rows are ignored: they take the argmax anyway.
-            metadata.temperature = _column([1.0 if g else p.temperature
+            # at most float32's max: 1e39 would be inf there, and a masked logit -inf / inf NaN
+            metadata.temperature = _column([1.0 if g else min(p.temperature, _FLOAT32_MAX)
                                             for p, g in zip(params, greedy)], torch.float32, device)
             # a top_k of V or more keeps every token (as vLLM): V, which also keeps 2**63 out
             # of the int64 column
