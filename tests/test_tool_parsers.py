@@ -171,3 +171,37 @@ def test_detect_from_chat_template():
     assert tool_parser_class("auto", "[TOOL_CALLS]") is MistralToolParser
     with pytest.raises(Exception, match="unknown tool-call parser"):
         tool_parser_class("nope")
+
+
+@pytest.mark.parametrize("case", range(len(MALFORMED)))
+def test_streamed_finish_reason_of_malformed_output_is_the_non_streamed_one(case):
+    """A call that breaks off after its first deltas went out (a stop string or EOS inside its
+    JSON): the stream cannot take the deltas back, but its finish_reason is the non-streamed
+    answer's ("stop": the output is content), not "tool_calls" (it was, once any call was sent)."""
+    parser, text = MALFORMED[case]
+    streamer = ToolCallStreamer(parser)
+    for i in range(0, len(text), 3):
+        streamer.feed(text[i:i + 3])
+    streamer.finish()
+    assert not streamer.calls_found
+    assert parser.finish_reason("stop", streamer.calls_found) == "stop"
+
+
+def test_a_call_sent_then_broken_off_still_ends_with_stop():
+    # the case the rule above is for: deltas of call "a" were sent before the output broke
+    parser = Llama3JsonToolParser()
+    streamer = ToolCallStreamer(parser)
+    _, deltas = streamer.feed('{"name": "a", "parameters": {"x": 1')
+    assert deltas and streamer.called
+    streamer.finish()
+    assert not streamer.calls_found
+    assert parser.finish_reason("stop", streamer.calls_found) == "stop"
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_streamed_calls_found_when_the_output_holds_calls(case):
+    parser, text, _, calls = CASES[case]
+    streamer = ToolCallStreamer(parser)
+    streamer.feed(text)
+    streamer.finish()
+    assert streamer.calls_found == bool(calls)

@@ -208,11 +208,12 @@ class ToolCallStreamer:
     is {"index", "id", "type", "function": {"name", "arguments": what is known}} when a call's
     name is known, then {"index", "function": {"arguments": fragment}} as its arguments grow;
     one entry per call index in a delta (OpenAI's form: clients read delta.tool_calls[i] as call
-    i). `called` tells whether any call was sent
-    (finish_reason "tool_calls"). If the output turns out malformed after a call was sent, the
-    rest is sent as content (the stream then differs from the non-streamed answer, which is all
-    content); an enforced call that the token limit cut off is streamed as far as it got, as
-    the non-streamed answer gives it.
+    i). `called` tells whether any call was sent; `calls_found`, after the final feed, whether
+    the whole output holds calls (`extract`'s answer, which decides the finish_reason "tool_calls"
+    streamed or not). If the output turns out malformed after a call was sent, the rest is sent
+    as content (the stream then differs from the non-streamed answer, which is all content, but
+    its finish_reason is the same); an enforced call that the token limit cut off is streamed as
+    far as it got, as the non-streamed answer gives it.
     """
 
     def __init__(self, parser: ToolParser):
@@ -221,6 +222,7 @@ class ToolCallStreamer:
         self.content_sent = 0
         self.sent: list[list] = []      # per call: [id, arguments chars sent]
         self.called = False
+        self.calls_found = False
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict]]:
         self.text += delta
@@ -233,6 +235,7 @@ class ToolCallStreamer:
 
     def finish(self) -> tuple[str, list[dict]]:
         content, calls = self.parser.extract(self.text)
+        self.calls_found = bool(calls)
         parts = [PartialCall(c.name, c.arguments, True) for c in calls]
         return self._content(content or ""), self._calls(parts)
 

@@ -466,7 +466,10 @@ class OpenAIServing:
                 if streamer is not None:
                     content, calls = streamer.feed(c.delta_text, final=c.finished)
                     if c.finished:
-                        finish_reason = tool_parser.finish_reason(finish_reason, streamer.called)
+                        # as the non-streamed answer (chat_message): "tool_calls" only when the
+                        # whole output holds calls, not for a call that broke off after its
+                        # first deltas were sent (a stop string or EOS inside its JSON)
+                        finish_reason = tool_parser.finish_reason(finish_reason, streamer.calls_found)
                 if c.finished:
                     finished.add(c.index)
                     ntok += len(c.token_ids)
