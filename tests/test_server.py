@@ -1135,6 +1135,74 @@ def test_echo_max_tokens_zero_scores_the_prompt(client, tok):
     assert streamed[0] is None and streamed[1:] == pytest.approx(c.logprobs.token_logprobs[1:], abs=1e-5)
 
 
+def _check_prompt_logprobs(got: list, ids: list[int], ref: list, n: int, tok) -> None:
+    """vLLM's prompt_logprobs: one entry per prompt token, null first, then {str(id): {logprob,
+    rank, decoded_token}} holding the top n (ranks 1..n) and the prompt token with its rank,
+    equal to the offline engine's `ref` (computed with the same n)."""
+    assert len(got) == len(ids) == len(ref) and got[0] is None
+    for i in range(1, len(ids)):
+        entry = got[i]
+        assert str(ids[i]) in entry                      # the prompt token, wherever it ranks
+        assert entry == {str(k): {"logprob": pytest.approx(float(v), abs=1e-5), "rank": v.rank,
+                                  "decoded_token": _token_text(tok, k)} for k, v in ref[i].items()}
+        assert sorted(e["rank"] for k, e in entry.items() if k != str(ids[i]) or e["rank"] <= n) \
+            == list(range(1, n + 1))
+
+
+def test_prompt_logprobs_equal_offline_and_n_choices_share_them(server, client, offline, tok):
+    """`prompt_logprobs: N` (vLLM): completions put them on each choice (the n samples of a
+    prompt share them), chat on the response, as vLLM does; values, ranks and decoded tokens
+    equal LLM.generate's prompt_logprobs. With echo + logprobs the echoed top_logprobs keep
+    their own (smaller) top-N."""
+    from ferrum import SamplingParams
+    ids = tok.encode(PROMPT)
+    ref = offline.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=3), use_tqdm=False)[0]
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "n": 2, "prompt_logprobs": 3}
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    a, b = r.json()["choices"]
+    _check_prompt_logprobs(a["prompt_logprobs"], ids, ref.prompt_logprobs, 3, tok)
+    assert b["prompt_logprobs"] == a["prompt_logprobs"]
+    # 0: the prompt token alone; through the openai client's extra_body
+    zero = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1,
+                                     extra_body={"prompt_logprobs": 0}).choices[0].prompt_logprobs
+    assert zero[0] is None and [list(e) for e in zero[1:]] == [[str(t)] for t in ids[1:]]
+    assert [e[str(t)]["logprob"] for e, t in zip(zero[1:], ids[1:])] == pytest.approx(
+        [ref.prompt_logprobs[i][t] for i, t in enumerate(ids) if i], abs=1e-5)
+    # echo + logprobs 1 share the engine request: the echo keeps top-1 (+ the token itself)
+    echo = _post(server, "/v1/completions", {**body, "n": 1, "echo": True, "logprobs": 1}).json()["choices"][0]
+    assert echo["prompt_logprobs"] == a["prompt_logprobs"]
+    assert all(len(top) <= 2 for top in echo["logprobs"]["top_logprobs"][1:len(ids)])
+    unasked = {k: v for k, v in body.items() if k != "prompt_logprobs"}
+    assert _post(server, "/v1/completions", unasked).json()["choices"][0]["prompt_logprobs"] is None
+    # chat: on the response, for the templated prompt
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    chat_ids = tok.apply_chat_template(msgs, add_generation_prompt=True)
+    cref = offline.generate([chat_ids], SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+    c = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 1, "n": 2,
+                                              "prompt_logprobs": 2}).json()
+    _check_prompt_logprobs(c["prompt_logprobs"], chat_ids, cref.prompt_logprobs, 2, tok)
+    assert all("prompt_logprobs" not in ch for ch in c["choices"])
+    plain = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 1}).json()
+    assert plain["prompt_logprobs"] is None
+
+
+def test_prompt_logprobs_bad_values_are_400s_and_the_server_serves_on(server, client):
+    """Out of [0, 20] (vLLM's default max_logprobs; its -1, the whole vocabulary, is not
+    served), not an integer, or with stream: true (vLLM refuses that too): a 400 naming
+    prompt_logprobs, on both endpoints."""
+    ok = {"completions": {"model": MODEL, "prompt": "hi", "max_tokens": 1},
+          "chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}}
+    for path, body in ok.items():
+        for value, stream, said in [(21, False, "[0, 20]"), (-1, False, "[0, 20]"), ("2", False, "integer"),
+                                    (2.0, False, "integer"), (2, True, "stream"), (0, True, "stream")]:
+            e = _err(_post(server, f"/v1/{path}", {**body, "prompt_logprobs": value, "stream": stream}), 400)
+            assert e["param"] == "prompt_logprobs" and said in e["message"], (path, value, e)
+        assert _post(server, f"/v1/{path}", {**body, "prompt_logprobs": None}).status_code == 200
+    r = client.completions.create(model=MODEL, prompt="hi there", max_tokens=1, extra_body={"prompt_logprobs": 20})
+    assert len(r.choices[0].prompt_logprobs[1]) in (20, 21)
+
+
 def test_model_retrieve(server, client):
     m = client.models.retrieve(MODEL)
     assert m.id == MODEL and m.object == "model" and m.owned_by == "ferrum"

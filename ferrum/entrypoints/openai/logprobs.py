@@ -5,6 +5,8 @@ the chosen one (ferrum.layers.sampler), and the text each token added to the ans
 (`CompletionOutput.token_text_ends`). Completions want
 `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}` (legacy API); chat wants
 `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}`.
+vLLM's `prompt_logprobs` are the engine's prompt logprobs in vLLM's JSON form: per prompt token
+(null for the first) `{"<token id>": {"logprob", "rank", "decoded_token"}}`.
 
 A chosen token is shown as the text it added, so the tokens join to exactly the returned text:
 a stop or EOS token (not in the text) is "", a token cut by a stop string keeps what is left,
@@ -117,6 +119,27 @@ def completion_logprobs(fmt: TokenFormatter, token_ids: list[int], logprobs: lis
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def top_n(entries: list[dict | None], token_ids: list[int], n: int) -> list[dict | None]:
+    """Each position's logprobs dict cut to its top `n` (ranks 1..n) and its own token: prompt
+    logprobs computed for a larger N (echo's `logprobs` and `prompt_logprobs` share one engine
+    request, which takes the larger) as they would be for N = n."""
+    return [None if lp is None else {k: v for k, v in lp.items() if k == tid or v.rank <= n}
+            for tid, lp in zip(token_ids, entries)]
+
+
+def prompt_logprobs_json(fmt: TokenFormatter, token_ids: list[int], entries: list[dict | None],
+                         n: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` for a prompt: per token null (the first) or {str(token id):
+    {"logprob", "rank", "decoded_token"}} of the top `n` and the prompt token itself (rank: its
+    place in the vocabulary, 1 = most likely; decoded_token: the token decoded alone, null
+    without a tokenizer)."""
+    def one(k, v):
+        return {"logprob": _finite(v), "rank": v.rank,
+                "decoded_token": fmt.text(k) if fmt.tok is not None else None}
+    return [None if lp is None else {str(k): one(k, v) for k, v in lp.items()}
+            for lp in top_n(entries, token_ids, n)]
 
 
 def prompt_token_texts(tokenizer, token_ids: list[int]) -> list[str] | None:

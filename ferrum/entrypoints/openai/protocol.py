@@ -16,10 +16,12 @@ them), which names the field's path.
 
 Field semantics follow the OpenAI API reference (completions, chat completions); the extra
 sampling fields `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`,
-`min_tokens`, `include_stop_str_in_output`, `skip_special_tokens` follow vLLM, and so do the
-structured-output fields: `structured_outputs` (vLLM's current name: {"json" | "regex" |
-"choice" | "grammar" | "json_object": ...}) and the older `guided_json`, `guided_regex`,
-`guided_choice`, `guided_grammar`, accepted as aliases (one constraint per request).
+`min_tokens`, `include_stop_str_in_output`, `skip_special_tokens` follow vLLM, as does
+`prompt_logprobs` (top-N, 0..20, per prompt token; not with `stream`, which vLLM refuses too),
+and so do the structured-output fields: `structured_outputs` (vLLM's current name: {"json" |
+"regex" | "choice" | "grammar" | "json_object": ...}) and the older `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar`, accepted as aliases (one constraint per
+request).
 """
 from __future__ import annotations
 
@@ -98,6 +100,9 @@ class _SamplingFields(_Strict):
     user: str | None = None                      # accepted for API compatibility; only logged
     # logprobs name every token `token_id:<id>` (vLLM), so tokens with equal text stay apart
     return_tokens_as_token_ids: bool = False
+    # vLLM: each prompt token's logprob with the top-N (0..20) (completions: on each choice;
+    # chat: on the response, as vLLM puts them)
+    prompt_logprobs: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # structured outputs (vLLM); response_format (OpenAI) is read by each request type. Any:
@@ -132,6 +137,9 @@ class _SamplingFields(_Strict):
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed with stream: true",
                                       param="stream_options")
+        if self.prompt_logprobs is not None and self.stream:   # vLLM refuses them there too
+            raise InvalidRequestError("prompt_logprobs is not available with stream: true; send "
+                                      "the request without stream", param="prompt_logprobs")
         # A field the client left out (None) takes SamplingParams' own default: one place.
         given = {name: value for name in _OPTIONAL_SAMPLING
                  if (value := getattr(self, name)) is not None}
@@ -140,8 +148,8 @@ class _SamplingFields(_Strict):
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            structured_outputs=self._structured_outputs())
+            logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens, structured_outputs=self._structured_outputs())
 
     @property
     def include_usage(self) -> bool:
@@ -195,8 +203,8 @@ class CompletionRequest(_SamplingFields):
         if self.best_of == 1 and self.n > 1:
             raise InvalidRequestError(f"best_of (1) must be at least n ({self.n})", param="best_of")
         params = self._params(max_tokens, self.logprobs)
-        if self.echo and self.logprobs is not None:
-            params.prompt_logprobs = self.logprobs
+        if self.echo and self.logprobs is not None:   # the echoed tokens' logprobs: the larger top-N
+            params.prompt_logprobs = max(self.prompt_logprobs or 0, self.logprobs)
         fmt = response_format_constraint(self.response_format)
         if fmt is not None:
             if params.structured_outputs is not None:

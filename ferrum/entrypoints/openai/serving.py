@@ -22,7 +22,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from ferrum.engine.async_engine import AsyncLLMEngine
 from ferrum.entrypoints.openai.logprobs import (TokenFormatter, chat_logprobs, completion_logprobs,
-                                                prompt_token_texts, ready_tokens, token_texts)
+                                                prompt_logprobs_json, prompt_token_texts, ready_tokens,
+                                                token_texts, top_n)
 from ferrum.entrypoints.chat_utils import prepare_chat
 from ferrum.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from ferrum.errors import (FerrumError, InvalidRequestError, ModelNotFoundError, PromptTooLongError,
@@ -290,6 +291,7 @@ class OpenAIServing:
         finals = await self._collect(streams, t0, raw)
         choices, ntok = [], 0
         for i, (p, out) in enumerate(zip(prompts, finals)):
+            prompt_lps = self._prompt_logprobs(req, p.token_ids, out)   # one list, every choice
             for c in out.outputs:
                 ids, text, reason, stop = c.token_ids, c.text, c.finish_reason, c.stop_reason
                 if req.echo_only:  # the one token generated is not part of the answer
@@ -303,20 +305,31 @@ class OpenAIServing:
                         token_texts(c.text, c.token_text_ends, 0, len(ids)), len(prefix),
                         req.return_tokens_as_token_ids)
                     if req.echo:  # the prompt tokens' logprobs first
-                        echoed = self._echo_logprobs(p, out, req.return_tokens_as_token_ids)
+                        echoed = self._echo_logprobs(p, out, req)
                         lp = {k: echoed[k] + lp[k] for k in lp}
                 choices.append({"index": i * req.n + c.index, "text": prefix + text,
-                                "logprobs": lp, "finish_reason": reason, "stop_reason": stop})
+                                "logprobs": lp, "finish_reason": reason, "stop_reason": stop,
+                                "prompt_logprobs": prompt_lps})
         choices.sort(key=lambda c: c["index"])
         return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
                              "model": model, "system_fingerprint": self.system_fingerprint,
                              "choices": choices, "usage": self._usage(prompts, ntok, finals)})
 
-    def _echo_logprobs(self, p: _Prompt, out: RequestOutput, as_ids: bool) -> dict:
+    def _echo_logprobs(self, p: _Prompt, out: RequestOutput, req: CompletionRequest) -> dict:
         """Completions-format logprobs of the echoed prompt tokens (text offsets from 0; the
-        first token's are null). as_ids: return_tokens_as_token_ids."""
-        return completion_logprobs(self.fmt, p.token_ids, out.prompt_logprobs or [],
-                                   prompt_token_texts(self.tokenizer, p.token_ids), 0, as_ids)
+        first token's are null): the top `logprobs` of the engine's prompt logprobs, which a
+        larger `prompt_logprobs` may have asked more of."""
+        return completion_logprobs(self.fmt, p.token_ids,
+                                   top_n(out.prompt_logprobs or [], p.token_ids, req.logprobs),
+                                   prompt_token_texts(self.tokenizer, p.token_ids), 0,
+                                   req.return_tokens_as_token_ids)
+
+    def _prompt_logprobs(self, req, token_ids: list[int], out: RequestOutput) -> list | None:
+        """vLLM's `prompt_logprobs` of a finished request (None when not asked for)."""
+        if req.prompt_logprobs is None:
+            return None
+        return prompt_logprobs_json(self.fmt, token_ids, out.prompt_logprobs or [],
+                                    req.prompt_logprobs)
 
     async def _completion_stream(self, rid, model, req: CompletionRequest, prompts, streams, t0):
         created = int(time.time())
@@ -349,7 +362,7 @@ class OpenAIServing:
                     p = prompts[i]
                     text_len[idx] = echo_len[i]
                     yield chunk(idx, p.text or "",
-                                self._echo_logprobs(p, out, req.return_tokens_as_token_ids)
+                                self._echo_logprobs(p, out, req)
                                 if req.logprobs is not None else None)
                 if req.echo_only:
                     if c.finished:
@@ -418,7 +431,9 @@ class OpenAIServing:
         ntok = sum(len(c.token_ids) for c in out.outputs)
         return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()),
                              "model": model, "system_fingerprint": self.system_fingerprint,
-                             "choices": choices, "usage": self._usage(prompts, ntok, [out])})
+                             "choices": choices, "usage": self._usage(prompts, ntok, [out]),
+                             # vLLM puts them on the response: the choices share one prompt
+                             "prompt_logprobs": self._prompt_logprobs(req, ids, out)})
 
     async def _chat_stream(self, rid, model, req: ChatCompletionRequest, prompts, streams, t0, top_n,
                            tool_parser: ToolParser | None):
