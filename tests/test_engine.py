@@ -293,6 +293,23 @@ def test_prefix_cache_hit(folder):
     w.assert_drained()
 
 
+def test_cached_tokens_are_the_first_admissions_hit_not_a_readmission_after_preemption(folder):
+    """num_cached_tokens (usage.prompt_tokens_details.cached_tokens) is the prompt's prefix-cache
+    hit when the request is first scheduled. Two 3-token prompts x 80 tokens in a pool of one
+    128-token sequence: the second is preempted holding 65 tokens, the first evicts only the tail of
+    its cached blocks, and the readmission hits the 40 tokens of its own prompt + output that
+    are left. That hit was reported as 40 cached tokens of a 3-token prompt (vLLM counts the
+    first scheduling only)."""
+    llm = make_llm(folder, num_kv_blocks=16, block_size=8)
+    w = Watch(llm)
+    sp = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    outs = llm.generate([[5, 6, 7], [9, 10, 11]], sp, use_tqdm=False)
+    assert llm.engine.status()["num_preemptions"] > 0
+    assert llm.engine.block_manager.prefix_cache_hits > 0     # the readmission did hit
+    assert [o.num_cached_tokens for o in outs] == [0, 0]
+    w.assert_drained()
+
+
 def test_n_samples_seeded_fork_shares_blocks(folder):
     """n=4 with a seed: samples differ, the same seed reproduces them, another seed does not;
     samples 1..3 share the prompt's full blocks with sample 0 (fork) and compute only the

@@ -597,7 +597,7 @@ class LLMEngine:
             self.requests.pop(req.request_id, None)
             self.stats["requests_finished"] += 1
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
-                             req.metrics, num_cached_tokens=req.seqs[0].num_cached_tokens,
+                             req.metrics, num_cached_tokens=req.seqs[0].num_cached_tokens or 0,
                              error=req.error, prompt_logprobs=req.prompt_logprobs)
 
     # ---- status ---------------------------------------------------------------------------------

@@ -290,7 +290,8 @@ class Scheduler:
             self.waiting.popleft()
             cached = self.bm.allocate(seq.seq_id, seq.token_ids, cached + n, reuse)
             seq.num_computed_tokens = cached
-            seq.num_cached_tokens = max(seq.num_cached_tokens, cached)
+            if seq.num_cached_tokens is None:   # not a re-admission after preemption
+                seq.num_cached_tokens = cached
             total = cached + n
             self.bm.append_slots(seq.seq_id, total)
             seq.status = SequenceStatus.RUNNING

@@ -33,7 +33,7 @@ class Sequence:
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
-        self.num_cached_tokens = 0          # prefix-cache hit at first scheduling
+        self.num_cached_tokens: int | None = None   # prefix-cache hit at first scheduling
         self.output_state = None            # ferrum.engine.output_state.SequenceOutputState, set by the engine
         seed = request.params.seed
         self.generator = None if seed is None else torch.Generator(device).manual_seed(seed + index)
