@@ -732,18 +732,24 @@ def test_prompts_are_tokenized_off_the_event_loop(app_engine, monkeypatch, path)
     assert waited and all(waited), waited
 
 
-def test_tokenize_honors_add_special_tokens_in_both_forms(app_engine, monkeypatch):
-    """/tokenize's add_special_tokens (BOS here) defaults, as in vLLM, to true for `prompt` and
-    false for `messages`, and is honored when set in either form (with messages it was ignored),
-    with split_special_tokens on or off."""
+@pytest.fixture
+def bos_app(app_engine, monkeypatch):
+    """(app, BOS id): the app over app_engine with a copy of its tokenizer whose encode adds BOS
+    (SmolLM2's adds nothing), for add_special_tokens."""
     import copy
     from ferrum.entrypoints.openai.server import build_app
     from ferrum.tokenizer import Tokenizer
     hf = copy.deepcopy(app_engine.tokenizer.hf)
     hf.add_bos_token = True
-    bos = hf.bos_token_id
     monkeypatch.setattr(app_engine.engine, "tokenizer", Tokenizer(hf))
-    app = build_app(app_engine, ["m"])
+    return build_app(app_engine, ["m"]), hf.bos_token_id
+
+
+def test_tokenize_honors_add_special_tokens_in_both_forms(bos_app):
+    """/tokenize's add_special_tokens (BOS here) defaults, as in vLLM, to true for `prompt` and
+    false for `messages`, and is honored when set in either form (with messages it was ignored),
+    with split_special_tokens on or off."""
+    app, bos = bos_app
 
     def tokens(**body):
         r = _asgi(app, "POST", "/tokenize", json=body)
@@ -756,6 +762,29 @@ def test_tokenize_honors_add_special_tokens_in_both_forms(app_engine, monkeypatc
         chat = tokens(messages=msgs, split_special_tokens=split)
         assert chat == tokens(messages=msgs, split_special_tokens=split, add_special_tokens=False)
         assert tokens(messages=msgs, split_special_tokens=split, add_special_tokens=True) == [bos, *chat]
+
+
+def test_chat_add_special_tokens_adds_bos_before_the_template(bos_app):
+    """/v1/chat/completions takes vLLM's add_special_tokens (default false): true puts BOS etc.
+    around the templated prompt as the tokenizer's encode does, the ids /tokenize gives for it
+    (prompt_logprobs 0 name each prompt token after the first: the template's follow BOS)."""
+    app, bos = bos_app
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = _asgi(app, "POST", "/tokenize", json={"messages": msgs}).json()["tokens"]
+
+    def prompt(**extra):
+        r = _asgi(app, "POST", "/v1/chat/completions", json={"messages": msgs, "max_tokens": 1,
+                                                             "prompt_logprobs": 0, **extra})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["prompt_tokens"] == len(body["prompt_logprobs"])
+        return [int(next(iter(e))) for e in body["prompt_logprobs"][1:]]
+    assert prompt() == prompt(add_special_tokens=False) == chat[1:]
+    assert prompt(add_special_tokens=True) == chat     # [bos, *chat] after its first token
+    assert _asgi(app, "POST", "/tokenize", json={"messages": msgs, "add_special_tokens": True}
+                 ).json()["tokens"] == [bos, *chat]
+    r = _asgi(app, "POST", "/v1/chat/completions", json={"messages": msgs, "add_special_tokens": "yes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "add_special_tokens"
 
 
 def test_run_says_when_the_context_length_ended_the_answer(tmp_path, capsys):

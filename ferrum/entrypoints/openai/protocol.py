@@ -263,6 +263,8 @@ class ChatCompletionRequest(_SamplingFields):
     # tokens (false); null: the server's --[no-]split-special-tokens
     split_special_tokens: bool | None = None
     continue_final_message: bool = False    # vLLM: continue the last (assistant) message
+    # vLLM: BOS etc. as the tokenizer's encode adds them, on top of the template's own markup
+    add_special_tokens: bool = False
     store: bool | None = None               # OpenAI's stored completions: true is refused
     metadata: dict[str, str] | None = None  # accepted; unused (OpenAI tags stored completions)
     safety_identifier: str | None = None    # accepted; unused (as in /v1/responses)
