@@ -815,3 +815,51 @@ def test_run_stats_line_of_one_token_has_no_decode_rate(tmp_path, capsys):
             assert f"[{max_tokens} token{'s' if max_tokens > 1 else ''} in" in err   # not "[1 tokens"
             assert "TTFT" in err and "nan" not in err
             assert ("decode" in err) == (max_tokens > 1)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 200, "ignore_eos": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
+                              "ignore_eos": True}),
+    # no ignore_eos in Responses: greedy, this model's answer runs to the token limit
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 200, "temperature": 0}),
+])
+def test_stream_abandoned_before_its_first_token_aborts_its_request(app_engine, path, body):
+    """A client gone before a streamed response's first token: Starlette cancels the response
+    before the engine's stream is read (the disconnect arrives while the 200 goes out), so the
+    stream's own clean-up never ran and the request generated on, unread, to max_tokens. It is
+    aborted now (EventStream closes its engine streams)."""
+    import json
+    from ferrum.entrypoints.openai.server import build_app
+    app = build_app(app_engine, ["m"])
+    raw = json.dumps({"model": "m", "stream": True, **body}).encode()
+    start = app_engine.status()
+    sent = []
+
+    async def go():
+        messages = [{"type": "http.request", "body": raw, "more_body": False}]
+
+        async def receive():
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+            await asyncio.sleep(0.05)   # a socket write: the disconnect is seen meanwhile
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
+                 "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("ferrum", 80),
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]}
+        await app(scope, receive, send)
+    asyncio.run(go())
+    # cancelled while its 200 (Responses: its response.created event) went out, before the
+    # engine's output was read: the case this test is about
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200 and len(sent) <= 2
+    assert all(m.get("more_body", True) for m in sent)
+    deadline, now = time.time() + 30, app_engine.status()
+    while time.time() < deadline and (now["num_running"] or now["num_waiting"]
+                                      or now["requests_aborted"] == start["requests_aborted"]):
+        time.sleep(0.05)
+        now = app_engine.status()
+    assert now["requests_aborted"] == start["requests_aborted"] + 1
+    assert now["kv_blocks_free"] == start["kv_blocks_free"]
+    assert now["generation_tokens"] - start["generation_tokens"] < 200

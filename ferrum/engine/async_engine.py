@@ -25,7 +25,6 @@ import queue
 import threading
 import uuid
 import weakref
-from typing import AsyncIterator
 
 from ferrum.errors import EngineDeadError
 from ferrum.outputs import RequestOutput
@@ -80,15 +79,70 @@ def _resolve(fut: asyncio.Future, error: BaseException | None) -> None:
         pass
 
 
+class RequestStream:
+    """The outputs of one request of an AsyncLLMEngine, as an async iterator of RequestOutput.
+
+    Leaving before the final output aborts the request (its KV blocks are freed): aclose() /
+    close(), a cancel while waiting for the next output, or dropping the stream. A class, not an
+    async generator, so that this also holds for a stream never iterated: a generator that has
+    not started runs no clean-up when closed, and a server response that a client abandons
+    before its first read (Starlette then cancels it before the body is iterated) would leave
+    its request generating, unread, to max_tokens."""
+
+    def __init__(self, engine: "AsyncLLMEngine", stream: _Stream):
+        self._engine, self._stream, self._done = engine, stream, False
+        self.request_id = stream.request_id
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._stream.queue.get()
+        except BaseException:   # cancelled while waiting: the consumer left
+            self.close()
+            raise
+        if item is _END:
+            self._finish()
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self._finish()
+            raise item
+        if item.finished:
+            self._finish()
+        return item
+
+    def _finish(self) -> None:
+        self._done = True
+        self._engine._open.discard(self._stream)
+
+    def close(self) -> None:
+        """Abort the request unless its stream has ended (idempotent, returns at once)."""
+        if not self._done:
+            self._finish()
+            self._engine.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to free
+            pass
+
+
 class AsyncLLMEngine:
     """Wraps an LLMEngine (or anything with its add_request / abort_request / step /
     has_unfinished_requests / status / shutdown) and starts its step thread.
 
-    `await add_request(...)` -> async iterator of RequestOutput (cumulative text and ids, plus
-    `delta_text` / `num_delta_tokens` for streaming); the last output has `finished=True`.
-    Leaving the iteration early (break, task cancelled, client gone) aborts the request and
-    frees its KV blocks. `abort(request_id)` ends a request from outside; its iterator then
-    stops without a final output.
+    `await add_request(...)` -> a RequestStream, an async iterator of RequestOutput (cumulative
+    text and ids, plus `delta_text` / `num_delta_tokens` for streaming); the last output has
+    `finished=True`. Leaving it early (aclose, a cancelled task, a client gone, dropping it,
+    also unread) aborts the request and frees its KV blocks. `abort(request_id)` ends a request
+    from outside; its iterator then stops without a final output.
     """
 
     def __init__(self, engine):
@@ -131,7 +185,7 @@ class AsyncLLMEngine:
     # ---- asyncio side ---------------------------------------------------------------------------
     async def add_request(self, request_id: str | None, prompt: str | None,
                           params: SamplingParams | None = None,
-                          prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+                          prompt_token_ids: list[int] | None = None) -> RequestStream:
         """Queue a request (text `prompt` or `prompt_token_ids`) and return its output stream.
 
         Raises what LLMEngine.add_request raises (InvalidRequestError, PromptTooLongError,
@@ -155,28 +209,7 @@ class AsyncLLMEngine:
             raise
         finally:
             self._pending.discard(accepted)
-        return self._iterate(stream)
-
-    async def _iterate(self, stream: _Stream) -> AsyncIterator[RequestOutput]:
-        done = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if item is _END:
-                    done = True
-                    return
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
-                if item.finished:
-                    done = True
-                yield item
-                if done:
-                    return
-        finally:
-            self._open.discard(stream)
-            if not done:  # the consumer left early (disconnect, cancel): free the request
-                self.abort(stream.request_id)
+        return RequestStream(self, stream)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe, returns at once; the engine thread frees its blocks

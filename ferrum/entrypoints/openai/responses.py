@@ -47,12 +47,12 @@ from typing import Any, AsyncIterator, Iterator, Literal
 
 from pydantic import Field, StrictInt
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 
 from ferrum.entrypoints.chat_utils import PARALLEL_TOOL_CALLS, ChatPrompt, prepare_chat
 from ferrum.entrypoints.openai.logprobs import chat_logprobs, ready_tokens, token_texts
 from ferrum.entrypoints.openai.protocol import ServiceTier, Temperature, _Strict
-from ferrum.entrypoints.openai.serving import OpenAIServing, _Prompt, ferrum_error_body
+from ferrum.entrypoints.openai.serving import EventStream, OpenAIServing, _Prompt, ferrum_error_body
 from ferrum.errors import FerrumError, InvalidRequestError
 from ferrum.outputs import RequestOutput
 from ferrum.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -372,7 +372,7 @@ class OpenAIServingResponses:
         streams = await s._start(rid, [_Prompt(None, ids)], [params])
         state = _ResponseState(rid, model, req, len(ids), s.fmt, chat.tool_parser)
         if req.stream:
-            return StreamingResponse(self._stream(state, streams, t0), media_type="text/event-stream")
+            return EventStream(self._stream(state, streams, t0), streams)
         (out,) = await s._collect(streams, t0, raw)
         state.update(out, whole=True)
         state.finish()

@@ -6,8 +6,9 @@ engine request). Choice index = prompt index * n + sample index. `usage.prompt_t
 each prompt once; `usage.completion_tokens` counts every generated token of every choice,
 including a final EOS / stop token (as vLLM does).
 
-A client that goes away aborts its engine requests: streaming responses are cancelled by
-Starlette when the client disconnects; non-streaming ones watch the connection themselves.
+A client that goes away aborts its engine requests: streaming responses (EventStream) are
+cancelled by Starlette when the client disconnects and close their engine streams; non-streaming
+ones watch the connection themselves.
 """
 from __future__ import annotations
 
@@ -115,6 +116,24 @@ async def merge_streams(streams: list[AsyncIterator[RequestOutput]]
     finally:
         for t in tasks:
             t.cancel()
+
+
+class EventStream(StreamingResponse):
+    """An SSE response (text/event-stream) over `body` that closes the engine streams it reads
+    when it ends, however it ends. A client gone before the first chunk makes Starlette cancel
+    the response before `body` is iterated; the generators' own clean-up never runs then, and
+    the requests would generate, unread, to max_tokens. Closing a stream that ended does nothing."""
+
+    def __init__(self, body: AsyncIterator[str], streams: list[AsyncIterator[RequestOutput]]):
+        super().__init__(body, media_type="text/event-stream")
+        self.streams = streams
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for s in self.streams:
+                await s.aclose()
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -248,6 +267,8 @@ class OpenAIServing:
             watcher.cancel()
             if not consumer.done():  # the client left (or we were cancelled): abort the requests
                 consumer.cancel()
+                for s in streams:    # also those the consumer has not started reading
+                    await s.aclose()
         if not consumer.done():
             raise ClientDisconnectedError("the client closed the connection; request aborted")
         consumer.result()  # re-raise an engine error
@@ -285,9 +306,8 @@ class OpenAIServing:
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._start(rid, prompts, params, names)
         if req.stream:
-            return StreamingResponse(self._stream_errors(
-                self._completion_stream(rid, model, req, prompts, streams, t0)),
-                media_type="text/event-stream")
+            return EventStream(self._stream_errors(
+                self._completion_stream(rid, model, req, prompts, streams, t0)), streams)
         finals = await self._collect(streams, t0, raw)
         choices, ntok = [], 0
         for i, (p, out) in enumerate(zip(prompts, finals)):
@@ -417,9 +437,9 @@ class OpenAIServing:
         streams = await self._start(rid, prompts, [params])
         top_n = req.top_logprobs or 0
         if req.stream:
-            return StreamingResponse(self._stream_errors(
+            return EventStream(self._stream_errors(
                 self._chat_stream(rid, model, req, prompts, streams, t0, top_n, chat.tool_parser)),
-                media_type="text/event-stream")
+                streams)
         (out,) = await self._collect(streams, t0, raw)
         choices = [{"index": c.index, **chat_message(chat.tool_parser, c.text, c.finish_reason),
                     "stop_reason": c.stop_reason,
