@@ -71,7 +71,8 @@
 # (Steps 17-18 of 2026-12-07b/c timed Qwen3-0.6B's decode linears at 2-256 rows, cuBLAS against a
 # Triton tile GEMM, then the nano-vllm workload with the table of Triton's wins: decode no faster,
 # removed with the kernel: benchmarks/results/h100-2026-12-07c.)
-# The next lease (after h100-2026-12-07c, which ran 18 and 12): on an H200, 10 (the quantized
+# The next lease (after h100-2026-12-07d, which ran 12 at 76c7b21, all passed, and ferrum alone
+# at main: no vLLM chunk could follow in its budget): on an H200, 10 (the quantized
 # table against vLLM) in three calls that carry one vLLM chunk each (the machine stays warm 30 s):
 # 12 carrying .whl_test .peers/vc/part.00, 13 carrying .whl .peers/vc/part.01 (or .peers/vc/part.01
 # alone when .whl and it do not fit), then 10 carrying .peers/vllm_bench.py .peers/vc/part.02
