@@ -7,7 +7,10 @@ For each batch size B (`--batch-sizes`, default 1, 2, 4, ... 256), B random prom
 two (the batch filling and draining):
 
   step_ms        median wall time of an engine step (schedule, launch, sample, outputs)
-  decode tok/s   B / step time
+  batch_ran      median rows a step decoded: B, or fewer when the KV pool holds only some of
+                 the B sequences at once (the rest wait or are preempted)
+  decode tok/s   median over the steps of the rows it decoded / its time (B / step time when
+                 every step decodes B rows)
   replay_ms      GPU time of the same batch's decode CUDA graph replayed back to back on the
                  last step's inputs (CUDA graphs only; every TP rank replays)
   host_share     1 - replay_ms / step_ms: what the GPU waits for the host per step (async
@@ -45,31 +48,36 @@ def add_parser(subparsers, add_engine_args) -> None:
     p.set_defaults(func=main)
 
 
-def decode_step_times(eng, prompts: list[list[int]], params) -> list[float]:
+def decode_step_times(eng, prompts: list[list[int]], params) -> list[tuple[float, int]]:
     """Add `prompts` with `params` to engine `eng`, step it until they finish (as
-    LLM.generate does), and return the wall time (s) of every step that ran no prefill,
-    without the first two and last two of them."""
+    LLM.generate does), and return (wall time in s, decode rows) of every step that ran no
+    prefill, without the first two and last two of them. The rows are what the step decoded:
+    fewer than the prompts when the KV pool holds only some of them at once."""
     ex = eng.executor
-    prefills = [0]
-    prefill = ex.prefill
+    prefills, rows = [0], [0]
+    prefill, decode = ex.prefill, ex.decode
 
     def counted(inp):
         prefills[0] += 1
         return prefill(inp)
-    ex.prefill = counted
+
+    def counted_decode(inp):
+        rows[0] += len(inp.token_ids)
+        return decode(inp)
+    ex.prefill, ex.decode = counted, counted_decode
     try:
         for p in prompts:
             eng.add_request(None, None, params, prompt_token_ids=p)
         times = []
         while eng.has_unfinished_requests():
-            n0 = prefills[0]
+            n0, rows[0] = prefills[0], 0
             t = time.perf_counter()
             eng.step(final_only=True)
             dt = time.perf_counter() - t
-            if prefills[0] == n0:
-                times.append(dt)
+            if prefills[0] == n0 and rows[0]:
+                times.append((dt, rows[0]))
     finally:
-        ex.prefill = prefill
+        ex.prefill, ex.decode = prefill, decode
     return times[2:-2] if len(times) > 6 else times
 
 
@@ -129,19 +137,23 @@ def main(args) -> int:
     decode_step_times(eng, random_prompts(2, args.input_len, vocab, args.seed), params)   # warm-up
     points = []
     for B in args.batch_sizes:
-        times = decode_step_times(eng, random_prompts(B, args.input_len, vocab, args.seed + B), params)
-        step = statistics.median(times)
-        replay = graph_replay_ms(ex, B) if caps.cuda_graphs else None
+        timed = decode_step_times(eng, random_prompts(B, args.input_len, vocab, args.seed + B), params)
+        step = statistics.median(t for t, _ in timed)
+        ran = statistics.median_low(n for _, n in timed)   # B, unless the KV pool holds fewer at once
+        replay = graph_replay_ms(ex, ran) if caps.cuda_graphs else None
         nbytes = decode_bytes_per_step(caps.memory, eng.model_config, ex.dtype,
-                                       B * (args.input_len + args.output_len // 2))
-        pt = {"batch": B, "step_ms": 1e3 * step, "decode_tok_s": B / step, "steps_timed": len(times),
+                                       ran * (args.input_len + args.output_len // 2))
+        pt = {"batch": B, "batch_ran": ran, "step_ms": 1e3 * step,
+              "decode_tok_s": statistics.median(n / t for t, n in timed), "steps_timed": len(timed),
               "replay_ms": replay, "host_share": None if replay is None else 1 - replay / (1e3 * step),
-              "sampler_ms": sampler_ms(eng, B, params), "bytes_per_step_per_rank": nbytes,
+              "sampler_ms": sampler_ms(eng, ran, params), "bytes_per_step_per_rank": nbytes,
               **mbu_columns(nbytes, step, spec, roofline)}
         points.append(pt)
-        print(f"B={B:4d}: step {pt['step_ms']:.2f} ms, {pt['decode_tok_s']:.0f} tok/s, replay {replay}, "
-              f"host share {pt['host_share']}, sampler {pt['sampler_ms']:.3f} ms, MBU {pt['mbu']} "
-              f"/ {pt['mbu_vs_roofline']:.3f} of the roofline", flush=True)
+        fits = "" if ran == B else f" ({ran} of {B} ran at once: the KV pool holds no more; raise --kv-cache-memory)"
+        host = "" if replay is None else f", replay {replay:.3f} ms, host share {pt['host_share']:.3f}"
+        mbu = "" if pt["mbu"] is None else f"MBU {pt['mbu']:.3f}, "
+        print(f"B={B:4d}: step {pt['step_ms']:.2f} ms, {pt['decode_tok_s']:.0f} tok/s{fits}{host}, sampler "
+              f"{pt['sampler_ms']:.3f} ms, {mbu}{pt['mbu_vs_roofline']:.3f} of the roofline", flush=True)
     res = {"model": eng.model_name, "input_len": args.input_len, "output_len": args.output_len,
            "temperature": args.temperature, "tensor_parallel_size": caps.tensor_parallel_size,
            "async_scheduling": eng.async_scheduling, "cuda_graphs": caps.cuda_graphs,
