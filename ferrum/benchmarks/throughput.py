@@ -39,6 +39,8 @@ import statistics
 import sys
 import time
 
+from tqdm import tqdm
+
 from ferrum.benchmarks.common import (MinMax, add_common_args, cuda_memory, llm_from_config, positive_float,
                                       positive_int, random_prompts)
 from ferrum.benchmarks.mbu import decode_phase_bytes, mbu_columns, spec_bandwidth_gbs
@@ -358,8 +360,12 @@ def main(args) -> int:
     sequential = None
     if args.sequential and args.workload == "random":
         _reset_prefix_cache(eng)
-        sequential = _phase("sequential", lambda: [llm.generate([p], sp, use_tqdm=False)[0]
-                                                   for p, sp in zip(prompts, params)], timeline, expected)
+        # a bar per prompt (stderr): this phase runs for minutes on a CPU; its updates cost
+        # microseconds against each prompt's whole generation
+        sequential = _phase("sequential", lambda: [
+            llm.generate([p], sp, use_tqdm=False)[0]
+            for p, sp in tqdm(list(zip(prompts, params)), desc="sequential", unit="req", leave=False,
+                              dynamic_ncols=True)], timeline, expected)
         sequential.pop("outputs")
         print(f"batched / sequential output throughput: "
               f"{batched['output_tok_s'] / sequential['output_tok_s']:.2f}x")

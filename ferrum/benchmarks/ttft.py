@@ -24,6 +24,8 @@ import statistics
 import sys
 import time
 
+from tqdm import tqdm
+
 from ferrum.benchmarks.common import add_common_args, llm_from_config, positive_int, random_prompts, sync_device
 from ferrum.benchmarks.run_record import record, setup_threads, write_json
 from ferrum.benchmarks.peers import add_peer_args, ratio, run_vllm
@@ -71,7 +73,8 @@ def measure(llm, prompt_len: int, mode: str, iters: int, vocab: int, device: str
     for _ in range(2):
         llm.generate([fixed], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     times, computed = [], []
-    for it in range(iters):
+    # progress on stderr, outside the timed call: a cold 7,500-token prompt takes ~1 min on a CPU
+    for it in tqdm(range(iters), desc=f"TTFT P={prompt_len} {mode}", unit="run", leave=False, dynamic_ncols=True):
         prompt = fixed if mode == "cached" else random_prompts(1, prompt_len, vocab, seed + 1 + it)[0]
         dt, n = time_first_token(llm, prompt, device)
         times.append(1e3 * dt)

@@ -125,7 +125,7 @@ class LLM:
         return [done[r] for r in ids]
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False,
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, *, tools: list[dict] | None = None,
              tool_choice: str | dict | None = None, parallel_tool_calls: bool = PARALLEL_TOOL_CALLS,
              response_format: dict | None = None, tool_parser: str | None = None,
