@@ -149,3 +149,17 @@ def test_learned_share_keeps_a_full_output_workload_from_refilling_past_the_pool
     assert r["free_blocks_at_end"] == 520
     assert r["preemptions"] > 0
     assert r["output_share"] == 1.0, r
+
+
+def test_remove_frees_a_sequence_caught_between_queues():
+    """A Ctrl-C inside `schedule` between an admission's popleft and its running.append (or inside
+    `_preempt` between running.remove and bm.free) leaves a sequence in neither queue with its
+    blocks held; aborting it (`remove`) frees them anyway (it freed only a running sequence's)."""
+    sched = make_scheduler(num_blocks=10)
+    seq = make_seq(0, 40, 8)
+    sched.add(seq)
+    sched.schedule()
+    assert sched.bm.num_free_blocks < 10
+    sched.running.remove(seq)          # where the interrupt left it
+    sched.remove(seq)
+    assert sched.bm.num_free_blocks == 10 and not sched.running and not sched.waiting

@@ -163,9 +163,11 @@ class Scheduler:
             self._record_share(seq)
         if seq in self.running:
             self.running.remove(seq)
-            self.bm.free(seq.seq_id)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        # also when it is in neither queue: a Ctrl-C inside `schedule` can leave an admitted or
+        # preempted sequence there with its blocks (unknown ids are ignored: waiting ones hold none)
+        self.bm.free(seq.seq_id)
 
     def _record_share(self, seq: Sequence) -> None:
         """Fold generated / estimate of a sequence that stopped on its own into `output_share`
