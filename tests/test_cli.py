@@ -863,3 +863,20 @@ def test_stream_abandoned_before_its_first_token_aborts_its_request(app_engine, 
     assert now["requests_aborted"] == start["requests_aborted"] + 1
     assert now["kv_blocks_free"] == start["kv_blocks_free"]
     assert now["generation_tokens"] - start["generation_tokens"] < 200
+
+
+def test_tokenize_returns_token_strs_on_request(app_engine):
+    """vLLM's return_token_strs: each id's vocabulary string beside the ids (it was a 400,
+    an unsupported field); absent unless asked for."""
+    from ferrum.entrypoints.openai.server import build_app
+    app = build_app(app_engine, ["m"])
+    for body in ({"prompt": "hello world"}, {"messages": [{"role": "user", "content": "hello world"}]}):
+        plain = _asgi(app, "POST", "/tokenize", json=body).json()
+        r = _asgi(app, "POST", "/tokenize", json={**body, "return_token_strs": True})
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert "token_strs" not in plain and got["tokens"] == plain["tokens"]
+        assert got["token_strs"] == app_engine.tokenizer.hf.convert_ids_to_tokens(got["tokens"])
+        assert "Ġworld" in got["token_strs"]
+    r = _asgi(app, "POST", "/tokenize", json={"prompt": "hi", "return_token_strs": "maybe"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "return_token_strs", r.text

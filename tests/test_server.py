@@ -709,6 +709,17 @@ def test_body_over_the_limit_is_a_413_naming_it_and_the_server_serves_on(server)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
+def test_vllm_probe_aliases_need_no_key(server):
+    """vLLM's /ping (GET or POST: SageMaker's probe) answers as /health; /version gives ferrum's
+    version; like /health they need no API key (they were 404s)."""
+    import ferrum
+    for method in ("GET", "POST"):
+        r = httpx.request(method, server + "/ping", timeout=10)
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+    r = httpx.get(server + "/version", timeout=10)
+    assert r.status_code == 200 and r.json() == {"version": ferrum.__version__}
+
+
 def test_api_key_is_enforced(server, client):
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
     e = _err(_post(server, "/v1/completions", body, key=None), 401)

@@ -302,7 +302,8 @@ class TokenizeRequest(_Strict):
     strings in it are parsed), or chat `messages` rendered with the chat template (encoded as
     /v1/chat/completions does, `split_special_tokens` included). add_special_tokens (BOS etc.
     as the tokenizer adds them) defaults, as in vLLM, to true for `prompt` and to false for
-    `messages`, whose template writes its own; set, it is honored in both forms."""
+    `messages`, whose template writes its own; set, it is honored in both forms.
+    return_token_strs: also answer each id's vocabulary string (`token_strs`, as vLLM)."""
 
     model: str | None = None
     prompt: str | None = None
@@ -312,6 +313,7 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool = True
     split_special_tokens: bool | None = None
     continue_final_message: bool = False
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(_Strict):

@@ -4,17 +4,20 @@ Endpoints:
   POST /v1/completions, POST /v1/chat/completions, POST /v1/responses   (JSON, or SSE with
        `stream: true`; Responses is stateless, see responses.py)
   GET  /v1/models, GET /v1/models/{id}   (404 for a name this server does not answer to)
-  POST /tokenize  {prompt | messages} -> {tokens, count, max_model_len}: the ids the
+  POST /tokenize  {prompt | messages} -> {tokens, count, max_model_len} (+ token_strs with
+                  return_token_strs): the ids the
                   completions / chat endpoint would use for that prompt / those messages
   POST /detokenize {tokens} -> {prompt}: special tokens kept, so /tokenize's ids of a chat
                   prompt decode back to that prompt (as vLLM's /detokenize does)
   GET  /health    200 {"status": "ok"} | 503 {"status": "unhealthy", "error": why} once the
                   executor is broken (a dead TP rank, a device fault); a failed request is not
+  GET|POST /ping  the same as /health (vLLM's alias, SageMaker's probe)
+  GET  /version   {"version": ferrum's version}
   GET  /metrics   Prometheus text format (ferrum.metrics)
   GET  /status    engine.status() as JSON (debug: running/waiting, kv_blocks_free, ...)
 
 With `--api-key KEY` the /v1/*, /tokenize and /detokenize endpoints want
-`Authorization: Bearer KEY` (else 401); /health, /metrics and /status stay open for probes
+`Authorization: Bearer KEY` (else 401); /health, /ping, /version, /metrics and /status stay open for probes
 and scrapers. POST bodies must be JSON with `Content-Type: application/json` (else 400), of
 at most `--max-request-body` bytes (default 8 MiB, else 413, read no further). Prompts are
 rendered and tokenized in a worker thread, so a long one never stalls the event loop (/health
@@ -55,6 +58,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from uvicorn.config import LOGGING_CONFIG
 
+import ferrum
 from ferrum.config import MAX_REQUEST_BODY, format_size, parse_body_limit
 from ferrum.engine.async_engine import AsyncLLMEngine
 from ferrum.entrypoints.chat_utils import prepare_chat
@@ -361,7 +365,10 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | Non
                 continue_final_message=body.continue_final_message,
                 split_special_tokens=body.split_special_tokens,
                 add_special_tokens=special is True)).prompt_token_ids
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+        out = {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+        if body.return_token_strs:   # vLLM's: each id's vocabulary string (e.g. "Ġworld")
+            out["token_strs"] = tok.convert_ids_to_tokens(ids)
+        return out
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
@@ -383,6 +390,13 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | Non
         if not s["healthy"]:
             return JSONResponse({"status": "unhealthy", "error": s.get("error")}, status_code=503)
         return {"status": "ok"}
+
+    # vLLM's probe aliases: /ping (SageMaker's health check, GET or POST) answers as /health
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
+
+    @app.get("/version")
+    async def version():
+        return {"version": ferrum.__version__}
 
     @app.get("/status")
     async def status():
