@@ -103,9 +103,10 @@ def test_readme_json_schema_example_gives_valid_json(smol):
     # the Python snippet beside it: the SDK's parse with README's City model
     from pydantic import BaseModel, Field
 
-    class City(BaseModel):
+    class City(BaseModel, extra="forbid"):
         name: str
         population: int = Field(ge=0, le=100_000_000)
+    assert City.model_json_schema()["additionalProperties"] is False   # what the offline snippet sends
     parsed = smol.chat.completions.parse(model="smollm2", response_format=City, max_tokens=64, temperature=0,
                                          messages=body["messages"]).choices[0].message.parsed
     assert isinstance(parsed, City) and parsed.name
