@@ -70,6 +70,23 @@ def test_min_p():
     torch.testing.assert_close(probs_for(min_p=0.3), expect({1: 0.40, 3: 0.25, 0: 0.15}))
 
 
+def test_min_p_filters_before_top_p_as_vllm():
+    # vLLM applies min_p right after temperature, before top-k/top-p (the argmax-invariant
+    # logits processors of vllm/v1/sample/sampler.py, step 7c), so top_p renormalises over
+    # min_p's survivors: 0.3 * 0.40 keeps {0.40, 0.25, 0.15} -> [0.5, 0.3125, 0.1875], and
+    # top_p=0.7 stops at 0.5 + 0.3125. Top-p first kept 0.15 too (0.40 + 0.25 < 0.7).
+    torch.testing.assert_close(probs_for(min_p=0.3, top_p=0.7), expect({1: 0.40, 3: 0.25}))
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth():
+    # vLLM (and HF's TopKLogitsWarper) drop the logits below the k-th largest value, so a tie
+    # at the k-th place keeps all its tokens; keeping exactly k picked among them by sort order
+    logits = torch.tensor([[1.0, 2.0, 2.0, 0.0, 2.0, -1.0], [3.0, 3.0, 0.0, 0.0, 0.0, 0.0]])
+    md = build([SamplingParams(top_k=2), SamplingParams(top_k=1, top_p=0.9)])
+    torch.testing.assert_close(sampling_probs(process_logits(logits, md), md),
+                               torch.stack([expect({1: 1, 2: 1, 4: 1}), expect({0: 1, 1: 1})]))
+
+
 def test_greedy_is_argmax_and_skips_sampling_tensors():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
     md = build([SamplingParams(temperature=0.0)] * 4, vocab=50)

@@ -19,9 +19,10 @@ Pipeline, per row (the order of vLLM's v1 sampler):
    of them, see `bitmask_bias`).
    -> these are the *processed logits*; requested logprobs are the log-softmax of them.
 6. greedy rows (temperature < 1e-5, see `SamplingParams.greedy`) take the argmax.
-   Other rows: divide by temperature; top-k (keep the k largest); top-p (renormalise, keep the
-   smallest prefix of the sorted distribution whose mass is >= top_p; the top token is always
-   kept); min-p (drop tokens with prob < min_p * max prob); sample.
+   Other rows: divide by temperature; min-p (drop tokens with prob < min_p * max prob); top-k
+   (keep the tokens at or above the k-th largest logit: ties at the k-th place all stay); top-p
+   (renormalise, keep the smallest prefix of the sorted distribution whose mass is >= top_p;
+   the top token is always kept); sample.
 
 Sampling uses the exponential race (argmax of p_i / E_i with E_i ~ Exp(1) is distributed as p),
 with the noise of each seeded row drawn from that request's own `torch.Generator`. A row's noise
@@ -352,13 +353,20 @@ def sampling_probs(processed: torch.Tensor, metadata: SamplingMetadata) -> torch
     if metadata.all_greedy:
         return torch.nn.functional.one_hot(processed.argmax(-1), metadata.vocab_size).float()
     logits = processed / metadata.temperature
+    if metadata.min_p is not None:
+        # before top-k/top-p, as vLLM (its min_p processor runs right after temperature), so
+        # top_p renormalises over min_p's survivors. p < min_p * p_max in logs: a min_p of 0
+        # is a bound of -inf, which drops nothing
+        bound = logits.max(dim=-1, keepdim=True).values + metadata.min_p.log()
+        logits = logits.masked_fill(logits < bound, float("-inf"))
     if metadata.top_k is not None or metadata.top_p is not None:
-        # One sort serves both filters; positions are ranks in descending order.
+        # One sort (descending) serves both filters.
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(metadata.vocab_size, device=logits.device)
         drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
         if metadata.top_k is not None:
-            drop |= ranks >= metadata.top_k
+            # below the k-th largest value, so a tie at the k-th place keeps all its tokens
+            # (vLLM's apply_top_k_top_p and HF's TopKLogitsWarper)
+            drop |= sorted_logits < sorted_logits.gather(1, metadata.top_k - 1)
         if metadata.top_p is not None:
             sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
             # Mass strictly before each rank: a token is kept while the tokens above it hold
@@ -370,10 +378,6 @@ def sampling_probs(processed: torch.Tensor, metadata: SamplingMetadata) -> torch
             drop[:, 0] = False
         logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = logits.softmax(-1)
-    if metadata.min_p is not None:
-        threshold = metadata.min_p * probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < threshold, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
     if not metadata.any_greedy:   # no row to overwrite: skip a [B, V] one-hot and a [B, V] select
         return probs
     one_hot = torch.nn.functional.one_hot(processed.argmax(-1), metadata.vocab_size).float()
