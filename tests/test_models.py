@@ -280,3 +280,22 @@ def test_rope_tables_for_max_model_len_keep_the_scaling_of_the_config(rope_scali
     short = RotaryEmbedding(16, 4096, 10000.0, rope_scaling, max_model_len=100)
     assert short.cos.shape == short.sin.shape == (100, 8)
     assert torch.equal(short.cos, full.cos[:100]) and torch.equal(short.sin, full.sin[:100])
+
+
+def test_gemma3_rope_scaling_stays_off_local_layers_of_the_same_base(tmp_path):
+    """Gemma 3 with rope_scaling (linear, as its 4B-27B configs) and one RoPE base for local and
+    global layers: the local layers shared the global table, scaling and all, so the logits were
+    off by ~4 from HF's; the scaling applies to the global layers only."""
+    folder = make_tiny_model(str(tmp_path / "m"), "gemma3", layers=2, num_kv_heads=1, head_dim=32,
+                             tie=True, layer_types=["sliding_attention", "full_attention"],
+                             sliding_window=20, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                             rope_local_base_freq=10000.0, seed=16)
+    hf = hf_model(folder)
+    cfg = EngineConfig.from_kwargs(model=folder, dtype="float32", device="cpu", max_model_len=128,
+                                   num_kv_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    ex = SingleDeviceExecutor(resolve_model(folder), cfg, progress=False)
+    prompts = _prompts(16)[:2]
+    logits, toks = _run_executor(ex, prompts, 4, None, seed=16)
+    for i, p in enumerate(prompts):
+        diff = (logits[i] - _hf_logits(hf, p + toks[i][:4])[len(p) - 1:]).abs().max().item()
+        assert diff < ATOL, f"prompt {len(p)}: max abs diff {diff:.3e}"

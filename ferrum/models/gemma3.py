@@ -79,7 +79,9 @@ class Gemma3Model(nn.Module):
         common = (cfg.head_dim, cfg.max_position_embeddings)
         global_rope = RotaryEmbedding(*common, cfg.rope_theta, cfg.rope_scaling, cfg.max_model_len)
         local_rope = global_rope
-        if cfg.layer_types is not None and cfg.rope_local_theta != cfg.rope_theta:
+        # local layers never scale: a global table with scaling cannot stand in for them even
+        # where the two bases are equal
+        if cfg.layer_types is not None and (cfg.rope_local_theta != cfg.rope_theta or cfg.rope_scaling):
             local_rope = RotaryEmbedding(*common, cfg.rope_local_theta, max_model_len=cfg.max_model_len)
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(cfg, local_rope if cfg.is_sliding(i) else global_rope, i, quant_config)
