@@ -5,6 +5,7 @@ import os
 import zipfile
 
 import pytest
+import torch
 
 import ferrum.model_store as store
 from ferrum.errors import ModelNotFoundError, StorageError, WeightLoadError
@@ -383,6 +384,31 @@ def test_tensor_larger_than_the_config_says_is_refused(tmp_path, tensor, shape):
     source = resolve_model(str(folder))
     model = get_model_class(source.config)(source.config)
     with pytest.raises(WeightLoadError, match=rf"{tensor}: tensor has shape \({shape[0]}, {shape[1]}\), expected"):
+        load_weights(model, source.weights(), progress=False)
+
+
+@pytest.mark.parametrize("tensor, dtype", [
+    ("model.layers.0.mlp.up_proj.weight", torch.int8),          # int8 codes of a quantized layer
+    ("model.layers.0.self_attn.q_proj.weight", torch.float8_e4m3fn),   # FP8 codes, no scales
+    ("model.embed_tokens.weight", torch.int32),
+    ("model.norm.weight", torch.bool),
+])
+def test_tensor_of_another_kind_of_dtype_is_refused(tmp_path, tensor, dtype):
+    """A checkpoint tensor of integers, bools or FP8 codes (a quantized checkpoint whose
+    config.json lost its quantization_config) was cast to float32 and loaded as weights
+    without a word, so the model generated garbage; now it is a WeightLoadError naming the
+    tensor and both dtypes. Other float dtypes (bf16, fp16) still cast."""
+    from safetensors.torch import load_file, save_file
+    from ferrum.loader.model_loader import load_weights
+    from ferrum.models.registry import get_model_class
+    folder = _tiny_folder(tmp_path)
+    sd = load_file(str(folder / "model.safetensors"))
+    sd[tensor] = sd[tensor].to(dtype)
+    sd["model.layers.1.mlp.up_proj.weight"] = sd["model.layers.1.mlp.up_proj.weight"].bfloat16()
+    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    source = resolve_model(str(folder))
+    model = get_model_class(source.config)(source.config)
+    with pytest.raises(WeightLoadError, match=rf"{tensor}: tensor .*is {str(dtype)[6:]}, expected a float tensor"):
         load_weights(model, source.weights(), progress=False)
 
 

@@ -33,7 +33,7 @@ from ferrum.errors import UnsupportedModelError
 from ferrum.layers.linear import ReplicatedLinear
 from ferrum.layers.mlp import GatedMLP
 from ferrum.layers.quantization.base import QuantConfig
-from ferrum.layers.weight_utils import check_shape
+from ferrum.layers.weight_utils import check_dtype, check_shape
 from ferrum.ops.moe import fused_moe, select_experts
 
 
@@ -85,6 +85,7 @@ class FusedMoE(nn.Module):
             full = (n * (self.tp.size if split else 1), dst.shape[1])
             src = lazy.narrow(0, r * n, n) if split else lazy.load()
         check_shape(lazy.shape, full, f"of expert {e}")
+        check_dtype(src.dtype, param.dtype, f"of expert {e}")
         dst.copy_(src.to(param.dtype))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from torch import nn
 from ferrum.distributed.communication import (tensor_model_parallel_all_reduce,
                                               tensor_model_parallel_gather)
 from ferrum.distributed.parallel_state import get_tp
-from ferrum.layers.weight_utils import check_shape
+from ferrum.layers.weight_utils import check_dtype, check_shape
 from ferrum.ops.linear import linear
 
 
@@ -36,7 +36,9 @@ class VocabParallelEmbedding(nn.Module):
         check_shape(lazy.shape, (self.vocab_size, param.shape[1]))
         n = max(0, min(self.per_rank, self.vocab_size - self.start))
         if n:
-            param.data[:n].copy_(lazy.narrow(0, self.start, n).to(param.dtype))
+            rows = lazy.narrow(0, self.start, n)
+            check_dtype(rows.dtype, param.dtype)
+            param.data[:n].copy_(rows.to(param.dtype))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [T] int64 -> [T, hidden] in the weight's dtype (all-reduced over TP ranks:
