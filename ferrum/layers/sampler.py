@@ -444,7 +444,9 @@ class Sampler:
     Logprobs (when any row asks): log-softmax of the processed logits, i.e. after logit_bias,
     penalties, the min_tokens mask and the grammar mask but before temperature, top-k, top-p
     and min-p, so they describe the model's (penalised, constrained) distribution rather than
-    the truncated one sampled from; masked-out tokens are left out of the top-N.
+    the truncated one sampled from; masked-out tokens are left out of the top-N. (vLLM's default
+    logprobs_mode, raw_logprobs, takes them before logit_bias, penalties and min_tokens: the two
+    differ on requests that use those; the README says so.)
     Batches of more than SAMPLE_CHUNK_ROWS rows that take the general path (any option but
     temperature alone, or logprobs) go through it in slices of that many rows: the same tokens
     for greedy and seeded rows, one global-RNG draw per slice for the others.
