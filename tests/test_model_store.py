@@ -387,6 +387,40 @@ def test_tensor_larger_than_the_config_says_is_refused(tmp_path, tensor, shape):
         load_weights(model, source.weights(), progress=False)
 
 
+@pytest.mark.parametrize("tensor, shape, match", [
+    ("model.layers.2.self_attn.q_proj.weight", (64, 64), "has layer 2, but .* num_hidden_layers 2"),
+    ("model.layers.0.self_attn.k_proj.bias", (32,), "has a bias that the model config does not enable"),
+    ("model.layers.1.mlp.down_proj.bias", (64,), "has a bias that the model config does not enable"),
+])
+def test_checkpoint_tensor_the_config_has_no_place_for_is_refused(tmp_path, tensor, shape, match):
+    """A checkpoint with more layers than config.json's num_hidden_layers ran on its first
+    layers only, and one with q/k/v or MLP biases under a config without attention_bias /
+    mlp_bias ran without them: the extra tensors were skipped without a word and the model
+    generated garbage. Now each is a WeightLoadError naming the tensor (as vLLM refuses them)."""
+    from safetensors.torch import load_file, save_file
+    from ferrum.loader.model_loader import load_weights
+    from ferrum.models.registry import get_model_class
+    folder = _tiny_folder(tmp_path)
+    sd = load_file(str(folder / "model.safetensors"))
+    sd[tensor] = torch.zeros(shape)
+    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    source = resolve_model(str(folder))
+    model = get_model_class(source.config)(source.config)
+    with pytest.raises(WeightLoadError, match=rf"{tensor}: the checkpoint {match}"):
+        load_weights(model, source.weights(), progress=False)
+
+
+def test_tensor_in_two_safetensors_files_is_refused(tmp_path):
+    """A folder with a second .safetensors file holding some of the same tensors (another
+    model's file, an older download) loaded the copy of the file sorted last without a word;
+    now it is a WeightLoadError naming the tensor and both files."""
+    from safetensors.torch import save_file
+    folder = _tiny_folder(tmp_path)
+    save_file({"model.norm.weight": torch.zeros(64)}, str(folder / "z-other.safetensors"))
+    with pytest.raises(WeightLoadError, match="'model.norm.weight' is in both model.safetensors and z-other"):
+        resolve_model(str(folder)).weights()
+
+
 @pytest.mark.parametrize("tensor, dtype", [
     ("model.layers.0.mlp.up_proj.weight", torch.int8),          # int8 codes of a quantized layer
     ("model.layers.0.self_attn.q_proj.weight", torch.float8_e4m3fn),   # FP8 codes, no scales

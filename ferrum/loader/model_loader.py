@@ -2,6 +2,7 @@
 reading only its slice through the parameters' `weight_loader`s."""
 from __future__ import annotations
 
+import re
 import sys
 
 import torch
@@ -46,7 +47,8 @@ def kv_scale_target(name: str) -> tuple[str, tuple[str, ...]] | None:
 
 def load_weights(model: nn.Module, source: WeightSource, progress: bool = True) -> None:
     """Raises WeightLoadError when a parameter is missing from the source, a shape differs,
-    or a file cannot be read. Unknown extra tensors are ignored (e.g. tied lm_head copies).
+    or a file cannot be read; an extra tensor only where `check_unused` says (layers past the
+    config's, a bias the config has not), others are ignored (e.g. tied lm_head copies).
     FP8 KV-cache scales (`kv_scale_target`) go to the Attention layers' k_scale / v_scale,
     which only an FP8 KV cache reads.
 
@@ -62,6 +64,7 @@ def load_weights(model: nn.Module, source: WeightSource, progress: bool = True) 
     split = getattr(model, "split_fused_weight", None) or (lambda n, lazy: [(n, lazy)])
     modules = dict(model.named_modules())
     loaded: set[str] = set()
+    unused: list[str] = []   # checkpoint tensors no parameter takes
     names = source.names()
     # a terminal clears the finished bar; a log keeps it, ended by a newline, so the next line
     # does not run onto it
@@ -78,12 +81,14 @@ def load_weights(model: nn.Module, source: WeightSource, progress: bool = True) 
             target, shard = remap(name)
             param = params.get(target)
             if param is None:
+                unused.append(name)
                 continue
             try:
                 param.weight_loader(param, lazy, shard)
             except (WeightLoadError, TensorParallelError) as e:
                 raise type(e)(f"{name}: {e}") from e
             loaded.add(target if shard is None else f"{target}:{shard}")
+    check_unused(model, unused, remap, modules)
     shards: dict[str, list] = {}  # fused module -> the shard ids it is loaded from
     for ours, sid in mapping.values():
         shards.setdefault(ours, []).append(sid)
@@ -102,6 +107,24 @@ def load_weights(model: nn.Module, source: WeightSource, progress: bool = True) 
     if missing:
         raise WeightLoadError(f"{len(missing)} tensors missing from the checkpoint, e.g. {missing[:4]}")
     process_weights_after_loading(model)
+
+
+def check_unused(model: nn.Module, unused: list[str], remap, modules: dict[str, nn.Module]) -> None:
+    """Raise WeightLoadError for checkpoint tensors that no parameter took but that the model
+    needs to compute what the checkpoint computes: layers past the config's num_hidden_layers
+    (the model would run on its first layers only) and a bias of a layer the config builds
+    without one (attention_bias / mlp_bias off); vLLM too refuses such tensors. Other unused
+    tensors (tied lm_head copies, extra heads) are ignored."""
+    n_layers = model.config.num_hidden_layers
+    for name in unused:
+        m = re.search(r"\.layers\.(\d+)\.", name)
+        if m and int(m[1]) >= n_layers:
+            raise WeightLoadError(f"{name}: the checkpoint has layer {m[1]}, but the model config "
+                                  f"(config.json / GGUF block_count) has num_hidden_layers {n_layers}")
+        owner = modules.get(remap(name)[0].rpartition(".")[0])
+        if name.endswith(".bias") and owner is not None and getattr(owner, "bias", 0) is None:
+            raise WeightLoadError(f"{name}: the checkpoint has a bias that the model config does "
+                                  "not enable (config.json's attention_bias / mlp_bias, or its architecture)")
 
 
 def process_weights_after_loading(model: nn.Module) -> None:

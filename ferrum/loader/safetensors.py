@@ -67,7 +67,13 @@ class SafetensorsSource:
             try:
                 with safe_open(path, framework="pt") as f:
                     for name in f.keys():
+                        if name in self._weights:   # else the file sorted last won without a word
+                            raise WeightLoadError(
+                                f"tensor {name!r} is in both {os.path.basename(self._weights[name].path)} "
+                                f"and {fn} in {folder}; remove the file that is not this model's")
                         self._weights[name] = SafetensorsWeight(path, name, tuple(f.get_slice(name).get_shape()))
+            except WeightLoadError:
+                raise
             except Exception as e:
                 raise WeightLoadError(f"cannot read safetensors file {path}: {e}; "
                                       "the file is unreadable or truncated") from e
