@@ -357,11 +357,18 @@ def _id_list(value) -> list[int]:
 
 def generation_eos_token_ids(folder: str) -> list[int] | None:
     """`eos_token_id` of a HF folder's generation_config.json, read with transformers'
-    GenerationConfig; None when the folder has no such file or it names no EOS id."""
+    GenerationConfig; None when the folder has no such file or it names no EOS id. Raises
+    ValueError for ids that are not integers."""
     if not os.path.exists(os.path.join(folder, "generation_config.json")):
         return None
     from transformers import GenerationConfig
-    return _id_list(GenerationConfig.from_pretrained(folder).eos_token_id) or None
+    value = GenerationConfig.from_pretrained(folder).eos_token_id
+    ids = _id_list(value)
+    # transformers takes any JSON here; a string or null failed later, inside the tokenizer
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"eos_token_id must be a token id or a list of token ids (integers), "
+                         f"got {value!r}")
+    return ids or None
 
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",

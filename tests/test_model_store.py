@@ -250,6 +250,10 @@ def test_folder_code_is_never_run(tmp_path, monkeypatch):
     ("zero intermediate size", {"intermediate_size": 0}, "UnsupportedModelError", "intermediate_size must be"),
     ("generation_config.json not JSON", lambda f: (f / "generation_config.json").write_text("{bad"),
      "UnsupportedModelError", "generation_config.json"),
+    ("EOS ids with a null (TypeError in the tokenizer)", lambda f: (f / "generation_config.json").write_text(
+        '{"eos_token_id": [1, null]}'), "UnsupportedModelError", "eos_token_id must be a token id"),
+    ("EOS id a string (the tokenizer failed: 'no tokenizer')", lambda f: (f / "generation_config.json").write_text(
+        '{"eos_token_id": "x"}'), "UnsupportedModelError", "eos_token_id must be a token id"),
     ("index not JSON", lambda f: (f / "model.safetensors.index.json").write_text("{{"), "WeightLoadError", "index.json"),
     ("index without weight_map", lambda f: (f / "model.safetensors.index.json").write_text("{}"),
      "WeightLoadError", "weight_map"),
