@@ -212,6 +212,22 @@ def test_unsupported_quant_type_is_named(tmp_path, home):
 
 
 
+def test_zero_heads_is_a_named_error(tmp_path, home):
+    """A GGUF whose attention.head_count is 0 (and no key_length) ended in a ZeroDivisionError
+    from the head_dim default; now it is ModelConfig's UnsupportedModelError naming the field."""
+    w = GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    for add, v in [(w.add_block_count, 1), (w.add_embedding_length, 64), (w.add_head_count, 0),
+                   (w.add_feed_forward_length, 96), (w.add_vocab_size, 64)]:
+        add(v)
+    w.add_tensor("token_embd.weight", np.zeros((64, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedModelError, match="num_attention_heads must be a whole number >= 1, got 0"):
+        load_gguf(str(tmp_path / "m.gguf"))
+
+
 @pytest.mark.parametrize("qtype", [QT.F32, QT.Q8_0])
 def test_tensor_larger_than_the_metadata_says_is_refused(tmp_path, home, qtype):
     """A q_proj of 8 heads' rows in a GGUF whose metadata says 4 heads loaded its first 64

@@ -233,7 +233,8 @@ def gguf_config(reader: GGUFReader) -> ModelConfig:
 
     tensor_names = {t.name for t in reader.tensors}
     hidden, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
-    head_dim = int(get("attention.key_length", hidden // n_heads))
+    # max(): a head count of 0 is ModelConfig's named error, not a ZeroDivisionError here
+    head_dim = int(get("attention.key_length", hidden // max(n_heads, 1)))
     if int(get("rope.dimension_count", head_dim)) != head_dim:
         raise UnsupportedModelError("partial rotary embedding (rope.dimension_count != head_dim) "
                                     "is not supported")
