@@ -229,7 +229,19 @@ def test_folder_code_is_never_run(tmp_path, monkeypatch):
     assert not marker.exists()
 
 
+def _drop(folder, key):
+    """Remove `key` from folder/config.json."""
+    import json
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg[key]
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
 @pytest.mark.parametrize("what, edit, error, match", [
+    ("no num_hidden_layers (transformers' 32: '270 tensors missing')", lambda f: _drop(f, "num_hidden_layers"),
+     "UnsupportedModelError", "config.json lacks num_hidden_layers"),
+    ("no hidden_size (4096: a shape error of lm_head)", lambda f: _drop(f, "hidden_size"),
+     "UnsupportedModelError", "config.json lacks hidden_size"),
     ("config.json null", lambda f: (f / "config.json").write_text("null"), "UnsupportedModelError", "config.json"),
     ("heads as a string", {"num_attention_heads": "4"}, "UnsupportedModelError", "num_attention_heads"),
     ("zero heads", {"num_attention_heads": 0}, "UnsupportedModelError", "config.json"),

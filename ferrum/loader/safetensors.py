@@ -87,6 +87,12 @@ class SafetensorsSource:
         return self._weights[name]
 
 
+# sizes every checkpoint's config.json states (head_dim and num_key_value_heads have
+# defaults that real configs rely on)
+_REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads")
+
+
 def _first_line(e: BaseException) -> str:
     """The first non-empty line of an exception's message (transformers' run to a paragraph),
     with the next one when it ends in a colon (a validation error names the field, then why)."""
@@ -98,8 +104,9 @@ def load_hf_folder(folder: str) -> ModelSource:
     """Resolve a local HF model folder into a ModelSource: config.json through transformers'
     AutoConfig, EOS ids from generation_config.json (GenerationConfig), else config.json.
     Raises ModelNotFoundError when the folder has no config.json, UnsupportedModelError for
-    an unknown architecture, or a config.json / generation_config.json that transformers
-    cannot read (not JSON, values of the wrong type), on one line."""
+    an unknown architecture, a config.json without one of `_REQUIRED_FIELDS`, or a
+    config.json / generation_config.json that transformers cannot read (not JSON, values of
+    the wrong type), on one line."""
     if not os.path.exists(os.path.join(folder, "config.json")):
         raise ModelNotFoundError(f"{folder} has no config.json; not a Hugging Face model folder")
     from transformers import AutoConfig
@@ -114,6 +121,14 @@ def load_hf_folder(folder: str) -> ModelSource:
         # config classes raise on values of the wrong type or range (`null`, "4" heads, 0 heads)
         raise UnsupportedModelError(f"{folder}/config.json: {type(e).__name__}: {_first_line(e)}") from None
     config = ModelConfig.from_hf_config(hf)
+    # transformers fills a size config.json lacks with its class default (Llama: 4096 hidden,
+    # 32 layers), which then failed as "270 tensors missing" or a shape error of some tensor
+    with open(os.path.join(folder, "config.json")) as f:
+        given = json.load(f)
+    missing = [k for k in _REQUIRED_FIELDS if k not in given]
+    if missing:
+        raise UnsupportedModelError(f"{folder}/config.json lacks {', '.join(missing)}; a model "
+                                    "config must give its sizes")
     try:
         eos = generation_eos_token_ids(folder) or list(config.eos_token_id)
     except Exception as e:  # noqa: BLE001  transformers' OSError for a file that is not JSON, ...
