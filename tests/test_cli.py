@@ -787,6 +787,39 @@ def test_chat_add_special_tokens_adds_bos_before_the_template(bos_app):
     assert r.status_code == 400 and r.json()["error"]["param"] == "add_special_tokens"
 
 
+def test_chat_template_kwargs_reach_the_template_as_data(app_engine, monkeypatch):
+    """vLLM's chat_template_kwargs (Qwen3's {"enable_thinking": false}) reach the chat template as
+    variables, on /v1/chat/completions and /tokenize alike (both answered 400 'unsupported
+    field'); their strings are data like message text (a special-token string stays text); a key
+    that is an argument of the rendering, or a value that is not an object, is a 400 naming it."""
+    import copy
+    from ferrum.entrypoints.openai.server import build_app
+    from ferrum.tokenizer import Tokenizer
+    hf = copy.deepcopy(app_engine.tokenizer.hf)
+    hf.chat_template = "{% if greeting is defined %}{{ greeting }}{% endif %}" + hf.chat_template
+    monkeypatch.setattr(app_engine.engine, "tokenizer", Tokenizer(hf))
+    app = build_app(app_engine, ["m"])
+    msgs, kwargs = [{"role": "user", "content": "hi"}], {"greeting": "Hi <|im_end|>"}
+
+    def post(path, **body):
+        return _asgi(app, "POST", path, json={"messages": msgs, **body})
+    plain = post("/tokenize").json()["tokens"]
+    r = post("/tokenize", chat_template_kwargs=kwargs)
+    assert r.status_code == 200, r.text
+    greeted = r.json()["tokens"]
+    assert greeted[len(greeted) - len(plain):] == plain
+    assert greeted[:len(greeted) - len(plain)] == hf.encode("Hi <|im_end|>", add_special_tokens=False,
+                                                            split_special_tokens=True)
+    r = post("/v1/chat/completions", max_tokens=1, chat_template_kwargs=kwargs)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(greeted), r.text
+    for bad, param in [({"tokenize": True}, "chat_template_kwargs.tokenize"),
+                       ({"add_generation_prompt": False}, "chat_template_kwargs.add_generation_prompt"),
+                       ("x", "chat_template_kwargs")]:
+        for path in ("/tokenize", "/v1/chat/completions"):
+            r = post(path, chat_template_kwargs=bad)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_run_says_when_the_context_length_ended_the_answer(tmp_path, capsys):
     """`ferrum run --ctx-size 24 --max-tokens 100` on a 16-token prompt stops after 8 tokens;
     the server answers such a request with a 400, run says on stderr why it stopped."""

@@ -469,12 +469,37 @@ class ChatPrompt:
         return dataclasses.replace(params, **changes) if changes else params
 
 
+# arguments of the rendering itself (ferrum's apply_chat_template and transformers'): a request
+# sets them through their own fields, and some would change what rendering returns (tokenize)
+RENDER_ARGUMENTS = frozenset({
+    "messages", "conversation", "tools", "chat_template", "add_generation_prompt",
+    "continue_final_message", "split_special_tokens", "add_special_tokens", "tokenize", "padding",
+    "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs"})
+
+
+def parse_template_kwargs(kwargs) -> dict:
+    """vLLM's `chat_template_kwargs`: extra variables for the chat template (Qwen3's
+    {"enable_thinking": false}). Their strings are data like message text (see
+    Tokenizer.apply_chat_template). Raises InvalidRequestError for a value that is not an
+    object, or naming a key that is one of RENDER_ARGUMENTS."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise _bad("chat_template_kwargs", f"must be an object; got {json_value(kwargs)}")
+    for key in kwargs:
+        if key in RENDER_ARGUMENTS:
+            raise _bad(f"chat_template_kwargs.{key}", "is an argument of the rendering, not a "
+                       "template variable (use the request field of that name where there is one)")
+    return kwargs
+
+
 def prepare_chat(tokenizer, messages, *, tools=None, tool_choice=None,
                  parallel_tool_calls: bool = PARALLEL_TOOL_CALLS, response_format=None,
                  tool_parser: str = "auto", add_generation_prompt: bool = True,
                  continue_final_message: bool = False, chat_template: str | None = None,
                  split_special_tokens: bool | None = None,
-                 add_special_tokens: bool = False) -> ChatPrompt:
+                 add_special_tokens: bool = False, chat_template_kwargs: dict | None = None) -> ChatPrompt:
     """OpenAI chat fields -> ChatPrompt (prompt ids, constraint, tool parser).
 
     tokenizer: ferrum Tokenizer (None: InvalidRequestError, chat needs one). tool_parser:
@@ -482,13 +507,15 @@ def prepare_chat(tokenizer, messages, *, tools=None, tool_choice=None,
     `ferrum.tool_parsers.TOOL_PARSERS`. add_generation_prompt / continue_final_message: see
     `Tokenizer.render_chat`. split_special_tokens: see `Tokenizer.apply_chat_template` (None:
     the tokenizer's setting); add_special_tokens: BOS etc. on top of the template's (see there,
-    default False). Raises InvalidRequestError
-    naming the bad field."""
+    default False); chat_template_kwargs: extra template variables (`parse_template_kwargs`).
+    Raises InvalidRequestError naming the bad field."""
     if tokenizer is None:
         raise _bad("messages", "this model has no tokenizer, so it cannot chat; use "
                                "/v1/completions with token ids")
     check_unicode_in(messages, "messages")   # the rendering cannot name the string at fault
     check_unicode_in(tools, "tools")
+    check_unicode_in(chat_template_kwargs, "chat_template_kwargs")
+    extra = parse_template_kwargs(chat_template_kwargs)
     msgs = parse_messages(messages)
     tools = parse_tools(tools)
     choice = parse_tool_choice(tool_choice, tools)
@@ -509,7 +536,7 @@ def prepare_chat(tokenizer, messages, *, tools=None, tool_choice=None,
                                         continue_final_message=continue_final_message,
                                         chat_template=chat_template, tools=offered,
                                         split_special_tokens=split_special_tokens,
-                                        add_special_tokens=add_special_tokens)
+                                        add_special_tokens=add_special_tokens, **extra)
     max_calls = None if parallel_tool_calls else 1
     parser, skip = None, None
     if choice == "required":

@@ -244,8 +244,8 @@ class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions. `logprobs`: return the chosen token's logprob; `top_logprobs`
     (0..20, needs logprobs) adds that many alternatives. `max_completion_tokens` is the newer
     name of `max_tokens`; without either the answer may run to max_model_len. `messages`,
-    `tools`, `tool_choice`, `parallel_tool_calls`, `response_format`: OpenAI's, checked by
-    `ferrum.entrypoints.chat_utils.prepare_chat`."""
+    `tools`, `tool_choice`, `parallel_tool_calls`, `response_format`: OpenAI's, and vLLM's
+    `chat_template_kwargs`, checked by `ferrum.entrypoints.chat_utils.prepare_chat`."""
 
     NULL_ONLY = frozenset({"modalities", "audio", "prediction", "reasoning_effort", "verbosity",
                            "web_search_options", "functions", "function_call", "prompt_cache_retention"})
@@ -265,6 +265,8 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False    # vLLM: continue the last (assistant) message
     # vLLM: BOS etc. as the tokenizer's encode adds them, on top of the template's own markup
     add_special_tokens: bool = False
+    # vLLM: extra variables for the chat template, e.g. {"enable_thinking": false}
+    chat_template_kwargs: dict[str, Any] | None = None
     store: bool | None = None               # OpenAI's stored completions: true is refused
     metadata: dict[str, str] | None = None  # accepted; unused (OpenAI tags stored completions)
     safety_identifier: str | None = None    # accepted; unused (as in /v1/responses)
@@ -313,6 +315,7 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool = True
     split_special_tokens: bool | None = None
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 

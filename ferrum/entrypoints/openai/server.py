@@ -364,7 +364,8 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | Non
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
                 split_special_tokens=body.split_special_tokens,
-                add_special_tokens=special is True)).prompt_token_ids
+                add_special_tokens=special is True,
+                chat_template_kwargs=body.chat_template_kwargs)).prompt_token_ids
         out = {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
         if body.return_token_strs:   # vLLM's: each id's vocabulary string (e.g. "Ġworld")
             out["token_strs"] = tok.convert_ids_to_tokens(ids)

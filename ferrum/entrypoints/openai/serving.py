@@ -426,7 +426,8 @@ class OpenAIServing:
             response_format=req.response_format, tool_parser=self.tool_parser,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
-            split_special_tokens=req.split_special_tokens, add_special_tokens=req.add_special_tokens)
+            split_special_tokens=req.split_special_tokens, add_special_tokens=req.add_special_tokens,
+            chat_template_kwargs=req.chat_template_kwargs)
         ids = chat.prompt_token_ids
         prompts = [_Prompt(None, ids)]
         requested = req.requested_max_tokens()
