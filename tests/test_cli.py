@@ -654,6 +654,9 @@ def test_post_without_json_content_type_is_a_clear_400(app_engine, ctype):
     ok = _asgi(app, "POST", "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 1},
                headers={"content-type": "application/json; charset=utf-8"})
     assert ok.status_code == 200, ok.text
+    # a route that takes no POST answers 405 whatever the body (it was this 400)
+    r = _asgi(app, "POST", "/v1/models", content=b"", headers=headers)
+    assert r.status_code == 405 and r.json()["error"]["code"] == 405, r.text
 
 
 def test_server_logs_a_503_as_a_warning_and_other_5xx_as_errors(app_engine, caplog):

@@ -73,8 +73,9 @@ from ferrum.structured_output.params import json_value
 
 log = logging.getLogger("ferrum")
 
-_COUNTED_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models",
-                  "/v1/models/{id}", "/tokenize", "/detokenize"}
+# the API's POST routes, whose bodies must be JSON (a POST elsewhere, e.g. /v1/models, is a 405)
+_JSON_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"}
+_COUNTED_PATHS = _JSON_PATHS | {"/v1/models", "/v1/models/{id}"}
 _RETRY_AFTER_S = "1"
 # after --shutdown-timeout ends the open requests: time for their last events to go out before
 # uvicorn cancels what is left (a client that reads nothing)
@@ -195,7 +196,7 @@ class _RequireJson:
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in _COUNTED_PATHS:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in _JSON_PATHS:
             ctype = dict(scope["headers"]).get(b"content-type", b"").decode("latin-1")
             if ctype.split(";")[0].strip().lower() != "application/json":
                 e = InvalidRequestError("the request body must be JSON with 'Content-Type: "
