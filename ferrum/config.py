@@ -110,13 +110,18 @@ class ModelConfig:
 
     def __post_init__(self):
         """A config.json or GGUF header with a size of 0, below 0 or not a whole number (or
-        heads that do not group over the KV heads) is an UnsupportedModelError here, not a
-        ZeroDivisionError or a negative tensor size deep in the KV pool or the model."""
+        heads that do not group over the KV heads, or a negative rms_norm_eps) is an
+        UnsupportedModelError here, not a ZeroDivisionError or a negative tensor size deep in
+        the KV pool or the model, or NaN logits."""
         dense = not self.moe_layers or not all(self.moe_layers)   # some layer has the dense MLP
         for name in self._SIZES + (("intermediate_size",) if dense else ()):
             v = getattr(self, name)
             if not _is_whole(v):
                 raise UnsupportedModelError(f"model config: {name} must be a whole number >= 1, got {v!r}")
+        # a negative epsilon makes RMSNorm's mean + eps negative for small rows: NaN logits
+        if not (_is_number(self.rms_norm_eps) and self.rms_norm_eps >= 0):
+            raise UnsupportedModelError(f"model config: rms_norm_eps must be a number >= 0, got "
+                                        f"{self.rms_norm_eps!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise UnsupportedModelError(
                 f"model config: num_attention_heads ({self.num_attention_heads}) is not a multiple of "

@@ -260,6 +260,7 @@ def _drop(folder, key):
     ("negative sliding_window (gave garbage)", {"sliding_window": -4}, "UnsupportedModelError",
      "sliding_window must be"),
     ("zero intermediate size", {"intermediate_size": 0}, "UnsupportedModelError", "intermediate_size must be"),
+    ("negative rms_norm_eps (NaN logits)", {"rms_norm_eps": -1.0}, "UnsupportedModelError", "rms_norm_eps must be"),
     ("generation_config.json not JSON", lambda f: (f / "generation_config.json").write_text("{bad"),
      "UnsupportedModelError", "generation_config.json"),
     ("EOS ids with a null (TypeError in the tokenizer)", lambda f: (f / "generation_config.json").write_text(
