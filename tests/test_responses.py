@@ -281,6 +281,36 @@ def test_message_logprobs_cover_the_message_text_only(tok):
         assert "".join(e["token"] for e in part["logprobs"]) == "Sure thing.", (chunk, part["logprobs"])
 
 
+def test_only_the_item_a_token_limit_cut_is_incomplete():
+    """Forced calls cut by max_output_tokens in the second one: the first call, closed when the
+    second began, is "completed" and only the cut one "incomplete", whole and streamed in any
+    chunks (as OpenAI marks them). The whole answer marked every item "incomplete", and a
+    stream whose last output closed one item and cut the next did too."""
+    from ferrum.entrypoints.openai.responses import _ResponseState
+    from ferrum.outputs import CompletionOutput, RequestOutput
+    from ferrum.tool_parsers.constrained import RequiredToolParser
+    text = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {"tz": "'
+    req = ResponsesRequest(model=MODEL, input="x", tools=TOOLS, tool_choice="required")
+    for chunk in (None, 1, 7, len(text) - 1):   # None: the whole answer at once
+        state = _ResponseState("resp_1", MODEL, req, 5, None, RequiredToolParser(None))
+        cuts = [len(text)] if chunk is None else [*range(chunk, len(text), chunk), len(text)]
+        sent, done_items = 0, []
+        for n in cuts:
+            done = n == len(text)
+            out = CompletionOutput(0, text=text[:n], token_ids=list(range(n)), delta_text=text[sent:n],
+                                   finish_reason="length" if done else None)
+            sent = n
+            state.update(RequestOutput("r", None, [1], [out], finished=done), whole=chunk is None)
+            if done:
+                state.finish()
+            done_items += [f["item"] for k, f in state.take_events() if k == "response.output_item.done"]
+        body = state.body()
+        assert body["status"] == "incomplete", chunk
+        assert [(o["name"], o["status"]) for o in body["output"]] == [
+            ("get_weather", "completed"), ("get_time", "incomplete")], chunk
+        assert [o["status"] for o in done_items] == ["completed", "incomplete"], chunk
+
+
 # ---- tools and text.format ---------------------------------------------------------------------
 TOOLS = [{"type": "function", **t["function"]} for t in CHAT_TOOLS]   # Responses' flat form
 ASK = "What is the weather in Paris?"

@@ -512,10 +512,11 @@ class _ResponseState:
             self.emit("response.function_call_arguments.delta", delta=fragment, **self._where())
 
     def finish(self) -> None:
-        """The output is complete: close the open item (an empty message if there was none)."""
+        """The output is complete: close the open item (an empty message if there was none),
+        the one item a token limit can have cut (`status`)."""
         if not self.items:
             self._open_message()
-        self._close()
+        self._close(self.status)
 
     # ---- items -----------------------------------------------------------------------------
     def _is_open(self, kind: str) -> bool:
@@ -540,7 +541,9 @@ class _ResponseState:
         self.open["content"] = [part]
         self.emit("response.content_part.added", part=dict(part, logprobs=[]), **self._where(0))
 
-    def _close(self) -> None:
+    def _close(self, status: str = "completed") -> None:
+        """Close the open item; one closed because the next began is complete, also when the
+        same engine output then hit the token limit."""
         item, where = self.open, (self._where() if self.open else None)
         if item is None:
             return
@@ -552,7 +555,7 @@ class _ResponseState:
         else:
             self.emit("response.function_call_arguments.done", name=item["name"],
                       arguments=item["arguments"], **self._where())
-        item["status"] = self.status
+        item["status"] = status
         self.open = None
         self.emit("response.output_item.done", item=item, output_index=where["output_index"])
 
