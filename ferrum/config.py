@@ -376,6 +376,54 @@ def generation_eos_token_ids(folder: str) -> list[int] | None:
     return ids or None
 
 
+# generation_config.json's sampling fields and the SamplingParams field each sets (vLLM's list;
+# HF's max_new_tokens is max_tokens)
+_GENERATION_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                        "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                        "max_new_tokens": "max_tokens"}
+
+
+def generation_sampling_defaults(folder: str) -> dict[str, Any]:
+    """The sampling defaults a model's creator wrote in `folder`/generation_config.json, as
+    SamplingParams fields: temperature, top_p, top_k, min_p, repetition_penalty, and
+    max_new_tokens as max_tokens (the fields vLLM's `--generation-config auto` reads; do_sample
+    is ignored, as there). {} when the folder has no such file. Requests that leave a field
+    unset take it from here. Raises ConfigError (param "generation_config") when the file
+    cannot be read or a value is not one SamplingParams accepts."""
+    if not os.path.exists(os.path.join(folder, "generation_config.json")):
+        return {}
+    from transformers import GenerationConfig
+    from ferrum.sampling_params import SamplingParams
+    where = os.path.join(folder, "generation_config.json")
+    try:
+        given = GenerationConfig.from_pretrained(folder).to_diff_dict()
+    except Exception as e:  # noqa: BLE001  transformers' OSError for a file that is not JSON, ...
+        raise ConfigError(f"{where} cannot be read: {type(e).__name__}: {str(e).splitlines()[0]}",
+                          param="generation_config") from None
+    defaults = {ours: given[hf] for hf, ours in _GENERATION_SAMPLING.items() if given.get(hf) is not None}
+    try:
+        SamplingParams(**defaults)   # checked once here, not as every request's 400
+    except (InvalidRequestError, TypeError) as e:
+        raise ConfigError(f"{where}: {e}; start with --generation-config vllm to ignore the "
+                          "file's sampling defaults", param="generation_config") from None
+    return defaults
+
+
+def resolve_sampling_defaults(generation_config: str, model_folder: str | None) -> dict[str, Any]:
+    """`--generation-config`'s sampling defaults (see generation_sampling_defaults): "auto"
+    reads `model_folder` (a HF folder; None for GGUF files and dummy models, which have none),
+    "vllm" gives {} (SamplingParams' own defaults), anything else names a folder holding a
+    generation_config.json. Raises ConfigError for a folder without one."""
+    if generation_config == "vllm":
+        return {}
+    if generation_config == "auto":
+        return generation_sampling_defaults(model_folder) if model_folder else {}
+    if not os.path.isfile(os.path.join(generation_config, "generation_config.json")):
+        raise ConfigError(f"--generation-config {generation_config!r} is not auto, vllm or a folder "
+                          "holding a generation_config.json", param="generation_config")
+    return generation_sampling_defaults(generation_config)
+
+
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16", "half": "float16"}
 
@@ -790,6 +838,11 @@ class EngineConfig:
     tool_call_parser: str = option(
         "auto", "format of the model's tool calls, read out of chat output under tool_choice "
         "auto (auto: from the chat template's markers)", choices=("auto", *TOOL_PARSERS))
+    generation_config: str = option(
+        "auto", "where requests that leave temperature, top_p, top_k, min_p, "
+        "repetition_penalty or max_tokens unset take them from: auto = the model folder's "
+        "generation_config.json (its creator's settings, as vLLM), vllm = SamplingParams' own "
+        "defaults, or a folder holding a generation_config.json")
     split_special_tokens: bool = option(
         True, "encode special-token strings typed inside chat messages as text (only the "
         "template's markup yields special tokens); --no-split-special-tokens parses them as "

@@ -128,6 +128,7 @@ def test_every_option_field_is_a_flag_and_an_llm_keyword():
     through EngineConfig.from_kwargs (what LLM(**kwargs) calls) with a non-default value."""
     special = {"device": ("cpu", "cpu"), "dtype": ("float32", "float32"),
                "load_format": ("dummy", "dummy"), "chat_template": ("t.jinja", "t.jinja"),
+               "generation_config": ("vllm", "vllm"),
                "kv_cache_memory": ("2KiB", 2048), "gemv_config": ("8,512,4,3", (8, 512, 4, 3)),
                "qgemv_config": ("16,256,4,2", (16, 256, 4, 2)),
                "decode_attn_config": ("64,8,2", (64, 8, 2))}

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ferrum.config import EngineConfig, format_size, resolve_max_model_len
+from ferrum.config import EngineConfig, format_size, resolve_max_model_len, resolve_sampling_defaults
 from ferrum.engine.block_manager import BlockManager
 from ferrum.engine.scheduler import Scheduler
 from ferrum.engine.sequence import Request, Sequence, SequenceStatus
@@ -114,6 +114,13 @@ class LLMEngine:
         if self.tokenizer is not None:
             self.tokenizer.split_special_tokens = config.split_special_tokens
         self.eos_token_ids = list(source.eos_token_ids or (self.tokenizer.eos_token_ids if self.tokenizer else []))
+        # what requests that leave temperature, top_p, ... unset get: the model creator's values
+        # from generation_config.json under --generation-config auto, as vLLM
+        self.sampling_defaults = resolve_sampling_defaults(
+            config.generation_config, source.path if source.fmt == "safetensors" else None)
+        if self.sampling_defaults:
+            log.warning("sampling defaults from generation_config.json: %s (--generation-config vllm "
+                     "ignores them)", self.sampling_defaults)
         self.executor = create_executor(source, config, progress)
         try:
             self._init_after_executor(config)
@@ -166,6 +173,11 @@ class LLMEngine:
         self._metadata_cache: tuple[list[Sequence], SamplingMetadata] | None = None
 
     # ---- requests -------------------------------------------------------------------------
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's sampling defaults (`sampling_defaults`): what a
+        request without its own SamplingParams gets (vLLM's get_default_sampling_params)."""
+        return SamplingParams(**self.sampling_defaults)
+
     def add_request(self, request_id: str | None, prompt: str | list[int] | None,
                     params: SamplingParams | None = None,
                     prompt_token_ids: list[int] | None = None, queue_limit: bool = False) -> str:
@@ -177,7 +189,7 @@ class LLMEngine:
         structured-outputs schema / regex / grammar that does not compile),
         PromptTooLongError (prompt >= max_model_len), OutOfKvCacheError (the request could
         never fit in the KV pool), QueueFullError (queue_limit and too many waiting requests)."""
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")

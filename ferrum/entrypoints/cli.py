@@ -16,6 +16,7 @@ import sys
 from ferrum.config import MAX_REQUEST_BODY, SHUTDOWN_TIMEOUT_S, parse_body_limit
 from ferrum.entrypoints.args import (HelpFormatter, _as_argparse_type, add_engine_args,
                                      config_from_args)
+from ferrum.entrypoints.run import RUN_DEFAULTS
 from ferrum.errors import FerrumError
 from ferrum.sampling_params import SamplingParams
 
@@ -99,27 +100,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = command("run", "generate from a prompt, or chat interactively",
                 description="Generate from --prompt (or from stdin when it is not a terminal), "
-                            "else chat interactively (type /help in the chat). The sampling "
-                            "defaults here (temperature 0.7, 256 tokens) are chat defaults; the "
-                            "Python API's SamplingParams() defaults are vLLM's (1.0, 16 tokens).")
+                            "else chat interactively (type /help in the chat). A sampling flag "
+                            "left out takes the model's generation_config.json value (see "
+                            "--generation-config), else this command's chat defaults "
+                            "(temperature 0.7, 256 tokens; the Python API's SamplingParams() "
+                            "defaults are vLLM's, 1.0 and 16 tokens).")
     add_engine_args(r)
     g = r.add_argument_group("generation")
     g.add_argument("--prompt", "-p", default=None,
                    help="one-shot prompt (default: read stdin when it is piped, else chat)")
     g.add_argument("--system", default=None, help="system message (default: none)")
     g.add_argument("--raw", action="store_true", help="send --prompt as is, without the chat template")
-    g.add_argument("--max-tokens", type=int, default=256,
-                   help=f"most tokens per reply (SamplingParams() defaults to {SamplingParams.max_tokens})")
-    g.add_argument("--temperature", type=float, default=0.7,
-                   help="sampling temperature, 0 = greedy "
-                        f"(SamplingParams() defaults to {SamplingParams.temperature})")
-    g.add_argument("--top-p", type=float, default=SamplingParams.top_p, help="nucleus sampling: keep the top tokens "
-                   "whose probabilities sum to this")
-    g.add_argument("--top-k", type=int, default=SamplingParams.top_k, help="keep the k most likely tokens; -1 = all")
-    g.add_argument("--min-p", type=float, default=SamplingParams.min_p, help="drop tokens less likely than this "
-                   "fraction of the most likely one")
-    g.add_argument("--repetition-penalty", type=float, default=SamplingParams.repetition_penalty,
-                   help="> 1 discourages tokens already in the prompt or output")
+    # default None: the model's generation_config.json value, else RUN_DEFAULTS / SamplingParams'
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help=f"most tokens per reply (default: {RUN_DEFAULTS['max_tokens']})")
+    g.add_argument("--temperature", type=float, default=None,
+                   help=f"sampling temperature, 0 = greedy (default: {RUN_DEFAULTS['temperature']})")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep the top tokens "
+                   f"whose probabilities sum to this (default: {SamplingParams.top_p})")
+    g.add_argument("--top-k", type=int, default=None,
+                   help=f"keep the k most likely tokens; -1 = all (default: {SamplingParams.top_k})")
+    g.add_argument("--min-p", type=float, default=None, help="drop tokens less likely than this "
+                   f"fraction of the most likely one (default: {SamplingParams.min_p})")
+    g.add_argument("--repetition-penalty", type=float, default=None,
+                   help="> 1 discourages tokens already in the prompt or output "
+                        f"(default: {SamplingParams.repetition_penalty})")
     g.add_argument("--seed", type=int, default=None,
                    help="sampling seed, for repeatable replies (default: random)")
     g.add_argument("--stop", action="append", default=None, metavar="TEXT",

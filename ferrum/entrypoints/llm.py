@@ -65,20 +65,27 @@ class LLM:
                                       "or its GGUF's could not be converted); pass prompt token ids")
         return self.tokenizer.hf
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no SamplingParams: SamplingParams() with
+        the model's generation_config.json sampling defaults (temperature, top_p, top_k,
+        min_p, repetition_penalty, max_new_tokens as max_tokens) under the engine option
+        generation_config="auto"; plain SamplingParams() with "vllm". As vLLM's."""
+        return self.engine.default_sampling_params()
+
     def generate(self, prompts: str | dict | list[str | dict] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. Prompts are strings or token-id lists, or
         vLLM's dicts {"prompt": text} / {"prompt_token_ids": ids};
-        sampling_params is one SamplingParams for all (default: `SamplingParams()`) or a list
-        with one per prompt. All are queued first, so they run concurrently (continuous
+        sampling_params is one SamplingParams for all (default: `get_default_sampling_params()`)
+        or a list with one per prompt. All are queued first, so they run concurrently (continuous
         batching). Raises InvalidRequestError when prompts are of another type (param
         "prompts" / "prompts[i]"; an empty, too long or out-of-vocabulary prompt of several is
         named "prompts[i]" too), sampling_params is not a SamplingParams or a list of them
         with one per prompt, plus what `LLMEngine.add_request` raises (nothing is left queued
         then), and EngineDeadError after `shutdown`."""
         prompts = _prompt_list(prompts)
-        params = _params_list(sampling_params, len(prompts), "prompt")
+        params = _params_list(sampling_params, len(prompts), "prompt", self.get_default_sampling_params)
         return self._generate(prompts, params, use_tqdm, "prompts" if len(prompts) > 1 else "prompt")
 
     def _generate(self, prompts: list, params: list[SamplingParams], use_tqdm: bool,
@@ -147,7 +154,7 @@ class LLM:
         # a list of conversations (lists), else one conversation (prepare_chat checks it)
         convs = messages if isinstance(messages, list) and (
             not messages or isinstance(messages[0], list)) else [messages]
-        params = _params_list(sampling_params, len(convs), "conversation")
+        params = _params_list(sampling_params, len(convs), "conversation", self.get_default_sampling_params)
         parser = self.engine.config.tool_call_parser if tool_parser is None else tool_parser
         chats = []
         for i, c in enumerate(convs):   # in a batch, a bad conversation is named messages[i]
@@ -219,9 +226,9 @@ def _prompt_list(prompts) -> list:
     return out
 
 
-def _params_list(sampling_params, n: int, what: str) -> list[SamplingParams]:
+def _params_list(sampling_params, n: int, what: str, default) -> list[SamplingParams]:
     """One SamplingParams per prompt (`what` = "prompt") or conversation: `sampling_params` is
-    one for all (None: `SamplingParams()`) or a list of n. Raises InvalidRequestError naming
+    one for all (None: `default()`) or a list of n. Raises InvalidRequestError naming
     "sampling_params" / "sampling_params[i]" for a wrong length or type."""
     if isinstance(sampling_params, (list, tuple)):   # vLLM takes any sequence of them
         if len(sampling_params) != n:
@@ -230,7 +237,7 @@ def _params_list(sampling_params, n: int, what: str) -> list[SamplingParams]:
                 f"SamplingParams for all, or a list with one per {what}", param="sampling_params")
         params = list(sampling_params)
     else:   # `is None`, not `or`: a falsy wrong value ({}, 0) is named below, not replaced
-        params = [SamplingParams() if sampling_params is None else sampling_params] * n
+        params = [default() if sampling_params is None else sampling_params] * n
     for i, sp in enumerate(params):
         if not isinstance(sp, SamplingParams):
             where = "sampling_params" if sp is sampling_params else f"sampling_params[{i}]"

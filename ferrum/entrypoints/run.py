@@ -105,15 +105,26 @@ def stream(engine, prompt_ids: list[int], params: SamplingParams, out=None,
     return text, interrupted
 
 
-def sampling_params(args) -> SamplingParams:
+# Chat defaults of `ferrum run` where SamplingParams' (vLLM's: temperature 1.0, 16 tokens) suit
+# an API more than a chat; the model's generation_config.json values come before them.
+RUN_DEFAULTS = {"temperature": 0.7, "max_tokens": 256}
+# `ferrum run`'s sampling flags (each None when left out)
+_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
+
+
+def sampling_params(args, model_defaults: dict | None = None, seed: int | None = None) -> SamplingParams:
     """SamplingParams from `ferrum run`'s generation flags (validated: InvalidRequestError).
-    Without --seed a seed is drawn from the OS: the engine's own RNG starts from --engine-seed
+    A flag left out takes `model_defaults` (the engine's sampling_defaults, from the model's
+    generation_config.json), else RUN_DEFAULTS, else SamplingParams' default. Without --seed
+    the seed is `seed`, else drawn from the OS: the engine's own RNG starts from --engine-seed
     (0) in every process, so unseeded replies would repeat from run to run, which a chat
     command (as llama.cpp's --seed -1) should not do."""
-    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2 ** 31)
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          seed=seed, max_tokens=args.max_tokens, stop=args.stop)
+    if args.seed is not None:
+        seed = args.seed
+    elif seed is None:
+        seed = random.SystemRandom().randrange(2 ** 31)
+    given = {name: value for name in _FLAGS if (value := getattr(args, name)) is not None}
+    return SamplingParams(**{**RUN_DEFAULTS, **(model_defaults or {}), **given}, seed=seed, stop=args.stop)
 
 
 def _check_utf8(text: str, source: str, param: str = "prompt") -> None:
@@ -161,6 +172,8 @@ def run(args) -> int:
     from ferrum.engine.llm_engine import LLMEngine
     engine = LLMEngine(config_from_args(args))
     try:
+        if engine.sampling_defaults:   # the model's own, for the flags left out
+            params = sampling_params(args, engine.sampling_defaults, seed=params.seed)
         if engine.tokenizer is None:
             raise InvalidRequestError(
                 f"model {args.model!r} has no tokenizer files, so `ferrum run` cannot encode "

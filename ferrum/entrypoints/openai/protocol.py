@@ -72,9 +72,17 @@ Temperature = Annotated[float, Field(le=2.0, allow_inf_nan=False)]  # NaN / inf:
 # "priority", "scale": a 400 naming the field).
 ServiceTier = Literal["auto", "default"]
 
-# Sampling fields a client may leave out (null): SamplingParams' defaults apply.
+# Sampling fields a client may leave out (null): the model's defaults (generation_config.json),
+# else SamplingParams' apply.
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                       "presence_penalty", "frequency_penalty")
+
+
+def sampling_defaults(defaults: dict | None, given: dict) -> dict:
+    """The sampling fields a request `given` with the model's `defaults` (the engine's
+    sampling_defaults) for those it left out; max_tokens is not among them (each API has its
+    own rule: OpenAIServing._max_tokens)."""
+    return {**{k: v for k, v in (defaults or {}).items() if k in _OPTIONAL_SAMPLING}, **given}
 
 
 class _SamplingFields(_Strict):
@@ -132,19 +140,21 @@ class _SamplingFields(_Strict):
             return StructuredOutputsParams.from_dict(value)
         return StructuredOutputsParams(**{name.removeprefix("guided_"): value}, param=name)
 
-    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """SamplingParams for this request. Raises InvalidRequestError (param named)."""
+    def _params(self, max_tokens: int | None, logprobs: int | None,
+                defaults: dict | None) -> SamplingParams:
+        """SamplingParams for this request; sampling fields it leaves out take `defaults` (the
+        model's), else SamplingParams' own. Raises InvalidRequestError (param named)."""
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed with stream: true",
                                       param="stream_options")
         if self.prompt_logprobs is not None and self.stream:   # vLLM refuses them there too
             raise InvalidRequestError("prompt_logprobs is not available with stream: true; send "
                                       "the request without stream", param="prompt_logprobs")
-        # A field the client left out (None) takes SamplingParams' own default: one place.
+        # A field the client left out (None) takes the model's default, else SamplingParams' own
         given = {name: value for name in _OPTIONAL_SAMPLING
                  if (value := getattr(self, name)) is not None}
         return SamplingParams(
-            n=self.n, **given, logit_bias=self.logit_bias, seed=self.seed, max_tokens=max_tokens,
+            n=self.n, **sampling_defaults(defaults, given), logit_bias=self.logit_bias, seed=self.seed, max_tokens=max_tokens,
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
@@ -189,8 +199,9 @@ class CompletionRequest(_SamplingFields):
     def echo_only(self) -> bool:
         return self.echo and self.max_tokens == 0
 
-    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        """max_tokens: what the engine generates (1 for echo_only; its token is dropped)."""
+    def sampling_params(self, max_tokens: int | None, defaults: dict | None = None) -> SamplingParams:
+        """max_tokens: what the engine generates (1 for echo_only; its token is dropped);
+        defaults: the model's sampling defaults, for the fields left out."""
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
                                       param="logprobs")
@@ -202,7 +213,7 @@ class CompletionRequest(_SamplingFields):
                                       "use n for several choices)", param="best_of")
         if self.best_of == 1 and self.n > 1:
             raise InvalidRequestError(f"best_of (1) must be at least n ({self.n})", param="best_of")
-        params = self._params(max_tokens, self.logprobs)
+        params = self._params(max_tokens, self.logprobs, defaults)
         if self.echo and self.logprobs is not None:   # the echoed tokens' logprobs: the larger top-N
             params.prompt_logprobs = max(self.prompt_logprobs or 0, self.logprobs)
         fmt = response_format_constraint(self.response_format)
@@ -286,7 +297,8 @@ class ChatCompletionRequest(_SamplingFields):
                                       f"{self.max_completion_tokens}", param="max_completion_tokens")
         return self.max_completion_tokens
 
-    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, defaults: dict | None = None) -> SamplingParams:
+        """defaults: the model's sampling defaults, for the fields left out."""
         if self.store:
             raise InvalidRequestError("store: true is not supported: ferrum stores no "
                                       "completions (send store: false or leave it out)", param="store")
@@ -296,7 +308,7 @@ class ChatCompletionRequest(_SamplingFields):
         if top is not None and not 0 <= top <= MAX_LOGPROBS:
             raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}",
                                       param="top_logprobs")
-        return self._params(max_tokens, (top or 0) if self.logprobs else None)
+        return self._params(max_tokens, (top or 0) if self.logprobs else None, defaults)
 
 
 class TokenizeRequest(_Strict):

@@ -51,7 +51,7 @@ from starlette.responses import JSONResponse
 
 from ferrum.entrypoints.chat_utils import PARALLEL_TOOL_CALLS, ChatPrompt, prepare_chat
 from ferrum.entrypoints.openai.logprobs import chat_logprobs, ready_tokens, token_texts
-from ferrum.entrypoints.openai.protocol import ServiceTier, Temperature, _Strict
+from ferrum.entrypoints.openai.protocol import ServiceTier, Temperature, _Strict, sampling_defaults
 from ferrum.entrypoints.openai.serving import EventStream, OpenAIServing, _Prompt, ferrum_error_body
 from ferrum.errors import FerrumError, InvalidRequestError
 from ferrum.outputs import RequestOutput
@@ -153,9 +153,11 @@ class ResponsesRequest(_Strict):
     def want_logprobs(self) -> bool:
         return _LOGPROBS_INCLUDE in (self.include or [])
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, defaults: dict | None = None) -> SamplingParams:
         """SamplingParams for the request (max_tokens already checked against the context),
-        before the chat conversion adds its constraint (`ChatPrompt.sampling_params`). Raises
+        before the chat conversion adds its constraint (`ChatPrompt.sampling_params`); the
+        sampling fields it leaves unset (this API has no top_k, min_p, repetition_penalty)
+        take `defaults` (the model's, see OpenAIServing.sampling_defaults). Raises
         InvalidRequestError naming the field."""
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise InvalidRequestError(f"max_output_tokens must be >= 1, got {self.max_output_tokens}",
@@ -164,10 +166,10 @@ class ResponsesRequest(_Strict):
         if top is not None and not 0 <= top <= MAX_LOGPROBS:
             raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}",
                                       param="top_logprobs")
-        given = {name: value for name in ("temperature", "top_p")   # None: SamplingParams' default
+        given = {name: value for name in ("temperature", "top_p")   # None: the default
                  if (value := getattr(self, name)) is not None}
         return SamplingParams(
-            **given, max_tokens=max_tokens,
+            **sampling_defaults(defaults, given), max_tokens=max_tokens,
             logprobs=(top or 0) if self.want_logprobs else None)
 
 
@@ -367,7 +369,8 @@ class OpenAIServingResponses:
         chat = await asyncio.to_thread(prepare_response, s, req)   # tokenizing: off the loop
         ids = chat.prompt_token_ids
         params = chat.sampling_params(req.sampling_params(
-            s._max_tokens(len(ids), req.max_output_tokens, "max_output_tokens", "input")))
+            s._max_tokens(len(ids), req.max_output_tokens, "max_output_tokens", "input"),
+            s.sampling_defaults))
         rid = f"resp_{uuid.uuid4().hex}"
         streams = await s._start(rid, [_Prompt(None, ids)], [params])
         state = _ResponseState(rid, model, req, len(ids), s.fmt, chat.tool_parser)

@@ -161,6 +161,9 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.fmt = TokenFormatter(self.tokenizer)
         self.system_fingerprint = system_fingerprint(engine.engine.config)
+        # the model's generation_config.json defaults (--generation-config): fields a request
+        # leaves unset take them (max_tokens too, for requests where it may be left out)
+        self.sampling_defaults = engine.engine.sampling_defaults
 
     # ---- shared ----------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> str:
@@ -184,13 +187,15 @@ class OpenAIServing:
 
     def _max_tokens(self, num_prompt: int, requested: int | None, param: str,
                     prompt_param: str = "prompt") -> int | None:
-        """max_tokens for a prompt of `num_prompt` tokens: `requested`, or what is left of the
-        context when None. Raises PromptTooLongError when they do not fit in max_model_len,
-        naming `prompt_param` (the prompt's field) or `param` (the max_tokens field)."""
+        """max_tokens for a prompt of `num_prompt` tokens: `requested`, or when None what is
+        left of the context, at most the model's default max_tokens (generation_config.json's
+        max_new_tokens, as vLLM). Raises PromptTooLongError when they do not fit in
+        max_model_len, naming `prompt_param` (the prompt's field) or `param` (the max_tokens
+        field)."""
         limit = self.engine.max_model_len
         check_prompt_len(num_prompt, limit, prompt_param)
         if requested is None:
-            return limit - num_prompt
+            return min(limit - num_prompt, self.sampling_defaults.get("max_tokens", limit))
         if isinstance(requested, int) and requested > 0 and num_prompt + requested > limit:
             raise PromptTooLongError(
                 f"prompt has {num_prompt} tokens and {param} is {requested}: {num_prompt} + "
@@ -301,7 +306,8 @@ class OpenAIServing:
             self._prompt(p, req.echo, name) for p, name in zip(given, names)])
         max_tokens = 1 if req.echo_only else req.max_tokens
         # a prompt too long is named as its other errors are: prompt[i] of a batch of prompts
-        params = [req.sampling_params(self._max_tokens(len(p.token_ids), max_tokens, "max_tokens", name))
+        params = [req.sampling_params(self._max_tokens(len(p.token_ids), max_tokens, "max_tokens", name),
+                                      self.sampling_defaults)
                   for p, name in zip(prompts, names)]
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._start(rid, prompts, params, names)
@@ -432,8 +438,8 @@ class OpenAIServing:
         prompts = [_Prompt(None, ids)]
         requested = req.requested_max_tokens()
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        params = chat.sampling_params(req.sampling_params(self._max_tokens(len(ids), requested, param,
-                                                                           "messages")))
+        params = chat.sampling_params(req.sampling_params(
+            self._max_tokens(len(ids), requested, param, "messages"), self.sampling_defaults))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._start(rid, prompts, [params])
         top_n = req.top_logprobs or 0
