@@ -64,7 +64,7 @@ def load_weights(model: nn.Module, source: WeightSource, progress: bool = True) 
     split = getattr(model, "split_fused_weight", None) or (lambda n, lazy: [(n, lazy)])
     modules = dict(model.named_modules())
     loaded: set[str] = set()
-    unused: list[str] = []   # checkpoint tensors no parameter takes
+    unused: list[tuple[str, object]] = []   # checkpoint tensors no parameter takes (name, lazy)
     names = source.names()
     # a terminal clears the finished bar; a log keeps it, ended by a newline, so the next line
     # does not run onto it
@@ -81,7 +81,7 @@ def load_weights(model: nn.Module, source: WeightSource, progress: bool = True) 
             target, shard = remap(name)
             param = params.get(target)
             if param is None:
-                unused.append(name)
+                unused.append((name, lazy))
                 continue
             try:
                 param.weight_loader(param, lazy, shard)
@@ -109,20 +109,23 @@ def load_weights(model: nn.Module, source: WeightSource, progress: bool = True) 
     process_weights_after_loading(model)
 
 
-def check_unused(model: nn.Module, unused: list[str], remap, modules: dict[str, nn.Module]) -> None:
-    """Raise WeightLoadError for checkpoint tensors that no parameter took but that the model
-    needs to compute what the checkpoint computes: layers past the config's num_hidden_layers
-    (the model would run on its first layers only) and a bias of a layer the config builds
-    without one (attention_bias / mlp_bias off); vLLM too refuses such tensors. Other unused
-    tensors (tied lm_head copies, extra heads) are ignored."""
+def check_unused(model: nn.Module, unused: list[tuple[str, object]], remap,
+                 modules: dict[str, nn.Module]) -> None:
+    """Raise WeightLoadError for checkpoint tensors (name, lazy tensor) that no parameter took
+    but that the model needs to compute what the checkpoint computes: layers past the config's
+    num_hidden_layers (the model would run on its first layers only) and a nonzero bias of a
+    layer the config builds without one (attention_bias / mlp_bias off). An all-zero bias is
+    skipped: AutoGPTQ writes one for every linear of models without biases, and vLLM's loaders
+    skip extra biases. Other unused tensors (tied lm_head copies, extra heads) are ignored."""
     n_layers = model.config.num_hidden_layers
-    for name in unused:
+    for name, lazy in unused:
         m = re.search(r"\.layers\.(\d+)\.", name)
         if m and int(m[1]) >= n_layers:
             raise WeightLoadError(f"{name}: the checkpoint has layer {m[1]}, but the model config "
                                   f"(config.json / GGUF block_count) has num_hidden_layers {n_layers}")
         owner = modules.get(remap(name)[0].rpartition(".")[0])
-        if name.endswith(".bias") and owner is not None and getattr(owner, "bias", 0) is None:
+        if (name.endswith(".bias") and owner is not None and getattr(owner, "bias", 0) is None
+                and bool(lazy.load().any())):
             raise WeightLoadError(f"{name}: the checkpoint has a bias that the model config does "
                                   "not enable (config.json's attention_bias / mlp_bias, or its architecture)")
 
