@@ -170,6 +170,29 @@ def test_json_object_accepts_any_object_only(llm):
         assert accepted == ok, doc
 
 
+def test_json_schema_objects_are_closed_as_vllms_default_backend_closes_them(llm):
+    """vLLM's default structured-output backend (xgrammar, strict_mode) closes an object schema
+    with properties that does not set additionalProperties, and a prefixItems tuple without
+    items; ferrum followed JSON Schema's open objects, so SmolLM2 added fields to a forced tool
+    call's arguments (LangChain's bind_tools: `fn(**args)` failed). An object without
+    properties stays any object, and additionalProperties: true still allows more."""
+    point = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    cases = [
+        (point, '{"x": 1}', True), (point, '{"x": 1, "y": 2}', False),
+        ({"type": "object", "properties": {"p": point}}, '{"p": {"x": 1, "z": 0}}', False),
+        ({**point, "additionalProperties": True}, '{"x": 1, "y": 2}', True),
+        ({"type": "object"}, '{"anything": [1]}', True),
+        ({"type": "object", "properties": {"o": {"type": "object"}}}, '{"o": {"k": 1}}', True),
+        ({"type": "array", "prefixItems": [{"type": "integer"}]}, '[1]', True),
+        ({"type": "array", "prefixItems": [{"type": "integer"}]}, '[1, 2]', False),
+        ({"type": "array", "prefixItems": [{"type": "integer"}], "items": {"type": "string"}}, '[1, "a"]', True),
+    ]
+    for schema, doc, ok in cases:
+        m = llm.engine.structured.compile(StructuredOutputsParams(json=schema)).matcher()
+        accepted = m.consume_tokens(llm.tokenizer.encode(doc, add_special_tokens=False)) and m.is_accepting()
+        assert accepted == ok, (schema, doc)
+
+
 def test_keywords_that_constrain_nothing_are_not_refused(llm):
     """uniqueItems: false and a propertyNames every key meets (what OpenAPI generators and zod
     write) were 400s "Unimplemented keys" from llguidance; they are dropped, also in nested

@@ -103,13 +103,18 @@ def test_readme_json_schema_example_gives_valid_json(smol):
     # the Python snippet beside it: the SDK's parse with README's City model
     from pydantic import BaseModel, Field
 
-    class City(BaseModel, extra="forbid"):
+    class City(BaseModel):
         name: str
         population: int = Field(ge=0, le=100_000_000)
-    assert City.model_json_schema()["additionalProperties"] is False   # what the offline snippet sends
+    assert "additionalProperties" not in City.model_json_schema()   # what the offline snippet sends
     parsed = smol.chat.completions.parse(model="smollm2", response_format=City, max_tokens=64, temperature=0,
                                          messages=body["messages"]).choices[0].message.parsed
     assert isinstance(parsed, City) and parsed.name
+    # the offline snippet's open schema (no strict): its properties close the object, as in vLLM
+    # (SmolLM2 added fields beyond name and population while objects stayed open)
+    r = smol.chat.completions.create(model="smollm2", max_tokens=64, temperature=0, messages=body["messages"],
+                                     extra_body={"structured_outputs": {"json": City.model_json_schema()}})
+    assert set(json.loads(r.choices[0].message.content)) == {"name", "population"}
 
 
 def test_required_cut_off_by_max_tokens_returns_the_calls_as_far_as_they_got(smol, smollm2_gguf_path):

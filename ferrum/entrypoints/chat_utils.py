@@ -42,7 +42,8 @@ from dataclasses import dataclass
 from ferrum.errors import InvalidRequestError
 from ferrum.sampling_params import SamplingParams
 from ferrum.structured_output import StructuredOutputsParams
-from ferrum.structured_output.json_schema import SUBSCHEMA_KEYS, SUBSCHEMA_LIST_KEYS, SUBSCHEMA_MAP_KEYS
+from ferrum.structured_output.json_schema import (SUBSCHEMA_KEYS, SUBSCHEMA_LIST_KEYS, SUBSCHEMA_MAP_KEYS,
+                                                  closed_objects)
 from ferrum.structured_output.params import json_value
 from ferrum.tokenizer.tokenizer import check_unicode_in
 from ferrum.tool_parsers import NamedToolParser, RequiredToolParser, ToolParser, tool_parser_class
@@ -319,36 +320,6 @@ def tool_choice_constraint(tools: list[dict], tool_choice, parallel_tool_calls: 
     if not parallel_tool_calls:
         schema["maxItems"] = 1
     return StructuredOutputsParams(json=schema, param="tool_choice")
-
-
-# subschemas closed_objects leaves as they are: allOf's parts (see there), and those whose
-# object would not be the value's (not, if / then / else, unevaluated*)
-_NOT_CLOSED = frozenset({"allOf", "not", "if", "then", "else", "unevaluatedItems", "unevaluatedProperties"})
-
-
-def closed_objects(schema):
-    """A copy of a JSON schema in which every object schema (type "object", or properties
-    without a type) that does not set additionalProperties sets it to false: what OpenAI's
-    `strict: true` assumes. Descends into subschemas (properties, items, anyOf / oneOf
-    branches, $defs, ...) but not into allOf: closing each part would refuse what only the
-    parts together allow."""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for key, value in schema.items():
-        if key in _NOT_CLOSED:
-            continue
-        if key in SUBSCHEMA_KEYS:
-            out[key] = closed_objects(value)
-        elif key in SUBSCHEMA_LIST_KEYS and isinstance(value, list):
-            out[key] = [closed_objects(v) for v in value]
-        elif key in SUBSCHEMA_MAP_KEYS and isinstance(value, dict):
-            out[key] = {name: closed_objects(v) for name, v in value.items()}
-    kind = schema.get("type")
-    if (kind == "object" or (isinstance(kind, list) and "object" in kind)
-            or (kind is None and "properties" in schema)):
-        out.setdefault("additionalProperties", False)
-    return out
 
 
 def response_format_constraint(response_format) -> StructuredOutputsParams | None:

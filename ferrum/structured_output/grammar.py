@@ -35,7 +35,8 @@ import llguidance.hf
 from llguidance.gbnf_to_lark import any_to_lark
 
 from ferrum.errors import InvalidRequestError
-from ferrum.structured_output.json_schema import SUBSCHEMA_KEYS, SUBSCHEMA_LIST_KEYS, SUBSCHEMA_MAP_KEYS
+from ferrum.structured_output.json_schema import (SUBSCHEMA_KEYS, SUBSCHEMA_LIST_KEYS, SUBSCHEMA_MAP_KEYS,
+                                                  closed_objects)
 from ferrum.structured_output.params import StructuredOutputsParams
 
 # JSON written on one line with Python's default separators: the model may not add whitespace.
@@ -55,7 +56,10 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             raise InvalidRequestError(f"{p}: invalid grammar: {e}", param=p) from e
     try:
         if kind in ("json", "json_object"):
-            schema = without_noops(params.json) if kind == "json" else {"type": "object"}
+            # a schema's objects closed as vLLM's default backend closes them (xgrammar's
+            # strict_mode): a small model otherwise adds properties no client expects
+            schema = (closed_objects(without_noops(params.json), every_object=False) if kind == "json"
+                      else {"type": "object"})
             if params.whitespace_pattern is not None:
                 options = {"whitespace_flexible": True, "whitespace_pattern": params.whitespace_pattern}
             elif params.disable_any_whitespace:
