@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ferrum.model_store as store
-from ferrum.errors import ModelNotFoundError, StorageError, WeightLoadError
+from ferrum.errors import ModelNotFoundError, StorageError, UnsupportedModelError, WeightLoadError
 from ferrum.loader.resolve import resolve_model
 
 PAYLOAD = b"GGUF fake model bytes " * 100
@@ -289,6 +289,27 @@ def test_broken_hf_folder_is_a_named_one_line_error(tmp_path, what, edit, error,
     with pytest.raises(getattr(ferrum.errors, error), match=match) as info:
         resolve_model(str(folder)).weights()
     assert "\n" not in str(info.value), what
+
+
+def test_broken_tokenizer_json_is_a_named_error_at_load(tmp_path):
+    """A tokenizer.json that is there but not JSON (a cut download) loaded the model with a
+    warning, and every text prompt then failed with "this model has no tokenizer"; now the
+    engine refuses the folder at load, naming the file. Without tokenizer files at all it still
+    loads and serves token-id prompts."""
+    from ferrum.engine.llm_engine import LLMEngine
+    from ferrum.config import EngineConfig
+    folder = _tiny_folder(tmp_path)
+    (folder / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    with pytest.raises(UnsupportedModelError, match=r"tokenizer.json cannot be loaded: JSONDecodeError"):
+        resolve_model(str(folder)).tokenizer_loader()
+    for f in folder.glob("tokenizer*"):
+        f.unlink()
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(folder), device="cpu", max_model_len=64,
+                                                threads=1), progress=False)
+    try:
+        assert engine.tokenizer is None
+    finally:
+        engine.shutdown()
 
 
 def test_list_skips_dangling_links_and_stray_files(tmp_path, monkeypatch):

@@ -137,7 +137,16 @@ def load_hf_folder(folder: str) -> ModelSource:
 
     def tokenizer_loader():
         from ferrum.tokenizer.tokenizer import Tokenizer
-        return Tokenizer.from_folder(folder, eos)
+        try:
+            return Tokenizer.from_folder(folder, eos)
+        except (OSError, ValueError) as e:
+            # a folder without tokenizer files still serves token-id prompts (the engine warns);
+            # a tokenizer.json that is there but broken is a damaged download: say so at load,
+            # not as "this model has no tokenizer" on every text prompt
+            if os.path.exists(os.path.join(folder, "tokenizer.json")):
+                raise UnsupportedModelError(f"{folder}/tokenizer.json cannot be loaded: "
+                                            f"{type(e).__name__}: {_first_line(e)}") from None
+            raise
 
     return ModelSource(
         name=os.path.basename(os.path.normpath(folder)),
