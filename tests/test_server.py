@@ -611,6 +611,9 @@ def test_context_length_errors_give_the_numbers(server):
     e = _err(_post(server, "/v1/completions", {"model": MODEL, "prompt": long_prompt, "max_tokens": 10}), 400)
     assert str(n) in e["message"] and "10" in e["message"] and str(MAX_MODEL_LEN) in e["message"]
     assert e["param"] == "max_tokens"
+    # in a batch, which prompt does not leave room for max_tokens (it said "prompt" for any)
+    e = _err(_post(server, "/v1/completions", {"model": MODEL, "prompt": [[100], long_prompt], "max_tokens": 10}), 400)
+    assert e["message"].startswith(f"prompt[1] has {n} tokens") and e["param"] == "max_tokens"
     e = _err(_post(server, "/v1/completions", {"model": MODEL, "prompt": [100] * (n + 50)}), 400)
     assert str(n + 50) in e["message"] and e["param"] == "prompt"
     e = _err(_post(server, "/v1/chat/completions", {

@@ -197,8 +197,10 @@ class OpenAIServing:
         if requested is None:
             return min(limit - num_prompt, self.sampling_defaults.get("max_tokens", limit))
         if isinstance(requested, int) and requested > 0 and num_prompt + requested > limit:
+            # which prompt of a batch: prompt[i] (a single one, or messages / input: "prompt")
+            what = prompt_param if prompt_param.startswith("prompt[") else "prompt"
             raise PromptTooLongError(
-                f"prompt has {num_prompt} tokens and {param} is {requested}: {num_prompt} + "
+                f"{what} has {num_prompt} tokens and {param} is {requested}: {num_prompt} + "
                 f"{requested} = {num_prompt + requested} tokens exceed max_model_len {limit}; "
                 f"lower {param} to at most {limit - num_prompt}", param=param)
         return requested
