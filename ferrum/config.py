@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import json
 import math
 import os
 import typing
@@ -360,16 +361,29 @@ def _id_list(value) -> list[int]:
     return [] if value is None else [value] if isinstance(value, int) else list(value)
 
 
-def generation_eos_token_ids(folder: str) -> list[int] | None:
-    """`eos_token_id` of a HF folder's generation_config.json, read with transformers'
-    GenerationConfig; None when the folder has no such file or it names no EOS id. Raises
-    ValueError for ids that are not integers."""
-    if not os.path.exists(os.path.join(folder, "generation_config.json")):
+def _generation_config(folder: str) -> dict | None:
+    """A HF folder's generation_config.json as a dict (None when there is none), read as
+    plain JSON: transformers' GenerationConfig refused values ferrum does not read
+    (max_new_tokens 0 failed every load, --generation-config vllm too) and warned that a
+    temperature without do_sample "may be ignored" while ferrum applies it. Raises ValueError
+    (json.JSONDecodeError) for a file that is not one JSON object."""
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.exists(path):
         return None
-    from transformers import GenerationConfig
-    value = GenerationConfig.from_pretrained(folder).eos_token_id
+    with open(path, encoding="utf-8") as f:
+        given = json.load(f)
+    if not isinstance(given, dict):
+        raise ValueError(f"not a JSON object but {type(given).__name__}")
+    return given
+
+
+def generation_eos_token_ids(folder: str) -> list[int] | None:
+    """`eos_token_id` of a HF folder's generation_config.json; None when the folder has no
+    such file or it names no EOS id. Raises ValueError for a file that is not a JSON object
+    and for ids that are not integers."""
+    value = (_generation_config(folder) or {}).get("eos_token_id")
     ids = _id_list(value)
-    # transformers takes any JSON here; a string or null failed later, inside the tokenizer
+    # any JSON can stand here; a string or null failed later, inside the tokenizer
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise ValueError(f"eos_token_id must be a token id or a list of token ids (integers), "
                          f"got {value!r}")
@@ -387,19 +401,18 @@ def generation_sampling_defaults(folder: str) -> dict[str, Any]:
     """The sampling defaults a model's creator wrote in `folder`/generation_config.json, as
     SamplingParams fields: temperature, top_p, top_k, min_p, repetition_penalty, and
     max_new_tokens as max_tokens (the fields vLLM's `--generation-config auto` reads; do_sample
-    is ignored, as there). {} when the folder has no such file. Requests that leave a field
+    is ignored, as there; a null is no value). {} when the folder has no such file. Requests that leave a field
     unset take it from here. Raises ConfigError (param "generation_config") when the file
     cannot be read or a value is not one SamplingParams accepts."""
-    if not os.path.exists(os.path.join(folder, "generation_config.json")):
-        return {}
-    from transformers import GenerationConfig
     from ferrum.sampling_params import SamplingParams
     where = os.path.join(folder, "generation_config.json")
     try:
-        given = GenerationConfig.from_pretrained(folder).to_diff_dict()
-    except Exception as e:  # noqa: BLE001  transformers' OSError for a file that is not JSON, ...
+        given = _generation_config(folder)
+    except (OSError, ValueError) as e:
         raise ConfigError(f"{where} cannot be read: {type(e).__name__}: {str(e).splitlines()[0]}",
                           param="generation_config") from None
+    if given is None:
+        return {}
     defaults = {ours: given[hf] for hf, ours in _GENERATION_SAMPLING.items() if given.get(hf) is not None}
     try:
         SamplingParams(**defaults)   # checked once here, not as every request's 400

@@ -63,8 +63,16 @@ def test_offline_requests_without_params_take_them(folder):
 
 
 def test_vllm_choice_and_a_folder_without_the_file(folder, tmp_path):
-    from ferrum.config import resolve_sampling_defaults
+    from ferrum.config import generation_eos_token_ids, resolve_sampling_defaults
     assert resolve_sampling_defaults("vllm", folder) == {}
+    # a value ferrum does not take stops only what reads it: --generation-config vllm gets past
+    # it (transformers' GenerationConfig refused max_new_tokens 0 in every read, EOS ids too)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "generation_config.json").write_text(json.dumps({"max_new_tokens": 0, "eos_token_id": 2}))
+    assert generation_eos_token_ids(str(bad)) == [2] and resolve_sampling_defaults("vllm", str(bad)) == {}
+    with pytest.raises(ConfigError, match="max_tokens"):
+        resolve_sampling_defaults("auto", str(bad))
     assert resolve_sampling_defaults("auto", None) == {}               # GGUF, dummy: none
     assert resolve_sampling_defaults(folder, None)["max_tokens"] == 5    # another folder's file
     with pytest.raises(ConfigError, match="not auto, vllm or a folder"):
@@ -102,6 +110,7 @@ def test_server_fields_left_out_take_them(folder):
                                                      "max_output_tokens": 5})).json()
             assert r["output"] == [dict(o, id=r["output"][0]["id"]) for o in g["output"]]
             assert r["usage"]["output_tokens"] == g["usage"]["output_tokens"] <= 5
+            assert (r["temperature"], g["temperature"]) == (0.0, 0.0)   # what ran, not 1.0
     try:
         asyncio.run(go())
     finally:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -119,8 +120,10 @@ class LLMEngine:
         self.sampling_defaults = resolve_sampling_defaults(
             config.generation_config, source.path if source.fmt == "safetensors" else None)
         if self.sampling_defaults:
-            log.warning("sampling defaults from generation_config.json: %s (--generation-config vllm "
-                     "ignores them)", self.sampling_defaults)
+            where = source.path if config.generation_config == "auto" else config.generation_config
+            log.warning("sampling defaults from %s: %s (--generation-config vllm, or "
+                        "generation_config=\"vllm\" in Python, ignores them)",
+                        os.path.join(where, "generation_config.json"), self.sampling_defaults)
         self.executor = create_executor(source, config, progress)
         try:
             self._init_after_executor(config)

@@ -373,7 +373,7 @@ class OpenAIServingResponses:
             s.sampling_defaults))
         rid = f"resp_{uuid.uuid4().hex}"
         streams = await s._start(rid, [_Prompt(None, ids)], [params])
-        state = _ResponseState(rid, model, req, len(ids), s.fmt, chat.tool_parser)
+        state = _ResponseState(rid, model, req, len(ids), s.fmt, chat.tool_parser, params)
         if req.stream:
             return EventStream(self._stream(state, streams, t0), streams)
         (out,) = await s._collect(streams, t0, raw)
@@ -422,10 +422,13 @@ class _ResponseState:
     """
 
     def __init__(self, rid: str, model: str, req: ResponsesRequest, num_prompt: int, fmt,
-                 tool_parser: ToolParser | None = None):
+                 tool_parser: ToolParser | None = None, params: SamplingParams | None = None):
         """fmt: the server's TokenFormatter (token text and bytes for logprobs). tool_parser:
-        reads function calls out of the output (None: all output is message text)."""
+        reads function calls out of the output (None: all output is message text). params:
+        what the request runs with, whose temperature and top_p the response reports (the
+        model's defaults where the request left them out; None: the request's, else 1.0)."""
         self.rid, self.model, self.req, self.fmt = rid, model, req, fmt
+        self.params = params
         self.tool_parser = tool_parser
         self.streamer = ToolCallStreamer(tool_parser) if tool_parser is not None else None
         self.created = int(time.time())
@@ -514,6 +517,14 @@ class _ResponseState:
             self.open["arguments"] += fragment
             self.emit("response.function_call_arguments.delta", delta=fragment, **self._where())
 
+    def _used(self, name: str) -> float:
+        """The temperature / top_p the request runs with (the model's default where it left
+        the field out), else the request's, else OpenAI's default 1.0."""
+        if self.params is not None:
+            return getattr(self.params, name)
+        given = getattr(self.req, name)
+        return 1.0 if given is None else given
+
     def finish(self) -> None:
         """The output is complete: close the open item (an empty message if there was none),
         the one item a token limit can have cut (`status`)."""
@@ -588,11 +599,11 @@ class _ResponseState:
             "model": self.model, "output": list(self.items) if done else [],
             "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": None,
             "reasoning": None, "store": False,
-            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "temperature": self._used("temperature"),
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt
                      else {"type": "text"}},
             "tool_choice": req.tool_choice, "tools": req.tools, "top_logprobs": req.top_logprobs,
-            "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled",
+            "top_p": self._used("top_p"), "truncation": "disabled",
             "usage": {"input_tokens": self.num_prompt,
                       "input_tokens_details": {"cached_tokens": self.cached_tokens},
                       "output_tokens": self.num_tokens,
