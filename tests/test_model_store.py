@@ -136,6 +136,12 @@ def test_unknown_name_raises(fake_store):
         resolve_model("no-such-model")
     with pytest.raises(ModelNotFoundError):
         resolve_model("./missing/dir")
+    # a typo of a known name gets the name it is close to (a fresh user typed "smolm2")
+    with pytest.raises(ModelNotFoundError, match=r"'smolm2' not found \(did you mean 'smollm2'\?\)"):
+        resolve_model("smolm2")
+    with pytest.raises(ModelNotFoundError) as info:
+        resolve_model("no-such-model")
+    assert "did you mean" not in str(info.value)
 
 
 def test_list_empty_without_cache(tmp_path, monkeypatch):

@@ -561,6 +561,20 @@ def test_null_for_an_openai_field_ferrum_lacks_means_unset(server):
     assert r.status_code == 200, r.text
 
 
+def test_a_misspelt_field_is_named_with_the_field_it_is_close_to(server):
+    """"temprature" read "unsupported field 'temprature': ferrum does not implement it", as if
+    a feature were missing (a fresh user's pass); now the 400 names the body's field it is
+    close to, and a field of no resemblance gets no guess."""
+    for path, field, close in [("/v1/chat/completions", "temprature", "temperature"),
+                               ("/v1/completions", "max_token", "max_tokens"),
+                               ("/v1/responses", "max_output_token", "max_output_tokens")]:
+        e = _err(_post(server, path, {"model": MODEL, **_BODIES[path], field: 1}), 400)
+        assert e["message"].endswith(f"(did you mean {close!r}?)") and e["param"] == field, e
+    e = _err(_post(server, "/v1/chat/completions", {"model": MODEL, **_BODIES["/v1/chat/completions"],
+                                                    "zzz": 1}), 400)
+    assert "did you mean" not in e["message"]
+
+
 def test_wrong_values_of_the_nullable_fields_stay_400s(server):
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     for field, value in [("store", True), ("store", "no"), ("metadata", {"k": 1}), ("metadata", []),

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import difflib
 import errno
 import hmac
 import logging
@@ -64,7 +65,7 @@ from ferrum.engine.async_engine import AsyncLLMEngine
 from ferrum.entrypoints.chat_utils import prepare_chat
 from ferrum.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                 DetokenizeRequest, TokenizeRequest)
-from ferrum.entrypoints.openai.responses import add_routes as add_responses_routes
+from ferrum.entrypoints.openai.responses import ResponsesRequest, add_routes as add_responses_routes
 from ferrum.entrypoints.openai.serving import OpenAIServing, error_body, ferrum_error_body
 from ferrum.errors import (AddressInUseError, CannotListenError, FerrumError, InvalidRequestError,
                            QueueFullError, ServerShuttingDownError)
@@ -252,15 +253,30 @@ def _merge_union_errors(errors: list[dict]) -> list[dict]:
     return out
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """A readable message and the offending parameter from pydantic's error list."""
+# each POST route's body: an unknown top-level field is matched against its fields (a typo)
+_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+           "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+
+
+def _did_you_mean(field: str, path: str) -> str:
+    """" (did you mean 'temperature'?)" when `field` is close to a field of `path`'s body."""
+    body = _BODIES.get(path)
+    names = [] if body is None else list(body.model_fields)
+    close = difflib.get_close_matches(field, names, n=1, cutoff=0.8)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _validation_message(exc: RequestValidationError, path: str = "") -> tuple[str, str | None]:
+    """A readable message and the offending parameter from pydantic's error list (`path`:
+    the request's, whose body's fields a misspelt field is matched against)."""
     parts, param = [], None
     for err in _merge_union_errors(list(exc.errors())):
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         name = "".join(f"[{x}]" if x.isdigit() else f".{x}" for x in loc).lstrip(".") or None
         param = param or (loc[0] if loc else None)
         if err.get("type") == "extra_forbidden":
-            parts.append(f"unsupported field {name!r}: ferrum does not implement it")
+            hint = _did_you_mean(loc[0], path) if len(loc) == 1 else ""
+            parts.append(f"unsupported field {name!r}: ferrum does not implement it{hint}")
         elif err.get("type") == "json_invalid":
             parts.append(f"request body is not valid JSON: {err.get('msg')}")
             param = None
@@ -304,7 +320,7 @@ def build_app(engine: AsyncLLMEngine, model_names: list[str], api_key: str | Non
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e: RequestValidationError):
-        msg, param = _validation_message(e)
+        msg, param = _validation_message(e, request.url.path)
         return JSONResponse(error_body(msg, "invalid_request_error", 400, param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
