@@ -28,7 +28,8 @@ CHAT_HELP = """commands:
   /bye                  quit (Ctrl-D on an empty line quits too)
   /reset                forget the conversation (asks first)
   /set temperature T    sampling temperature (0 = greedy); also max_tokens N, top_p P,
-                        top_k K, min_p P, seed S, system TEXT (system: resets the chat)
+                        top_k K, min_p P, repetition_penalty R, seed S, system TEXT
+                        (system: resets the chat)
   /show                 the current settings
   \"\"\"                   start a multi-line message; a line ending in \"\"\" sends it
 Pasted text stays one message. Ctrl-C stops a reply (the conversation keeps what was said);
