@@ -1,5 +1,6 @@
 """Named errors. Every error a user can cause derives from FerrumError; the CLI prints it
 on one line and the server maps it to an OpenAI-style JSON body (status in `http_status`)."""
+import difflib
 from contextlib import contextmanager
 
 
@@ -133,3 +134,11 @@ class QueueFullError(FerrumError):
 
     http_status = 503
     error_type = "server_overloaded"
+
+
+def did_you_mean(word: str, known, cutoff: float = 0.75) -> str:
+    """" (did you mean 'x'?)" when `word` is close to one of `known` (difflib's ratio >=
+    cutoff), else "": the hint a message about a misspelt name ends with."""
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=cutoff)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+

@@ -2,11 +2,10 @@
 Face Hub id) -> the ModelSource that loads it. Known names come from ferrum/model_store.py."""
 from __future__ import annotations
 
-import difflib
 import os
 import re
 
-from ferrum.errors import ModelNotFoundError
+from ferrum.errors import ModelNotFoundError, did_you_mean
 from ferrum.loader.base import ModelSource
 from ferrum.model_store import known_model, known_names, pull
 
@@ -79,9 +78,7 @@ def resolve_model(name_or_path: str) -> ModelSource:
         return source
     if _HUB_ID.match(name_or_path) and not name_or_path.startswith((".", "~")):
         return _from_hub(name_or_path)
-    close = difflib.get_close_matches(name_or_path, known_names(), n=1, cutoff=0.75)
     raise ModelNotFoundError(
-        f"model {name_or_path!r} not found" + (f" (did you mean {close[0]!r}?)" if close else "")
-        + f". Accepted: a known name ({', '.join(known_names())}), "
+        f"model {name_or_path!r} not found{did_you_mean(name_or_path, known_names())}. Accepted: a known name ({', '.join(known_names())}), "
         "a .gguf file, a Hugging Face model folder (config.json + *.safetensors), a Hub id "
         "'org/name', or 'dummy:<config.json>' for random weights")

@@ -102,11 +102,11 @@ def _first_line(e: BaseException) -> str:
 
 def load_hf_folder(folder: str) -> ModelSource:
     """Resolve a local HF model folder into a ModelSource: config.json through transformers'
-    AutoConfig, EOS ids from generation_config.json (GenerationConfig), else config.json.
+    AutoConfig, EOS ids from generation_config.json (read as JSON), else config.json.
     Raises ModelNotFoundError when the folder has no config.json, UnsupportedModelError for
     an unknown architecture, a config.json without one of `_REQUIRED_FIELDS`, or a
-    config.json / generation_config.json that transformers cannot read (not JSON, values of
-    the wrong type), on one line."""
+    config.json that transformers cannot read or a generation_config.json that is not a JSON
+    object (values of the wrong type, EOS ids that are not integers), on one line."""
     if not os.path.exists(os.path.join(folder, "config.json")):
         raise ModelNotFoundError(f"{folder} has no config.json; not a Hugging Face model folder")
     from transformers import AutoConfig
@@ -131,7 +131,7 @@ def load_hf_folder(folder: str) -> ModelSource:
                                     "config must give its sizes")
     try:
         eos = generation_eos_token_ids(folder) or list(config.eos_token_id)
-    except Exception as e:  # noqa: BLE001  transformers' OSError for a file that is not JSON, ...
+    except Exception as e:  # noqa: BLE001  not JSON, not an object, EOS ids not ints (1.5: TypeError)
         raise UnsupportedModelError(f"{folder}/generation_config.json cannot be read: "
                                     f"{type(e).__name__}: {_first_line(e)}") from None
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import difflib
 import errno
 import hmac
 import logging
@@ -68,7 +67,7 @@ from ferrum.entrypoints.openai.protocol import (ChatCompletionRequest, Completio
 from ferrum.entrypoints.openai.responses import ResponsesRequest, add_routes as add_responses_routes
 from ferrum.entrypoints.openai.serving import OpenAIServing, error_body, ferrum_error_body
 from ferrum.errors import (AddressInUseError, CannotListenError, FerrumError, InvalidRequestError,
-                           QueueFullError, ServerShuttingDownError)
+                           QueueFullError, ServerShuttingDownError, did_you_mean)
 from ferrum.metrics import Metrics
 from ferrum.structured_output.params import json_value
 
@@ -258,14 +257,6 @@ _BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCom
            "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 
 
-def _did_you_mean(field: str, path: str) -> str:
-    """" (did you mean 'temperature'?)" when `field` is close to a field of `path`'s body."""
-    body = _BODIES.get(path)
-    names = [] if body is None else list(body.model_fields)
-    close = difflib.get_close_matches(field, names, n=1, cutoff=0.8)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
 def _validation_message(exc: RequestValidationError, path: str = "") -> tuple[str, str | None]:
     """A readable message and the offending parameter from pydantic's error list (`path`:
     the request's, whose body's fields a misspelt field is matched against)."""
@@ -275,7 +266,8 @@ def _validation_message(exc: RequestValidationError, path: str = "") -> tuple[st
         name = "".join(f"[{x}]" if x.isdigit() else f".{x}" for x in loc).lstrip(".") or None
         param = param or (loc[0] if loc else None)
         if err.get("type") == "extra_forbidden":
-            hint = _did_you_mean(loc[0], path) if len(loc) == 1 else ""
+            body = _BODIES.get(path)
+            hint = did_you_mean(loc[0], body.model_fields, 0.8) if body and len(loc) == 1 else ""
             parts.append(f"unsupported field {name!r}: ferrum does not implement it{hint}")
         elif err.get("type") == "json_invalid":
             parts.append(f"request body is not valid JSON: {err.get('msg')}")
