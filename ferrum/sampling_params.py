@@ -4,13 +4,14 @@ Semantics follow the OpenAI API and vLLM: temperature 0 (below 1e-5) means greed
 (or 0) means no top-k; top_p in (0, 1]; min_p in [0, 1]; repetition_penalty > 0 (1 = off,
 divides positive logits / multiplies negative ones of already-seen tokens, as in CTRL, Keskar
 et al. 2019); presence/frequency penalties in [-2, 2] subtract from logits of generated tokens
-(OpenAI).
+(OpenAI). `allowed_token_ids` and `bad_words` follow vLLM: the first restricts sampling to those
+ids; each bad word's last token is banned where the output ends with the word's other tokens.
 """
 from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ferrum.errors import InvalidRequestError
 from ferrum.structured_output.params import StructuredOutputsParams
@@ -83,14 +84,23 @@ class SamplingParams:
     logprobs: int | None = None          # top-N logprobs per generated token (0 = chosen only)
     prompt_logprobs: int | None = None   # top-N logprobs per prompt token (0 = that token only)
     skip_special_tokens: bool = True
+    # vLLM's: sample only among these token ids (a non-empty list; None: the whole vocabulary)
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: words the output must not contain. The engine tokenizes each as it reads at the
+    # start of a text and after a space (bad_words_token_ids); the sampler bans a word's last
+    # token wherever the output ends with its other tokens (a one-token word: always)
+    bad_words: list[str] | None = None
     # -- structured outputs (ferrum.structured_output): the output must match a JSON schema,
     # JSON object, regex, choice or grammar; a dict is read as StructuredOutputsParams (vLLM's
     # `structured_outputs`). The sampler masks every token the grammar does not allow, and the
     # sequence stops ("stop") where the grammar is complete.
     structured_outputs: StructuredOutputsParams | dict | None = None
+    # bad_words as token id sequences, set by the engine from its tokenizer when the request is
+    # added (`ferrum.tokenizer.Tokenizer.bad_words_token_ids`)
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("stop", "stop_token_ids"):   # list() of a number or a dict: no TypeError
+        for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):   # list() of a number: no TypeError
             v = getattr(self, name)
             if not (v is None or isinstance(v, (list, tuple)) or (name == "stop" and isinstance(v, str))):
                 raise InvalidRequestError(f"{name} must be a list{' or a string' if name == 'stop' else ''}"
@@ -99,6 +109,10 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
         if self.top_k == 0:
             self.top_k = -1
         if self.structured_outputs is not None:
@@ -165,6 +179,15 @@ class SamplingParams:
         if any(not _is_integer(t) or t < 0 for t in self.stop_token_ids):   # True is no id
             bad("stop_token_ids", f"must be token ids >= 0, got {self.stop_token_ids!r}")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                bad("allowed_token_ids", "must not be empty: give at least one token id")
+            if any(not _is_integer(t) or t < 0 for t in self.allowed_token_ids):
+                bad("allowed_token_ids", f"must be token ids >= 0, got {self.allowed_token_ids!r}")
+            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
+        if self.bad_words is not None:
+            if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+                bad("bad_words", f"must be strings with a non-space character, got {self.bad_words!r}")
         if self.logit_bias:
             self.logit_bias = _check_logit_bias(self.logit_bias)
 

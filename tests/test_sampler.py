@@ -288,6 +288,38 @@ def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
                      md).token_ids.item() != EOS
 
 
+def test_allowed_token_ids_keep_only_those_tokens_whatever_the_bias():
+    # vLLM's allowed_token_ids: every other token -inf, after logit_bias (a bias cannot revive one)
+    torch.testing.assert_close(probs_for(allowed_token_ids=[0, 3]), expect({0: 0.15, 3: 0.25}))
+    md = build([SamplingParams(allowed_token_ids=[4], logit_bias={1: 100.0}), SamplingParams()])
+    out = process_logits(torch.zeros(2, V), md)
+    assert torch.isneginf(out[0]).tolist() == [True, True, True, True, False, True]
+    assert out[1].tolist() == [0] * V                      # a row without them is untouched
+
+
+def bad_words(*words, **kw) -> SamplingParams:
+    p = SamplingParams(bad_words=["(set below)"], **kw)
+    p.bad_words_token_ids = [list(w) for w in words]      # what the engine's tokenizer sets
+    return p
+
+
+def test_bad_words_ban_their_last_token_where_the_output_ends_with_the_rest():
+    # words [2] (one token: always banned) and [1, 0, 3]: 3 is banned after ... 1, 0 only
+    params = [bad_words([2], [1, 0, 3])] * 4
+    md = build(params, outputs=[[], [1, 0], [4, 1, 0], [1, 0, 4]])
+    banned = torch.isneginf(process_logits(torch.zeros(4, V), md))
+    assert [row.nonzero().flatten().tolist() for row in banned] == [[2], [2, 3], [2, 3], [2]]
+
+
+def test_bans_that_leave_no_token_give_way_instead_of_sampling_nan():
+    # allowed_token_ids holding only the EOS while min_tokens masks it: every token -inf gave
+    # NaN probabilities; the row samples from its logits before the bans
+    md = build([SamplingParams(allowed_token_ids=[EOS], min_tokens=3), SamplingParams(allowed_token_ids=[EOS])])
+    out = process_logits(LOGITS.repeat(2, 1), md)
+    assert torch.equal(out[0], LOGITS) and out[1].isneginf().sum() == V - 1
+    assert Sampler()(LOGITS.repeat(2, 1), md).token_ids[1].item() == EOS
+
+
 def test_logprobs_are_log_softmax_of_processed_logits():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]] * 3)
     params = [SamplingParams(temperature=0.0, logprobs=2, logit_bias={0: 1.5}),
@@ -352,6 +384,10 @@ def test_shape_mismatch_and_bad_token_ids():
     with pytest.raises(InvalidRequestError, match="stop_token_ids"):
         validate_token_ids(SamplingParams(stop_token_ids=[9]), V)
     validate_token_ids(SamplingParams(logit_bias={5: 1.0}, stop_token_ids=[0]), V)
+    with pytest.raises(InvalidRequestError, match=r"allowed_token_ids has token ids \[6\]"):
+        validate_token_ids(SamplingParams(allowed_token_ids=[1, 6]), V)
+    with pytest.raises(InvalidRequestError, match=r"bad_words has token ids \[7\]"):
+        validate_token_ids(bad_words([1, 7]), V)
 
 
 @pytest.mark.parametrize("kw, param", [
@@ -360,7 +396,10 @@ def test_shape_mismatch_and_bad_token_ids():
     (dict(seed=True), "seed"), (dict(logprobs=True), "logprobs"), (dict(temperature="0"), "temperature"),
     (dict(temperature=None), "temperature"), (dict(top_p=None), "top_p"), (dict(min_tokens="a"), "min_tokens"),
     (dict(stop=["\ud800"]), "stop"), (dict(stop=5), "stop"), (dict(stop={"a": 1}), "stop"),
-    (dict(stop_token_ids=5), "stop_token_ids"), (dict(stop_token_ids=[True]), "stop_token_ids")])
+    (dict(stop_token_ids=5), "stop_token_ids"), (dict(stop_token_ids=[True]), "stop_token_ids"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(allowed_token_ids=[-1]), "allowed_token_ids"),
+    (dict(allowed_token_ids=3), "allowed_token_ids"), (dict(bad_words="no"), "bad_words"),
+    (dict(bad_words=[" "]), "bad_words"), (dict(bad_words=[3]), "bad_words")])
 def test_sampling_params_types_are_strict(kw, param):
     """Offline as in the server: a bool is not a count, text not a number, and stop strings are
     valid Unicode; each raises InvalidRequestError naming the parameter (some were accepted,
@@ -440,7 +479,9 @@ def test_batches_past_the_chunk_sample_in_slices_with_the_same_results(monkeypat
             temperature=0.0 if i % 3 == 0 else 0.7, seed=None if i % 3 == 0 else 100 + i,
             top_p=0.8 if i % 2 else 1.0, top_k=5 if i % 4 == 1 else 0, min_p=0.05 if i == 7 else 0.0,
             repetition_penalty=1.3 if i in (2, 6) else 1.0, frequency_penalty=0.4 if i == 9 else 0.0,
-            logit_bias={3: 4.0} if i == 4 else None, min_tokens=5 if i in (5, 8) else 0, logprobs=3))
+            logit_bias={3: 4.0} if i == 4 else None, min_tokens=5 if i in (5, 8) else 0, logprobs=3,
+            allowed_token_ids=[11, 12, 13] if i == 6 else None))
+    params[10] = bad_words([9], [20, 7], temperature=0.5, seed=110, logprobs=3)   # output ends with 20
     prompts = [[1, 2, 3 + i] for i in range(B)]
     outputs = [[4, EOS, 10 + i] for i in range(B)]
     bitmask = torch.zeros(3, -(-vocab // 32), dtype=torch.int32)
@@ -461,6 +502,7 @@ def test_batches_past_the_chunk_sample_in_slices_with_the_same_results(monkeypat
     for r, allowed in zip((3, 5, 9), ([7, 8, EOS], [20, 21], [33, 64])):
         assert sliced.token_ids[r].item() in allowed
     assert EOS not in (sliced.token_ids[5].item(), sliced.token_ids[8].item())
+    assert sliced.token_ids[6].item() in (11, 12, 13) and sliced.token_ids[10].item() not in (9, 7)
 
 
 @pytest.mark.parametrize("big", [V, V + 1, 2**63, 10**30])

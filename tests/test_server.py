@@ -181,6 +181,24 @@ def test_stop_reason_names_the_stop_in_every_choice(client):
         assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_allowed_token_ids_and_bad_words_shape_the_output(client, tok):
+    """vLLM's allowed_token_ids and bad_words (a 400 "unsupported field" before): greedy picks
+    only among the allowed ids, and a word banned by its text never comes out."""
+    kw = dict(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=6, logprobs=0)
+    ids_of = lambda r: [int(t.removeprefix("token_id:")) for t in r.choices[0].logprobs.tokens]  # noqa: E731
+    extra = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    free = ids_of(client.completions.create(**kw, extra_body=extra))
+    allowed = [free[1] + 1, free[2] + 7]   # not what the model picks unconstrained
+    got = ids_of(client.completions.create(**kw, extra_body={**extra, "allowed_token_ids": allowed}))
+    assert set(got) <= set(allowed) and got != free
+    word = tok.decode([free[0]])
+    assert [free[0]] in tok.bad_words_token_ids([word])
+    got = ids_of(client.completions.create(**kw, extra_body={**extra, "bad_words": [word]}))
+    assert free[0] not in got
+    with pytest.raises(openai.BadRequestError, match="allowed_token_ids has token ids"):
+        client.completions.create(**kw, extra_body={"allowed_token_ids": [10**6]})
+
+
 def test_n2_and_seed_reproducibility(client):
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, n=2,
               extra_body={"ignore_eos": True})

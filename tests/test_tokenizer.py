@@ -33,6 +33,21 @@ def test_gguf_tokenizer_round_trips_text(smollm2_tokenizer):
     assert 2 in tok.encode("a<|im_end|>b")
 
 
+def test_bad_words_are_text_at_the_start_and_after_a_space(smollm2_tokenizer):
+    """SamplingParams.bad_words as token ids: "word" and " word" (vLLM's two spellings), the
+    word's own leading spaces dropped, duplicates once; a special token's spelling is text."""
+    t = smollm2_tokenizer
+    enc = lambda s: t.hf.encode(s, add_special_tokens=False)  # noqa: E731
+    assert t.bad_words_token_ids(["  world", "world"]) == [enc("world"), enc(" world")]
+    assert enc(" world") != enc("world") and len(enc(" world")) == 1
+    ids = t.bad_words_token_ids(["<|im_end|>"])
+    assert t.hf.convert_tokens_to_ids("<|im_end|>") not in {i for w in ids for i in w}
+    assert t.decode(ids[0]) == "<|im_end|>"
+    with pytest.raises(InvalidRequestError) as e:
+        t.bad_words_token_ids(["\ud800"])
+    assert e.value.param == "bad_words"
+
+
 def test_chat_template_renders_chatml(smollm2_tokenizer):
     tok = smollm2_tokenizer
     msgs = [{"role": "user", "content": "What is 2+2?"}]

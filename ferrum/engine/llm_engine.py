@@ -212,6 +212,10 @@ class LLMEngine:
                                       f"[0, {self.vocab_size})", param="prompt")
         n = len(prompt_token_ids)
         check_prompt_len(n, self.max_model_len)
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise InvalidRequestError("bad_words need a tokenizer", param="bad_words")
+            params.bad_words_token_ids = self.tokenizer.bad_words_token_ids(params.bad_words)
         validate_token_ids(params, self.vocab_size)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", param="stop")
@@ -439,9 +443,9 @@ class LLMEngine:
             need_out, sampling_metadata = False, cached[1]
         else:
             params = [s.request.params for s in sample_seqs]
-            # Output ids (a copy per sequence) only when penalties or min_tokens read them.
+            # Output ids (a copy per sequence) only when penalties, min_tokens or bad words read them.
             need_out = any(p.min_tokens or p.repetition_penalty != 1.0 or p.presence_penalty
-                           or p.frequency_penalty for p in params)
+                           or p.frequency_penalty or p.bad_words_token_ids for p in params)
             sampling_metadata = SamplingMetadata.build(
                 params, [s.request.prompt_token_ids for s in sample_seqs],
                 [s.output_token_ids for s in sample_seqs] if need_out else [()] * len(sample_seqs),

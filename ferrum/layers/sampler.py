@@ -10,10 +10,14 @@ Pipeline, per row (the order of vLLM's v1 sampler):
 3. presence / frequency penalties (OpenAI API reference, "Parameter details" of the text
    generation guide): `logits[t] -= presence * (count[t] > 0) + frequency * count[t]`, where
    `count` counts the *output* tokens only.
-4. min_tokens: while `len(output) < min_tokens`, every token that would stop the sequence (the
-   EOS ids unless `ignore_eos`, and `stop_token_ids`) gets -inf. With `ignore_eos` the EOS
-   does not stop, so it is not masked (as in vLLM). Not on a row whose grammar (5) allows only
-   tokens it masks: the grammar wins, as its completion stops a sequence under min_tokens.
+4. bans (vLLM's allowed_token_ids, bad_words and min_tokens): every token outside
+   `allowed_token_ids` gets -inf; so does the last token of each bad word whose other tokens
+   end the output (a one-token word always); and while `len(output) < min_tokens`, every token
+   that would stop the sequence (the EOS ids unless `ignore_eos`, and `stop_token_ids`). With
+   `ignore_eos` the EOS does not stop, so it is not masked (as in vLLM). A row the bans and its
+   grammar (5) leave without any token takes its logits from before the bans: a grammar wins
+   (as its completion stops a sequence under min_tokens), and a row is never left with nothing
+   to sample (NaN), e.g. `allowed_token_ids` holding only the EOS under min_tokens.
 5. structured outputs: rows under a grammar get -inf on every token their bitmask does not
    allow (the bitmask comes from `ferrum.structured_output`; one gather + index_add covers all
    of them, see `bitmask_bias`).
@@ -65,14 +69,17 @@ _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def validate_token_ids(params: SamplingParams, vocab_size: int) -> None:
-    """Check the token ids a request names (logit_bias keys, stop_token_ids) against the vocab.
+    """Check the token ids a request names (logit_bias keys, stop_token_ids, allowed_token_ids,
+    the tokens of its bad_words) against the vocab.
 
     Call it when a request is added: an out-of-range id would otherwise fail inside a batched
     decode step and take every other request in the batch down with it.
     Raises InvalidRequestError naming the parameter and the allowed range [0, vocab_size).
     """
     for name, ids in (("logit_bias", list(params.logit_bias or {})),
-                      ("stop_token_ids", params.stop_token_ids)):
+                      ("stop_token_ids", params.stop_token_ids),
+                      ("allowed_token_ids", params.allowed_token_ids or []),
+                      ("bad_words", [t for ids in params.bad_words_token_ids or [] for t in ids])):
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:  # all of them: a client fixes its request in one round trip
             raise InvalidRequestError(
@@ -118,7 +125,10 @@ class SamplingMetadata:
     repetition_penalty: [B, 1] float32 and `seen` [B, V] bool (token in prompt or output).
     presence_penalty, frequency_penalty: [B, 1] float32 and `output_counts` [B, V] float32.
     logit_bias:         [B, V] float32 (zeros where unset).
-    min_tokens_rows, min_tokens_cols: [M] int64, the (row, token) pairs set to -inf.
+    allowed:            [B, V] bool, False on the tokens outside a row's allowed_token_ids (rows
+                        without them all True); None when no row has them.
+    banned_rows, banned_cols: [M] int64, the (row, token) pairs set to -inf (bad words,
+                        min_tokens).
     grammar_rows:       [G] int64, the rows under a grammar (structured outputs), and
     grammar_bitmask:    [G, ceil(V / 32)] int32, bit j of word w set when token 32 * w + j is
                         allowed in that row (set with `set_grammar_bitmask`).
@@ -141,22 +151,23 @@ class SamplingMetadata:
     frequency_penalty: torch.Tensor | None = None
     output_counts: torch.Tensor | None = None
     logit_bias: torch.Tensor | None = None
-    min_tokens_rows: torch.Tensor | None = None
-    min_tokens_cols: torch.Tensor | None = None
+    allowed: torch.Tensor | None = None
+    banned_rows: torch.Tensor | None = None
+    banned_cols: torch.Tensor | None = None
     any_greedy: bool = True   # build() sets it; True is the safe default (rows checked)
     grammar_rows: torch.Tensor | None = None
     grammar_bitmask: torch.Tensor | None = None
-    # host copies for `rows`: greedy per row, the min_tokens (row, token) pairs, the grammar's
+    # host copies for `rows`: greedy per row, the banned (row, token) pairs, the grammar's
     # rows and CPU bitmask (slicing the device tensors by row would wait for the device)
     greedy_host: list[bool] | None = None
-    min_tokens_host: tuple[list[int], list[int]] | None = None
+    banned_host: tuple[list[int], list[int]] | None = None
     grammar_host: tuple[list[int], torch.Tensor] | None = None
 
     @property
     def unprocessed(self) -> bool:
         """True when `process_logits` has nothing to apply (no bias, penalty or mask)."""
         return (self.logit_bias is None and self.repetition_penalty is None and self.output_counts is None
-                and self.min_tokens_rows is None and self.grammar_rows is None)
+                and self.allowed is None and self.banned_rows is None and self.grammar_rows is None)
 
     @property
     def max_num_logprobs(self) -> int | None:
@@ -170,7 +181,8 @@ class SamplingMetadata:
         """Build the metadata for one step.
 
         params, prompt_ids, output_ids, generators: one entry per row, in the logits' row order.
-        output_ids[i] are the tokens sequence i generated so far (before this step).
+        output_ids[i] are the tokens sequence i generated so far (before this step); read by
+            the penalties, min_tokens and bad_words (their token ids: bad_words_token_ids).
         generators[i]: None for an unseeded request; for a request with `seed`, the caller
             creates `torch.Generator(device=device).manual_seed(seed)` once when the sequence
             starts and passes the same object every step (its state advances as it samples).
@@ -234,16 +246,32 @@ class SamplingMetadata:
                                             _to_device(cols, torch.long, device)),
                                            _to_device(vals, torch.float32, device))
 
+        if any(p.allowed_token_ids for p in params):
+            rows, cols = [], []
+            for i, p in enumerate(params):
+                if p.allowed_token_ids:
+                    rows += [i] * len(p.allowed_token_ids)
+                    cols += p.allowed_token_ids
+            restricted = _to_device(sorted(set(rows)), torch.long, device)
+            metadata.allowed = torch.ones(batch, vocab_size, dtype=torch.bool, device=device)
+            metadata.allowed[restricted] = False
+            metadata.allowed[_to_device(rows, torch.long, device), _to_device(cols, torch.long, device)] = True
+
         rows, cols = [], []
         for i, (p, out) in enumerate(zip(params, output_ids)):
+            banned = set()
+            for word in p.bad_words_token_ids or ():
+                # the output ends with the word's other tokens: its last one would complete it
+                if len(word) == 1 or (len(out) >= len(word) - 1 and list(out[len(out) - len(word) + 1:]) == word[:-1]):
+                    banned.add(word[-1])
             if len(out) < p.min_tokens:
-                stoppers = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-                rows += [i] * len(stoppers)
-                cols += sorted(stoppers)
+                banned |= set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            rows += [i] * len(banned)
+            cols += sorted(banned)
         if rows:
-            metadata.min_tokens_rows = _to_device(rows, torch.long, device)
-            metadata.min_tokens_cols = _to_device(cols, torch.long, device)
-            metadata.min_tokens_host = (rows, cols)
+            metadata.banned_rows = _to_device(rows, torch.long, device)
+            metadata.banned_cols = _to_device(cols, torch.long, device)
+            metadata.banned_host = (rows, cols)
         return metadata
 
     def rows(self, start: int, end: int) -> "SamplingMetadata":
@@ -260,14 +288,15 @@ class SamplingMetadata:
             temperature=cut(self.temperature), top_k=cut(self.top_k), top_p=cut(self.top_p), min_p=cut(self.min_p),
             repetition_penalty=cut(self.repetition_penalty), seen=cut(self.seen),
             presence_penalty=cut(self.presence_penalty), frequency_penalty=cut(self.frequency_penalty),
-            output_counts=cut(self.output_counts), logit_bias=cut(self.logit_bias), greedy_host=greedy)
+            output_counts=cut(self.output_counts), logit_bias=cut(self.logit_bias), allowed=cut(self.allowed),
+            greedy_host=greedy)
         device = self.greedy.device
-        if self.min_tokens_host is not None:
-            pairs = [(r - start, c) for r, c in zip(*self.min_tokens_host) if start <= r < end]
+        if self.banned_host is not None:
+            pairs = [(r - start, c) for r, c in zip(*self.banned_host) if start <= r < end]
             if pairs:
-                md.min_tokens_host = ([r for r, _ in pairs], [c for _, c in pairs])
-                md.min_tokens_rows = _to_device(md.min_tokens_host[0], torch.long, device)
-                md.min_tokens_cols = _to_device(md.min_tokens_host[1], torch.long, device)
+                md.banned_host = ([r for r, _ in pairs], [c for _, c in pairs])
+                md.banned_rows = _to_device(md.banned_host[0], torch.long, device)
+                md.banned_cols = _to_device(md.banned_host[1], torch.long, device)
         if self.grammar_host is not None:
             rows, bitmask = self.grammar_host
             keep = [i for i, r in enumerate(rows) if start <= r < end]
@@ -313,9 +342,10 @@ def bitmask_bias(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Steps 1-5 of the module docstring: logit_bias, repetition, presence/frequency penalties,
-    min_tokens mask, grammar mask. logits: [B, V], not modified; returns [B, V] float32: a new
-    tensor, or `logits` itself when it is float32 and nothing applies (a batch-256 copy of a
-    128k vocab is 131 MB of traffic per step for nothing)."""
+    bans (allowed_token_ids, bad_words, min_tokens), grammar mask. logits: [B, V], not
+    modified; returns [B, V] float32: a new tensor, or `logits` itself when it is float32 and
+    nothing applies (a batch-256 copy of a 128k vocab is 131 MB of traffic per step for
+    nothing)."""
     if metadata.unprocessed:
         return logits.float()
     logits = logits.to(torch.float32, copy=True)
@@ -329,20 +359,24 @@ def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
     if metadata.output_counts is not None:
         logits -= (metadata.frequency_penalty * metadata.output_counts
                    + metadata.presence_penalty * (metadata.output_counts > 0))
-    # min_tokens yields to a grammar that allows only tokens it masks (EOS where the grammar
-    # ends, a stop token the grammar forces), as it yields to a grammar's completion (the
-    # engine stops such a sequence): masking them all left the row nothing to sample (NaN)
+    # the bans yield to a grammar that allows only tokens they mask (EOS where the grammar
+    # ends, a stop token the grammar forces), as min_tokens yields to a grammar's completion
+    # (the engine stops such a sequence), and to each other where together they mask every
+    # token: a row left with nothing to sample drew NaN
     unmasked = None
-    if metadata.min_tokens_rows is not None:
-        if metadata.grammar_rows is not None:
-            unmasked = logits.clone()
-        logits[metadata.min_tokens_rows, metadata.min_tokens_cols] = float("-inf")
+    if metadata.allowed is not None or metadata.banned_rows is not None:
+        unmasked = logits.clone()
+        if metadata.allowed is not None:
+            logits.masked_fill_(~metadata.allowed, float("-inf"))
+        if metadata.banned_rows is not None:
+            logits[metadata.banned_rows, metadata.banned_cols] = float("-inf")
     if metadata.grammar_rows is not None:
         grammar = bitmask_bias(metadata.grammar_bitmask, metadata.vocab_size)
         logits.index_add_(0, metadata.grammar_rows, grammar)
         if unmasked is not None:
             unmasked.index_add_(0, metadata.grammar_rows, grammar)
-            logits = torch.where(torch.isneginf(logits).all(-1, keepdim=True), unmasked, logits)
+    if unmasked is not None:
+        logits = torch.where(torch.isneginf(logits).all(-1, keepdim=True), unmasked, logits)
     return logits
 
 
@@ -442,7 +476,7 @@ class Sampler:
     logits: [B, V] float32 (any float dtype is upcast), on CPU or CUDA; not modified.
     metadata: `SamplingMetadata.build(...)` for the same B rows and V.
     Logprobs (when any row asks): log-softmax of the processed logits, i.e. after logit_bias,
-    penalties, the min_tokens mask and the grammar mask but before temperature, top-k, top-p
+    penalties, the bans and the grammar mask but before temperature, top-k, top-p
     and min-p, so they describe the model's (penalised, constrained) distribution rather than
     the truncated one sampled from; masked-out tokens are left out of the top-N. (vLLM's default
     logprobs_mode, raw_logprobs, takes them before logit_bias, penalties and min_tokens: the two

@@ -271,6 +271,23 @@ class Tokenizer:
         that is not valid Unicode (a lone surrogate)."""
         return self.hf.encode(check_unicode(text, param), add_special_tokens=add_special_tokens)
 
+    def bad_words_token_ids(self, words: Iterable[str]) -> list[list[int]]:
+        """SamplingParams.bad_words as token id sequences: each word as it reads at the start of
+        a text and after a space ("word", " word"; leading spaces of the word dropped first), as
+        vLLM's SamplingParams.update_from_tokenizer spells them, without duplicates. A word is
+        text: a special token's spelling is encoded as its characters. vLLM keeps the spaced
+        spelling only when it has as many tokens as the other; both are kept here (a spaced
+        spelling of more tokens only bans what the other already covers). Raises
+        InvalidRequestError (param bad_words) for text that is not valid Unicode."""
+        out: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.hf.encode(check_unicode(text, "bad_words"), add_special_tokens=False,
+                                     split_special_tokens=True)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids` (invalid UTF-8 becomes U+FFFD); special tokens dropped unless asked."""
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -16,7 +16,8 @@ them), which names the field's path.
 
 Field semantics follow the OpenAI API reference (completions, chat completions); the extra
 sampling fields `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`,
-`min_tokens`, `include_stop_str_in_output`, `skip_special_tokens` follow vLLM, as does
+`min_tokens`, `allowed_token_ids`, `bad_words`, `include_stop_str_in_output`,
+`skip_special_tokens` follow vLLM, as does
 `prompt_logprobs` (top-N, 0..20, per prompt token; not with `stream`, which vLLM refuses too),
 and so do the structured-output fields: `structured_outputs` (vLLM's current name: {"json" |
 "regex" | "choice" | "grammar" | "json_object": ...}) and the older `guided_json`,
@@ -103,6 +104,8 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, float] | None = None   # token id (as a string key) -> bias in [-100, 100]
     ignore_eos: bool = SamplingParams.ignore_eos
     min_tokens: int = SamplingParams.min_tokens
+    allowed_token_ids: list[StrictInt] | None = None   # vLLM: sample only among these ids
+    bad_words: list[str] | None = None                 # vLLM: words the output must not hold
     include_stop_str_in_output: bool = SamplingParams.include_stop_str_in_output
     skip_special_tokens: bool = SamplingParams.skip_special_tokens
     user: str | None = None                      # accepted for API compatibility; only logged
@@ -156,8 +159,8 @@ class _SamplingFields(_Strict):
         return SamplingParams(
             n=self.n, **sampling_defaults(defaults, given), logit_bias=self.logit_bias, seed=self.seed, max_tokens=max_tokens,
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            include_stop_str_in_output=self.include_stop_str_in_output,
+            stop_token_ids=self.stop_token_ids, allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words, include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens, structured_outputs=self._structured_outputs())
 
