@@ -125,6 +125,26 @@ def test_completion_stream_equals_non_stream(client):
     assert all("usage" in c.model_fields_set and c.usage is None for c in chunks[:-1])
 
 
+def test_continuous_usage_stats_put_each_choices_usage_so_far_on_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats (a 400 before): with include_usage, every
+    chunk of a choice carries that choice's prompt and completion tokens so far; the last
+    chunk keeps the request's usage. Completions with n=2 (per choice) and chat."""
+    so = {"include_usage": True, "continuous_usage_stats": True}
+    kw = dict(model=MODEL, max_tokens=5, temperature=0, stream=True, stream_options=so, extra_body={"ignore_eos": True})
+    for chunks in (list(client.completions.create(prompt=PROMPT, n=2, **kw)),
+                   list(client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], **kw))):
+        *body, last = chunks
+        assert last.choices == [] and last.usage.completion_tokens == 5 * len({c.choices[0].index for c in body})
+        for index in {c.choices[0].index for c in body}:
+            used = [c.usage for c in body if c.choices[0].index == index]
+            assert {u.prompt_tokens for u in used} == {last.usage.prompt_tokens}   # one prompt
+            counts = [u.completion_tokens for u in used]
+            assert counts == sorted(counts) and counts[-1] == 5 and all(u.total_tokens == u.prompt_tokens
+                                                                        + u.completion_tokens for u in used)
+    with pytest.raises(openai.BadRequestError, match="continuous_usage_stat"):
+        client.completions.create(prompt=PROMPT, **{**kw, "stream_options": {"continuous_usage_stat": True}})
+
+
 def test_chat_greedy_matches_offline_stream_and_usage(client, offline, tok):
     from ferrum import SamplingParams
     msgs = [{"role": "system", "content": "Be brief."},

@@ -63,6 +63,8 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False     # one last chunk with `usage` and no choices
+    # vLLM: with include_usage, every chunk also carries the usage of its choice so far
+    continuous_usage_stats: bool = False
 
 
 # OpenAI's temperature range is [0, 2]: the server refuses more (SamplingParams, offline, takes

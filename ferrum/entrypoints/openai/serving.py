@@ -287,6 +287,17 @@ class OpenAIServing:
         return usage(sum(len(x.token_ids) for x in prompts), completion_tokens,
                      sum(o.num_cached_tokens for o in outputs if o is not None))
 
+    def _chunk_usage(self, req, prompt: _Prompt, out: RequestOutput | None, completion_tokens: int) -> dict:
+        """The `usage` member of a stream chunk that holds a choice: none without
+        stream_options.include_usage; null with it (OpenAI: usage comes in one last chunk);
+        with continuous_usage_stats too (vLLM), the choice's prompt and its tokens so far."""
+        if not req.include_usage:
+            return {}
+        if not req.stream_options.continuous_usage_stats:
+            return {"usage": None}
+        return {"usage": usage(len(prompt.token_ids), completion_tokens,
+                               out.num_cached_tokens if out is not None else 0)}
+
     async def _stream_errors(self, gen: AsyncIterator[str]) -> AsyncIterator[str]:
         """An error after the 200 header went out becomes an SSE error event, then [DONE]."""
         try:
@@ -364,21 +375,21 @@ class OpenAIServing:
 
         fingerprint = self.system_fingerprint
 
-        usage = {"usage": None} if req.include_usage else {}   # OpenAI: null on all but the last chunk
+        latest: list[RequestOutput | None] = [None] * len(prompts)
 
-        def chunk(index, text, logprobs=None, finish_reason=None, stop_reason=None):
+        def chunk(index, text, logprobs=None, finish_reason=None, stop_reason=None, completion_tokens=0):
             return _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                          "system_fingerprint": fingerprint,
                          "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                       "finish_reason": finish_reason, "stop_reason": stop_reason}],
-                         **usage})
+                         **self._chunk_usage(req, prompts[index // req.n], latest[index // req.n],
+                                             completion_tokens)})
 
         n = req.n
         sent_tokens: dict[int, int] = {}     # choice index -> tokens already streamed
         text_len: dict[int, int] = {}        # choice index -> characters already streamed
         finished: set[int] = set()
         echo_len = [len(p.text or "") if req.echo else 0 for p in prompts]
-        latest: list[RequestOutput | None] = [None] * len(prompts)
         ntok = 0
         async for i, out in self._tracked(streams, t0):
             latest[i] = out
@@ -395,7 +406,7 @@ class OpenAIServing:
                 if req.echo_only:
                     if c.finished:
                         finished.add(idx)
-                        yield chunk(idx, "", None, "length")
+                        yield chunk(idx, "", None, "length", completion_tokens=len(c.token_ids))
                     continue
                 start = sent_tokens.get(idx, 0)
                 streamed = text_len.get(idx, 0) + len(c.delta_text)
@@ -417,7 +428,7 @@ class OpenAIServing:
                 if c.finished:
                     finished.add(idx)
                     ntok += len(c.token_ids)
-                yield chunk(idx, c.delta_text, lp, c.finish_reason, c.stop_reason)
+                yield chunk(idx, c.delta_text, lp, c.finish_reason, c.stop_reason, len(c.token_ids))
         if req.include_usage:
             yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                         "system_fingerprint": fingerprint, "choices": [],
@@ -470,14 +481,14 @@ class OpenAIServing:
 
         fingerprint = self.system_fingerprint
 
-        usage = {"usage": None} if req.include_usage else {}   # OpenAI: null on all but the last chunk
+        latest: list[RequestOutput | None] = [None]
 
-        def chunk(index, delta, logprobs=None, finish_reason=None, stop_reason=None):
+        def chunk(index, delta, logprobs=None, finish_reason=None, stop_reason=None, completion_tokens=0):
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                          "model": model, "system_fingerprint": fingerprint,
                          "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                       "finish_reason": finish_reason, "stop_reason": stop_reason}],
-                         **usage})
+                         **self._chunk_usage(req, prompts[0], latest[0], completion_tokens)})
 
         for j in range(req.n):  # the role comes first, as OpenAI sends it
             yield chunk(j, {"role": "assistant", "content": ""})
@@ -486,7 +497,6 @@ class OpenAIServing:
         streamed: dict[int, int] = {}       # choice index -> characters already streamed
         finished: set[int] = set()
         ntok = 0
-        latest: list[RequestOutput | None] = [None]
         async for _, out in self._tracked(streams, t0):
             latest[0] = out
             for c in out.outputs:
@@ -522,7 +532,7 @@ class OpenAIServing:
                     delta["tool_calls"] = calls
                 if not delta and not c.finished and lp is None:
                     continue
-                yield chunk(c.index, delta, lp, finish_reason, c.stop_reason)
+                yield chunk(c.index, delta, lp, finish_reason, c.stop_reason, len(c.token_ids))
         if req.include_usage:
             yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                         "model": model, "system_fingerprint": fingerprint, "choices": [],
