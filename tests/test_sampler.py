@@ -439,19 +439,21 @@ def test_logit_bias_key_too_long_for_int_is_a_400():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_matches_cpu_and_seeds_hold():
     gen = torch.Generator().manual_seed(1)
-    logits = torch.randn(3, 500, generator=gen)
+    logits = torch.randn(4, 500, generator=gen)
     params = [SamplingParams(temperature=0.0, repetition_penalty=1.3),
               SamplingParams(top_k=20, top_p=0.9, min_p=0.05, frequency_penalty=0.5, seed=5),
-              SamplingParams(logit_bias={7: 3.0}, logprobs=3)]
-    outputs = [[1, 2, 2], [3, 3], [4]]
+              SamplingParams(logit_bias={7: 3.0}, logprobs=3),
+              bad_words([9], [2, 11], allowed_token_ids=[9, 11, 12, 40], min_tokens=2)]
+    outputs = [[1, 2, 2], [3, 3], [4], [2]]
 
     def md_on(device, rows, generators):
         return SamplingMetadata.build([params[r] for r in rows], [[0]] * len(rows),
                                       [outputs[r] for r in rows], generators, [EOS], 500, device)
 
-    cpu, cuda = md_on("cpu", [0, 1, 2], [None] * 3), md_on("cuda", [0, 1, 2], [None] * 3)
-    torch.testing.assert_close(sampling_probs(process_logits(logits.cuda(), cuda), cuda).cpu(),
-                               sampling_probs(process_logits(logits, cpu), cpu))
+    cpu, cuda = md_on("cpu", [0, 1, 2, 3], [None] * 4), md_on("cuda", [0, 1, 2, 3], [None] * 4)
+    probs = sampling_probs(process_logits(logits.cuda(), cuda), cuda).cpu()
+    torch.testing.assert_close(probs, sampling_probs(process_logits(logits, cpu), cpu))
+    assert probs[3].nonzero().flatten().tolist() == [12, 40]   # allowed, less the bad words
     assert Sampler()(logits.cuda(), cuda).token_ids[0].item() == logits[0].argmax().item()
 
     def seeded_row(rows, steps=10):
