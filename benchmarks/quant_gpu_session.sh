@@ -84,13 +84,15 @@
 # The lease plan since 3c3d8b1 (no wheels for the benchmarks; .whl + a chunk did not fit one call
 # on 2026-12-06e): 14 carrying .old .peers/vc/part.00, 16 carrying .peers/vc/part.01, 15 carrying
 # .peers/vllm_bench.py .peers/vc/part.02 .peers/vc/bin, then 12 carrying .whl (the tests).
+# 2026-12-08 (a session whose first hour got no machine): 17 carrying .whl_test .peers/vc/part.00,
+# 18 carrying .peers/vc/part.01, then 10 carrying .peers/vllm_bench.py .peers/vc/part.02 .peers/vc/bin.
 # Steps 14-16 need no wheels since 3c3d8b1 (older trees in .old do: patch their
 # ferrum/structured_output/manager.py with this one, which only moves the llguidance import).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-step=${1:?step 1-16}
+step=${1:?step 1-18}
 mkdir -p /tmp/vc
 for p in .peers/vc/part.*; do [[ -f $p ]] && cp "$p" /tmp/vc/; done
 [[ -d .peers/vc/bin ]] && cp -r .peers/vc/bin /tmp/vc/
@@ -235,7 +237,23 @@ tests/test_moe.py tests/test_sliding_window.py" LIMIT_tests=${LIMIT_kernels:-330
             --max-num-batched-tokens 16384 --workload nanovllm --step-log "$OUT/steplog" \
             --out "$OUT/nanovllm_steplog.json" >"$OUT/nanovllm_steplog.log" 2>&1
         ;;
-    *) echo "step 1-16" >&2; exit 2 ;;
+    17)
+        # the engine's GPU tests and the sampler's (the bans of 2d86e47 on CUDA), then ferrum's
+        # batch-1 table alone: what a call that carries .peers/vc/part.00 can run in ~300 s
+        OUT=$OUT/engine GPU_TESTS="tests/test_gpu.py tests/test_sampler.py" LIMIT_tests=240 bash benchmarks/gpu_run.sh tests
+        timeout -k 10 200 python3 benchmarks/quant_bench.py latency --formats bf16 fp8 awq gguf_q4_k --out "$OUT" \
+            >"$OUT/quant.log" 2>&1
+        ;;
+    18)
+        # Llama-3-70B FP8 on one H200 (70 GB of weights: not on an 80 GB H100), for a call
+        # that carries .peers/vc/part.01
+        if nvidia-smi -L | grep -q H200; then
+            timeout -k 10 300 python3 benchmarks/quant_bench.py big --out "$OUT" >"$OUT/big.log" 2>&1
+        else
+            echo "not an H200: Llama-3-70B FP8 skipped" | tee "$OUT/big.log"
+        fi
+        ;;
+    *) echo "step 1-18" >&2; exit 2 ;;
 esac
 # the device tool returns at most 8 files: pack them all when there are more
 # (Triton's cache parts stay out: each is at most 15 MB, the limit of one returned file being 16 MiB)
