@@ -1,5 +1,6 @@
 """Tokenizer: the SmolLM2 GGUF tokenizer (BPE + ChatML template) and a HF folder tokenizer."""
 import json
+import time
 
 import pytest
 
@@ -46,6 +47,18 @@ def test_bad_words_are_text_at_the_start_and_after_a_space(smollm2_tokenizer):
     with pytest.raises(InvalidRequestError) as e:
         t.bad_words_token_ids(["\ud800"])
     assert e.value.param == "bad_words"
+
+
+def test_many_bad_words_tokenize_in_linear_time(smollm2_tokenizer):
+    """15,000 bad words (a 200 kB body) took ~6 s on the engine thread, stalling every open
+    stream: each word was encoded alone and checked for a duplicate against a list of all
+    before it. The same ids come out, in order, without duplicates."""
+    words = [f"w{i}" for i in range(15_000)] + ["w7", " w7"]
+    t0 = time.perf_counter()
+    ids = smollm2_tokenizer.bad_words_token_ids(words)
+    assert time.perf_counter() - t0 < 2.0
+    enc = lambda s: smollm2_tokenizer.hf.encode(s, add_special_tokens=False)  # noqa: E731
+    assert len(ids) == 30_000 and ids[:4] == [enc("w0"), enc(" w0"), enc("w1"), enc(" w1")]
 
 
 def test_chat_template_renders_chatml(smollm2_tokenizer):
