@@ -313,11 +313,20 @@ def test_bad_words_ban_their_last_token_where_the_output_ends_with_the_rest():
 
 def test_bans_that_leave_no_token_give_way_instead_of_sampling_nan():
     # allowed_token_ids holding only the EOS while min_tokens masks it: every token -inf gave
-    # NaN probabilities; the row samples from its logits before the bans
-    md = build([SamplingParams(allowed_token_ids=[EOS], min_tokens=3), SamplingParams(allowed_token_ids=[EOS])])
+    # NaN probabilities. min_tokens and bad_words give way first, allowed_token_ids only to a
+    # grammar: the row samples the EOS (it sampled from the whole vocabulary, tokens the
+    # request had excluded), and one whose allowed tokens are all bad words takes one of them
+    md = build([SamplingParams(allowed_token_ids=[EOS], min_tokens=3), SamplingParams(allowed_token_ids=[EOS]),
+                bad_words([1], [3], allowed_token_ids=[1, 3])])
+    out = process_logits(LOGITS.repeat(3, 1), md)
+    assert torch.equal(out[0], out[1]) and out[1].isneginf().sum() == V - 1
+    assert out[2].isfinite().nonzero().flatten().tolist() == [1, 3]
+    assert Sampler()(LOGITS.repeat(3, 1), md).token_ids[:2].tolist() == [EOS, EOS]
+    # under a grammar, allowed_token_ids give way only where it allows none of them (row 0)
+    md = build([SamplingParams(allowed_token_ids=[EOS], min_tokens=3)] * 2)
+    md.set_grammar_bitmask([0, 1], torch.tensor([[0b000110], [0b100000]], dtype=torch.int32))
     out = process_logits(LOGITS.repeat(2, 1), md)
-    assert torch.equal(out[0], LOGITS) and out[1].isneginf().sum() == V - 1
-    assert Sampler()(LOGITS.repeat(2, 1), md).token_ids[1].item() == EOS
+    assert [r.isfinite().nonzero().flatten().tolist() for r in out] == [[1, 2], [EOS]]
 
 
 def test_logprobs_are_log_softmax_of_processed_logits():

@@ -15,9 +15,11 @@ Pipeline, per row (the order of vLLM's v1 sampler):
    end the output (a one-token word always); and while `len(output) < min_tokens`, every token
    that would stop the sequence (the EOS ids unless `ignore_eos`, and `stop_token_ids`). With
    `ignore_eos` the EOS does not stop, so it is not masked (as in vLLM). A row the bans and its
-   grammar (5) leave without any token takes its logits from before the bans: a grammar wins
-   (as its completion stops a sequence under min_tokens), and a row is never left with nothing
-   to sample (NaN), e.g. `allowed_token_ids` holding only the EOS under min_tokens.
+   grammar (5) leave without any token drops bad_words and min_tokens first, keeping
+   `allowed_token_ids` (holding only the EOS under min_tokens, it samples the EOS), and
+   `allowed_token_ids` too where the grammar allows none of them: a grammar wins (as its
+   completion stops a sequence under min_tokens), and a row is never left with nothing to
+   sample (NaN) nor given a token its `allowed_token_ids` exclude while it has another way.
 5. structured outputs: rows under a grammar get -inf on every token their bitmask does not
    allow (the bitmask comes from `ferrum.structured_output`; one gather + index_add covers all
    of them, see `bitmask_bias`).
@@ -362,21 +364,25 @@ def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
     # the bans yield to a grammar that allows only tokens they mask (EOS where the grammar
     # ends, a stop token the grammar forces), as min_tokens yields to a grammar's completion
     # (the engine stops such a sequence), and to each other where together they mask every
-    # token: a row left with nothing to sample drew NaN
-    unmasked = None
+    # token (a row left with nothing to sample drew NaN): first bad_words and min_tokens
+    # (allowed_token_ids=[EOS] under min_tokens samples the EOS), then allowed_token_ids (against a
+    # grammar). Falling back past allowed_token_ids at once sampled the row from the whole
+    # vocabulary: tokens the request had excluded
+    fallbacks = []   # the logits to fall back on, the first that leaves a token wins
     if metadata.allowed is not None or metadata.banned_rows is not None:
-        unmasked = logits.clone()
+        fallbacks.append(logits.clone())
         if metadata.allowed is not None:
             logits.masked_fill_(~metadata.allowed, float("-inf"))
+            if metadata.banned_rows is not None:
+                fallbacks.insert(0, logits.clone())   # allowed_token_ids alone
         if metadata.banned_rows is not None:
             logits[metadata.banned_rows, metadata.banned_cols] = float("-inf")
     if metadata.grammar_rows is not None:
         grammar = bitmask_bias(metadata.grammar_bitmask, metadata.vocab_size)
-        logits.index_add_(0, metadata.grammar_rows, grammar)
-        if unmasked is not None:
-            unmasked.index_add_(0, metadata.grammar_rows, grammar)
-    if unmasked is not None:
-        logits = torch.where(torch.isneginf(logits).all(-1, keepdim=True), unmasked, logits)
+        for t in (logits, *fallbacks):
+            t.index_add_(0, metadata.grammar_rows, grammar)
+    for fallback in fallbacks:
+        logits = torch.where(torch.isneginf(logits).all(-1, keepdim=True), fallback, logits)
     return logits
 
 
