@@ -397,6 +397,11 @@ def test_shape_mismatch_and_bad_token_ids():
         validate_token_ids(SamplingParams(allowed_token_ids=[1, 6]), V)
     with pytest.raises(InvalidRequestError, match=r"bad_words has token ids \[7\]"):
         validate_token_ids(bad_words([1, 7]), V)
+    # a huge list is counted, not echoed (1,000,000 ids past the vocabulary made an 8 MB 400)
+    with pytest.raises(InvalidRequestError) as e:
+        validate_token_ids(SamplingParams(allowed_token_ids=list(range(100_000))), V)
+    assert e.value.args[0] == (f"allowed_token_ids has token ids {list(range(V, V + 10))} and "
+                               f"{100_000 - V - 10} more outside the vocabulary [0, {V})")
 
 
 @pytest.mark.parametrize("kw, param", [
