@@ -219,6 +219,36 @@ def test_allowed_token_ids_and_bad_words_shape_the_output(client, tok):
         client.completions.create(**kw, extra_body={"allowed_token_ids": [10**6]})
 
 
+def test_return_token_ids_give_the_prompt_and_output_ids_whole_and_streamed(client, tok):
+    """vLLM's return_token_ids (a 400 before): completions choices carry prompt_token_ids and
+    token_ids, chat answers prompt_token_ids and each choice token_ids (null members when not
+    asked for, as vLLM's); a stream sends the prompt's ids in its first chunk (completions: of
+    each choice) and each chunk's new ids, which add up to the whole answer's."""
+    kw = dict(model=MODEL, temperature=0, max_tokens=6, extra_body={"ignore_eos": True, "return_token_ids": True})
+    msgs = [{"role": "user", "content": "ids please"}]
+    whole = client.completions.create(prompt=PROMPT, n=2, **kw)
+    assert all(c.prompt_token_ids == tok.encode(PROMPT) for c in whole.choices)
+    ids = whole.choices[0].token_ids
+    assert len(ids) == 6 and tok.decode(ids) == whole.choices[0].text
+    streamed = {**kw, "extra_body": {**kw["extra_body"], "return_tokens_as_token_ids": True}}
+    chunks = list(client.completions.create(prompt=PROMPT, n=2, stream=True, logprobs=0, **streamed))
+    for i in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == i]
+        assert mine[0].prompt_token_ids == tok.encode(PROMPT) and all(
+            "prompt_token_ids" not in c.model_extra for c in mine[1:])
+        assert [t for c in mine for t in c.token_ids] == ids
+        # each chunk's ids are the tokens its logprobs name
+        assert all(c.token_ids == [int(t.removeprefix("token_id:")) for t in c.logprobs.tokens] for c in mine)
+    chat = client.chat.completions.create(messages=msgs, **kw)
+    assert chat.prompt_token_ids == tok.apply_chat_template(msgs) and len(chat.choices[0].token_ids) == 6
+    chunks = list(client.chat.completions.create(messages=msgs, stream=True, **kw))
+    assert chunks[0].prompt_token_ids == chat.prompt_token_ids
+    assert all("prompt_token_ids" not in c.model_extra for c in chunks[1:])
+    assert [t for c in chunks for t in c.choices[0].token_ids] == chat.choices[0].token_ids
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    assert plain.choices[0].model_extra["token_ids"] is None and plain.choices[0].prompt_token_ids is None
+
+
 def test_n2_and_seed_reproducibility(client):
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, n=2,
               extra_body={"ignore_eos": True})

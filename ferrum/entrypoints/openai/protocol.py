@@ -113,6 +113,9 @@ class _SamplingFields(_Strict):
     user: str | None = None                      # accepted for API compatibility; only logged
     # logprobs name every token `token_id:<id>` (vLLM), so tokens with equal text stay apart
     return_tokens_as_token_ids: bool = False
+    # vLLM: the prompt's token ids and each choice's generated ids beside the text (a stream:
+    # the prompt's in its first chunk, each chunk's new ids in it)
+    return_token_ids: bool = False
     # vLLM: each prompt token's logprob with the top-N (0..20) (completions: on each choice;
     # chat: on the response, as vLLM puts them)
     prompt_logprobs: int | None = None

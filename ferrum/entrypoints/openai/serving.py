@@ -348,7 +348,8 @@ class OpenAIServing:
                         lp = {k: echoed[k] + lp[k] for k in lp}
                 choices.append({"index": i * req.n + c.index, "text": prefix + text,
                                 "logprobs": lp, "finish_reason": reason, "stop_reason": stop,
-                                "prompt_logprobs": prompt_lps})
+                                "prompt_logprobs": prompt_lps,
+                                **_token_ids(req, {"prompt_token_ids": p.token_ids, "token_ids": ids})})
         choices.sort(key=lambda c: c["index"])
         return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()),
                              "model": model, "system_fingerprint": self.system_fingerprint,
@@ -377,11 +378,20 @@ class OpenAIServing:
 
         latest: list[RequestOutput | None] = [None] * len(prompts)
 
-        def chunk(index, text, logprobs=None, finish_reason=None, stop_reason=None, completion_tokens=0):
+        sent_ids: dict[int, int] = {}        # choice index -> token ids already streamed
+
+        def chunk(index, text, logprobs=None, finish_reason=None, stop_reason=None, completion_tokens=0,
+                  token_ids=()):
+            ids = {}
+            if req.return_token_ids:   # the prompt's ids in a choice's first chunk (vLLM)
+                ids = {"token_ids": list(token_ids)}
+                if index not in sent_ids:
+                    ids["prompt_token_ids"] = prompts[index // req.n].token_ids
+                sent_ids[index] = sent_ids.get(index, 0) + len(token_ids)
             return _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                          "system_fingerprint": fingerprint,
                          "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                      "finish_reason": finish_reason, "stop_reason": stop_reason}],
+                                      "finish_reason": finish_reason, "stop_reason": stop_reason, **ids}],
                          **self._chunk_usage(req, prompts[index // req.n], latest[index // req.n],
                                              completion_tokens)})
 
@@ -428,7 +438,8 @@ class OpenAIServing:
                 if c.finished:
                     finished.add(idx)
                     ntok += len(c.token_ids)
-                yield chunk(idx, c.delta_text, lp, c.finish_reason, c.stop_reason, len(c.token_ids))
+                new_ids = c.token_ids[sent_ids.get(idx, 0):ready if req.logprobs is not None else None]
+                yield chunk(idx, c.delta_text, lp, c.finish_reason, c.stop_reason, len(c.token_ids), new_ids)
         if req.include_usage:
             yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                         "system_fingerprint": fingerprint, "choices": [],
@@ -462,7 +473,7 @@ class OpenAIServing:
                 streams)
         (out,) = await self._collect(streams, t0, raw)
         choices = [{"index": c.index, **chat_message(chat.tool_parser, c.text, c.finish_reason),
-                    "stop_reason": c.stop_reason,
+                    "stop_reason": c.stop_reason, **_token_ids(req, {"token_ids": c.token_ids}),
                     "logprobs": (chat_logprobs(
                         self.fmt, c.token_ids, c.logprobs or [],
                         token_texts(c.text, c.token_text_ends, 0, len(c.token_ids)), top_n,
@@ -473,7 +484,8 @@ class OpenAIServing:
                              "model": model, "system_fingerprint": self.system_fingerprint,
                              "choices": choices, "usage": self._usage(prompts, ntok, [out]),
                              # vLLM puts them on the response: the choices share one prompt
-                             "prompt_logprobs": self._prompt_logprobs(req, ids, out)})
+                             "prompt_logprobs": self._prompt_logprobs(req, ids, out),
+                             **_token_ids(req, {"prompt_token_ids": ids})})
 
     async def _chat_stream(self, rid, model, req: ChatCompletionRequest, prompts, streams, t0, top_n,
                            tool_parser: ToolParser | None):
@@ -483,11 +495,20 @@ class OpenAIServing:
 
         latest: list[RequestOutput | None] = [None]
 
-        def chunk(index, delta, logprobs=None, finish_reason=None, stop_reason=None, completion_tokens=0):
+        sent_ids: dict[int, int] = {}        # choice index -> token ids already streamed
+
+        def chunk(index, delta, logprobs=None, finish_reason=None, stop_reason=None, completion_tokens=0,
+                  token_ids=()):
+            ids, first = {}, {}
+            if req.return_token_ids:   # the prompt's ids in the stream's first chunk (vLLM)
+                ids = {"token_ids": list(token_ids)}
+                if not sent_ids:
+                    first = {"prompt_token_ids": prompts[0].token_ids}
+                sent_ids[index] = sent_ids.get(index, 0) + len(token_ids)
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                         "model": model, "system_fingerprint": fingerprint,
+                         "model": model, "system_fingerprint": fingerprint, **first,
                          "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                      "finish_reason": finish_reason, "stop_reason": stop_reason}],
+                                      "finish_reason": finish_reason, "stop_reason": stop_reason, **ids}],
                          **self._chunk_usage(req, prompts[0], latest[0], completion_tokens)})
 
         for j in range(req.n):  # the role comes first, as OpenAI sends it
@@ -532,12 +553,19 @@ class OpenAIServing:
                     delta["tool_calls"] = calls
                 if not delta and not c.finished and lp is None:
                     continue
-                yield chunk(c.index, delta, lp, finish_reason, c.stop_reason, len(c.token_ids))
+                new_ids = c.token_ids[sent_ids.get(c.index, 0):ready if req.logprobs else None]
+                yield chunk(c.index, delta, lp, finish_reason, c.stop_reason, len(c.token_ids), new_ids)
         if req.include_usage:
             yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                         "model": model, "system_fingerprint": fingerprint, "choices": [],
                         "usage": self._usage(prompts, ntok, latest)})
         yield _sse("[DONE]")
+
+
+def _token_ids(req, ids: dict[str, list[int]]) -> dict:
+    """vLLM's return_token_ids members of a whole (not streamed) answer: the ids, or null
+    members when not asked for (vLLM's answers always carry them)."""
+    return {k: (list(v) if req.return_token_ids else None) for k, v in ids.items()}
 
 
 def chat_message(tool_parser: ToolParser | None, text: str, finish_reason: str | None) -> dict:
