@@ -249,6 +249,28 @@ def test_return_token_ids_give_the_prompt_and_output_ids_whole_and_streamed(clie
     assert plain.choices[0].model_extra["token_ids"] is None and plain.choices[0].prompt_token_ids is None
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, tok):
+    """vLLM's truncate_prompt_tokens (a 400 before): the model reads the prompt's last k tokens
+    (-1: max_model_len), so a prompt longer than the context still runs; 0 or k above
+    max_model_len is a 400 naming the field."""
+    ids = tok.encode(PROMPT)
+    kw = dict(model=MODEL, temperature=0, max_tokens=4, extra_body={"ignore_eos": True})
+    cut = client.completions.create(prompt=PROMPT, echo=True, **{**kw, "extra_body": {
+        **kw["extra_body"], "truncate_prompt_tokens": 3}})
+    tail = client.completions.create(prompt=ids[-3:], echo=True, **kw)
+    assert cut.usage.prompt_tokens == 3 and cut.choices[0].text == tail.choices[0].text
+    assert cut.choices[0].text.startswith(tok.decode(ids[-3:]))
+    long = ids * (MAX_MODEL_LEN // len(ids) + 1)                  # past the context
+    r = client.completions.create(prompt=long, **{**kw, "extra_body": {"truncate_prompt_tokens": 50}})
+    assert r.usage.prompt_tokens == 50
+    msgs = [{"role": "user", "content": "a long conversation"}]
+    chat = client.chat.completions.create(messages=msgs, **{**kw, "extra_body": {"truncate_prompt_tokens": 5}})
+    assert chat.usage.prompt_tokens == 5
+    for k in (0, -2, MAX_MODEL_LEN + 1):
+        with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+            client.completions.create(prompt=PROMPT, **{**kw, "extra_body": {"truncate_prompt_tokens": k}})
+
+
 def test_n2_and_seed_reproducibility(client):
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, n=2,
               extra_body={"ignore_eos": True})

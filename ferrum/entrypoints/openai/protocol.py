@@ -116,6 +116,8 @@ class _SamplingFields(_Strict):
     # vLLM: the prompt's token ids and each choice's generated ids beside the text (a stream:
     # the prompt's in its first chunk, each chunk's new ids in it)
     return_token_ids: bool = False
+    # vLLM: keep the prompt's last k tokens (-1: max_model_len of them); the start is dropped
+    truncate_prompt_tokens: int | None = None
     # vLLM: each prompt token's logprob with the top-N (0..20) (completions: on each choice;
     # chat: on the response, as vLLM puts them)
     prompt_logprobs: int | None = None

@@ -185,6 +185,23 @@ class OpenAIServing:
                 if need_text and self.tokenizer else None)
         return _Prompt(text, list(p))
 
+    def _truncate(self, req, prompt: _Prompt) -> _Prompt:
+        """vLLM's truncate_prompt_tokens k: the prompt's last k tokens (-1: max_model_len of
+        them), its text decoded from them when it had one (echo shows what the model read).
+        Raises InvalidRequestError for k of 0, below -1 or above max_model_len."""
+        k, limit = req.truncate_prompt_tokens, self.engine.max_model_len
+        if k is None:
+            return prompt
+        if k == 0 or k < -1 or k > limit:
+            raise InvalidRequestError(f"truncate_prompt_tokens must be -1 (max_model_len) or in [1, "
+                                      f"max_model_len {limit}], got {k}", param="truncate_prompt_tokens")
+        k = limit if k == -1 else k
+        if len(prompt.token_ids) <= k:
+            return prompt
+        ids = prompt.token_ids[-k:]
+        text = self.tokenizer.decode(ids, skip_special_tokens=False) if prompt.text is not None else None
+        return _Prompt(text, ids)
+
     def _max_tokens(self, num_prompt: int, requested: int | None, param: str,
                     prompt_param: str = "prompt") -> int | None:
         """max_tokens for a prompt of `num_prompt` tokens: `requested`, or when None what is
@@ -316,7 +333,7 @@ class OpenAIServing:
         given = req.prompts()
         names = [f"prompt[{i}]" if many else "prompt" for i in range(len(given))]
         prompts = await asyncio.to_thread(lambda: [
-            self._prompt(p, req.echo, name) for p, name in zip(given, names)])
+            self._truncate(req, self._prompt(p, req.echo, name)) for p, name in zip(given, names)])
         max_tokens = 1 if req.echo_only else req.max_tokens
         # a prompt too long is named as its other errors are: prompt[i] of a batch of prompts
         params = [req.sampling_params(self._max_tokens(len(p.token_ids), max_tokens, "max_tokens", name),
@@ -458,8 +475,8 @@ class OpenAIServing:
             continue_final_message=req.continue_final_message,
             split_special_tokens=req.split_special_tokens, add_special_tokens=req.add_special_tokens,
             chat_template_kwargs=req.chat_template_kwargs)
-        ids = chat.prompt_token_ids
-        prompts = [_Prompt(None, ids)]
+        prompts = [self._truncate(req, _Prompt(None, chat.prompt_token_ids))]
+        ids = prompts[0].token_ids
         requested = req.requested_max_tokens()
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         params = chat.sampling_params(req.sampling_params(
