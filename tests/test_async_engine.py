@@ -78,6 +78,25 @@ def test_stream_outputs_match_offline_engine(engine, model_dir):
     assert last[0].outputs[0].token_ids == final.token_ids
 
 
+def test_bad_words_tokenize_off_the_engine_thread(engine, monkeypatch):
+    """A long bad_words list (20,000 words: ~0.7 s) tokenized on the engine thread stalled every
+    open stream meanwhile: add_request tokenizes it in a worker thread first, and the engine
+    thread finds it in the tokenizer's cache."""
+    hf = engine.engine.tokenizer.hf
+    batch_encode, threads = type(hf).__call__, []
+
+    def recorded(self, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return batch_encode(self, *args, **kwargs)
+    monkeypatch.setattr(type(hf), "__call__", recorded)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, bad_words=["tokenize me", "elsewhere"])
+
+    async def go():
+        return await _collect(await engine.add_request("bw", None, params, prompt_token_ids=PROMPT))
+    assert asyncio.run(go())[-1].finished
+    assert threads and "ferrum-engine" not in threads
+
+
 def test_add_request_errors_propagate(engine):
     async def go(**kw):
         return await engine.add_request("bad", None, greedy(4), **kw)

@@ -69,6 +69,17 @@ def test_many_bad_words_tokenize_in_one_batch_in_order_without_duplicates(smollm
     assert len(ids) == 30_000 and ids[:4] == [enc("w0"), enc(" w0"), enc("w1"), enc(" w1")]
 
 
+def test_a_bad_words_list_is_tokenized_once(smollm2_tokenizer, monkeypatch):
+    """The tokenizer keeps the lists it tokenized (AsyncLLMEngine tokenizes off the engine
+    thread, which then finds them here); callers get copies they may change."""
+    t = smollm2_tokenizer
+    words = ["cached once", "x"]
+    first = t.bad_words_token_ids(words)
+    monkeypatch.setattr(type(t.hf), "__call__", lambda *a, **k: pytest.fail("tokenized again"))
+    first[0].append(-1)
+    assert t.bad_words_token_ids(words) == t.bad_words_token_ids(list(words)) != first
+
+
 def test_chat_template_renders_chatml(smollm2_tokenizer):
     tok = smollm2_tokenizer
     msgs = [{"role": "user", "content": "What is 2+2?"}]

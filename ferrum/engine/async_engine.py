@@ -196,6 +196,11 @@ class AsyncLLMEngine:
             # compile the grammar here, not in the engine thread (which would stall every
             # running request meanwhile): the engine then finds it in the cache
             await asyncio.to_thread(structured.compile, params.structured_outputs)
+        tokenizer = getattr(self.engine, "tokenizer", None)
+        if tokenizer is not None and params is not None and params.bad_words:
+            # the same for bad_words (20,000 words tokenize in ~0.7 s): the engine thread then
+            # finds them in the tokenizer's cache. A bad word's error raises here, as there
+            await asyncio.to_thread(tokenizer.bad_words_token_ids, params.bad_words)
         loop = asyncio.get_running_loop()
         stream = _Stream(request_id, loop)
         accepted = loop.create_future()

@@ -79,6 +79,10 @@ _TYPED, _TYPED_END = "\ufdd0", "\ufdd1"     # wraps the index of a special-token
 _MARKUP, _MARKUP_END = "\ufdd2", "\ufdd3"   # spells a template's own special token (stand-in)
 
 
+# bad_words lists a Tokenizer keeps tokenized (Tokenizer.bad_words_token_ids)
+BAD_WORDS_CACHE = 64
+
+
 def check_unicode(text: str, param: str = "prompt") -> str:
     """`text` if it is valid Unicode; raises InvalidRequestError (HTTP 400, naming `param`, the
     request field the text came from) for a lone UTF-16 surrogate (U+D800..U+DFFF, which JSON's
@@ -242,6 +246,9 @@ class Tokenizer:
         self.split_special_tokens = True
         self._template_text: TemplateTextEncoder | None = None
         self._token_bytes: TokenBytes | None = None
+        # the last BAD_WORDS_CACHE bad_words lists tokenized (AsyncLLMEngine tokenizes a
+        # request's list off the engine thread; the engine thread then finds it here)
+        self._bad_words: dict[tuple[str, ...], list[list[int]]] = {}
         if chat_template is not None and not getattr(hf, "chat_template", None):
             hf.chat_template = chat_template
         self.chat_template: str | None = getattr(hf, "chat_template", None) or chat_template
@@ -282,7 +289,10 @@ class Tokenizer:
 
         Linear in the number of words: one batched encode and a set for the duplicates (a
         list lookup per word and one encode call each took 10 s for 20,000 words, on the
-        engine thread, stalling every open stream)."""
+        engine thread, stalling every open stream). The last BAD_WORDS_CACHE lists are kept."""
+        key = tuple(words)
+        if (hit := self._bad_words.get(key)) is not None:
+            return [list(ids) for ids in hit]
         texts = [t for word in words for t in (word.lstrip(), " " + word.lstrip())]
         for text in texts:
             check_unicode(text, "bad_words")
@@ -292,10 +302,13 @@ class Tokenizer:
         out: list[list[int]] = []
         seen: set[tuple[int, ...]] = set()
         for ids in encoded:
-            if ids and (key := tuple(ids)) not in seen:
-                seen.add(key)
+            if ids and (t := tuple(ids)) not in seen:
+                seen.add(t)
                 out.append(list(ids))
-        return out
+        if len(self._bad_words) >= BAD_WORDS_CACHE:
+            self._bad_words.pop(next(iter(self._bad_words)))   # the oldest
+        self._bad_words[key] = out
+        return [list(ids) for ids in out]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids` (invalid UTF-8 becomes U+FFFD); special tokens dropped unless asked."""
