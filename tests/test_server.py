@@ -271,6 +271,31 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, tok):
             client.completions.create(prompt=PROMPT, **{**kw, "extra_body": {"truncate_prompt_tokens": k}})
 
 
+def test_truncated_prompt_that_leaves_no_room_names_truncate_prompt_tokens(client, tok):
+    """A prompt cut by truncate_prompt_tokens to a length that leaves no room for max_tokens is
+    a 400 naming truncate_prompt_tokens, the field that set its length: -1 (max_model_len)
+    used to blame `prompt` ("at most 767 prompt tokens"), a prompt the client may not shorten,
+    and k + max_tokens past the context blamed max_tokens alone. A prompt shorter than k is
+    not cut, and its errors name max_tokens as before."""
+    long = tok.encode(PROMPT) * (MAX_MODEL_LEN // len(tok.encode(PROMPT)) + 1)   # past the context
+    kw = dict(model=MODEL, temperature=0, max_tokens=4)
+    for k in (-1, MAX_MODEL_LEN, MAX_MODEL_LEN - 2):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(prompt=[long, PROMPT], **kw, extra_body={"truncate_prompt_tokens": k})
+        assert e.value.body["param"] == "truncate_prompt_tokens", e.value.body
+        assert f"at most {MAX_MODEL_LEN - 4}" in e.value.body["message"] and "prompt[0]" in e.value.body["message"]
+    msgs = [{"role": "user", "content": "word " * MAX_MODEL_LEN}]
+    with pytest.raises(openai.BadRequestError) as e:   # no max_tokens: room for one token at least
+        client.chat.completions.create(model=MODEL, messages=msgs, extra_body={"truncate_prompt_tokens": -1})
+    assert e.value.body["param"] == "truncate_prompt_tokens", e.value.body
+    assert client.completions.create(prompt=long, **kw, extra_body={"truncate_prompt_tokens": MAX_MODEL_LEN - 4}
+                                     ).usage.prompt_tokens == MAX_MODEL_LEN - 4
+    with pytest.raises(openai.BadRequestError) as e:   # not cut: max_tokens is at fault
+        client.completions.create(prompt=PROMPT, model=MODEL, max_tokens=MAX_MODEL_LEN,
+                                  extra_body={"truncate_prompt_tokens": 100})
+    assert e.value.body["param"] == "max_tokens"
+
+
 def test_n2_and_seed_reproducibility(client):
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, n=2,
               extra_body={"ignore_eos": True})

@@ -78,10 +78,11 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 class _Prompt:
-    """One prompt: its text (None when given as token ids and there is no tokenizer) and ids."""
+    """One prompt: its text (None when given as token ids and there is no tokenizer) and ids.
+    cut_from: the prompt's length before truncate_prompt_tokens cut it (None: not cut)."""
 
-    def __init__(self, text: str | None, token_ids: list[int]):
-        self.text, self.token_ids = text, token_ids
+    def __init__(self, text: str | None, token_ids: list[int], cut_from: int | None = None):
+        self.text, self.token_ids, self.cut_from = text, token_ids, cut_from
 
 
 async def merge_streams(streams: list[AsyncIterator[RequestOutput]]
@@ -200,16 +201,27 @@ class OpenAIServing:
             return prompt
         ids = prompt.token_ids[-k:]
         text = self.tokenizer.decode(ids, skip_special_tokens=False) if prompt.text is not None else None
-        return _Prompt(text, ids)
+        return _Prompt(text, ids, cut_from=len(prompt.token_ids))
 
     def _max_tokens(self, num_prompt: int, requested: int | None, param: str,
-                    prompt_param: str = "prompt") -> int | None:
+                    prompt_param: str = "prompt", cut_from: int | None = None) -> int | None:
         """max_tokens for a prompt of `num_prompt` tokens: `requested`, or when None what is
         left of the context, at most the model's default max_tokens (generation_config.json's
         max_new_tokens, as vLLM). Raises PromptTooLongError when they do not fit in
         max_model_len, naming `prompt_param` (the prompt's field) or `param` (the max_tokens
-        field)."""
+        field); or truncate_prompt_tokens when it cut the prompt (`cut_from`: the length
+        before), as that field set the prompt's length and the client may not shorten it."""
         limit = self.engine.max_model_len
+        if cut_from is not None:
+            room = limit - (requested if isinstance(requested, int) and requested > 0 else 1)
+            if num_prompt > room:
+                what = prompt_param if prompt_param.startswith("prompt[") else prompt_param.split("[")[0]
+                asked = (f" and {param} is {requested}" if room < limit - 1 else
+                         " (at least one generated token must fit)")
+                raise PromptTooLongError(
+                    f"truncate_prompt_tokens cut {what} from {cut_from} to its last {num_prompt} tokens"
+                    f"{asked}, which exceeds max_model_len {limit}: set truncate_prompt_tokens to at "
+                    f"most {room}", param="truncate_prompt_tokens")
         check_prompt_len(num_prompt, limit, prompt_param)
         if requested is None:
             return min(limit - num_prompt, self.sampling_defaults.get("max_tokens", limit))
@@ -336,8 +348,8 @@ class OpenAIServing:
             self._truncate(req, self._prompt(p, req.echo, name)) for p, name in zip(given, names)])
         max_tokens = 1 if req.echo_only else req.max_tokens
         # a prompt too long is named as its other errors are: prompt[i] of a batch of prompts
-        params = [req.sampling_params(self._max_tokens(len(p.token_ids), max_tokens, "max_tokens", name),
-                                      self.sampling_defaults)
+        params = [req.sampling_params(self._max_tokens(len(p.token_ids), max_tokens, "max_tokens", name,
+                                                       p.cut_from), self.sampling_defaults)
                   for p, name in zip(prompts, names)]
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._start(rid, prompts, params, names)
@@ -480,7 +492,8 @@ class OpenAIServing:
         requested = req.requested_max_tokens()
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         params = chat.sampling_params(req.sampling_params(
-            self._max_tokens(len(ids), requested, param, "messages"), self.sampling_defaults))
+            self._max_tokens(len(ids), requested, param, "messages", prompts[0].cut_from),
+            self.sampling_defaults))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._start(rid, prompts, [params])
         top_n = req.top_logprobs or 0
