@@ -271,6 +271,22 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, tok):
             client.completions.create(prompt=PROMPT, **{**kw, "extra_body": {"truncate_prompt_tokens": k}})
 
 
+def test_truncating_a_text_prompt_keeps_its_bos():
+    """A tokenizer that starts a text prompt with BOS (Llama's) keeps it first when the prompt is
+    cut to k tokens (vLLM truncates inside the tokenizer, which adds BOS after); token-id prompts
+    and rendered chats keep just their last k (the test server's SmolLM2 tokenizer adds no BOS)."""
+    from types import SimpleNamespace as NS
+
+    from ferrum.entrypoints.openai.serving import OpenAIServing, _Prompt
+    serving = NS(engine=NS(max_model_len=64), tokenizer=NS(bos_token_id=1, decode=lambda ids, **kw: str(ids)))
+    req = NS(truncate_prompt_tokens=3)
+    ids = [1, 10, 11, 12, 13]
+    assert OpenAIServing._truncate(serving, req, _Prompt("text", ids), encoded=True).token_ids == [1, 12, 13]
+    assert OpenAIServing._truncate(serving, req, _Prompt(None, ids)).token_ids == [11, 12, 13]
+    req.truncate_prompt_tokens = 1
+    assert OpenAIServing._truncate(serving, req, _Prompt("text", ids), encoded=True).token_ids == [13]
+
+
 def test_truncated_prompt_that_leaves_no_room_names_truncate_prompt_tokens(client, tok):
     """A prompt cut by truncate_prompt_tokens to a length that leaves no room for max_tokens is
     a 400 naming truncate_prompt_tokens, the field that set its length: -1 (max_model_len)

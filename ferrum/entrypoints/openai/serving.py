@@ -186,9 +186,12 @@ class OpenAIServing:
                 if need_text and self.tokenizer else None)
         return _Prompt(text, list(p))
 
-    def _truncate(self, req, prompt: _Prompt) -> _Prompt:
+    def _truncate(self, req, prompt: _Prompt, encoded: bool = False) -> _Prompt:
         """vLLM's truncate_prompt_tokens k: the prompt's last k tokens (-1: max_model_len of
         them), its text decoded from them when it had one (echo shows what the model read).
+        encoded: the ids are the tokenizer's encoding of a text prompt, whose BOS stays first
+        (k tokens in all), as vLLM's left truncation inside the tokenizer keeps it; a prompt
+        of token ids, or a rendered chat, keeps just its last k.
         Raises InvalidRequestError for k of 0, below -1 or above max_model_len."""
         k, limit = req.truncate_prompt_tokens, self.engine.max_model_len
         if k is None:
@@ -200,6 +203,9 @@ class OpenAIServing:
         if len(prompt.token_ids) <= k:
             return prompt
         ids = prompt.token_ids[-k:]
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        if encoded and k > 1 and bos is not None and prompt.token_ids[0] == bos:
+            ids = [bos] + prompt.token_ids[-(k - 1):]
         text = self.tokenizer.decode(ids, skip_special_tokens=False) if prompt.text is not None else None
         return _Prompt(text, ids, cut_from=len(prompt.token_ids))
 
@@ -345,7 +351,8 @@ class OpenAIServing:
         given = req.prompts()
         names = [f"prompt[{i}]" if many else "prompt" for i in range(len(given))]
         prompts = await asyncio.to_thread(lambda: [
-            self._truncate(req, self._prompt(p, req.echo, name)) for p, name in zip(given, names)])
+            self._truncate(req, self._prompt(p, req.echo, name), isinstance(p, str))
+            for p, name in zip(given, names)])
         max_tokens = 1 if req.echo_only else req.max_tokens
         # a prompt too long is named as its other errors are: prompt[i] of a batch of prompts
         params = [req.sampling_params(self._max_tokens(len(p.token_ids), max_tokens, "max_tokens", name,
