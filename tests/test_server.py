@@ -312,6 +312,26 @@ def test_truncated_prompt_that_leaves_no_room_names_truncate_prompt_tokens(clien
     assert e.value.body["param"] == "max_tokens"
 
 
+def test_request_id_names_the_answer(client, server):
+    """vLLM's request_id (a 400 before) and the X-Request-Id header name the answer's id
+    (cmpl-<id>, chatcmpl-<id>, on every chunk of a stream); two requests may share one."""
+    kw = dict(model=MODEL, max_tokens=2)
+    assert client.completions.create(prompt=PROMPT, extra_body={"request_id": "trace-42"}, **kw).id == "cmpl-trace-42"
+    r = client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], stream=True,
+                                       extra_headers={"X-Request-Id": "hdr-7"}, **kw)
+    assert {c.id for c in r} == {"chatcmpl-hdr-7"}
+
+    async def two():   # the same id at once: the engine's own ids stay apart
+        async with openai.AsyncOpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0) as c:
+            return await asyncio.gather(*[c.completions.create(prompt=PROMPT, extra_body={"request_id": "same"}, **kw)
+                                          for _ in range(2)])
+    assert [x.id for x in asyncio.run(two())] == ["cmpl-same"] * 2
+    for bad in ("", "a\nb", "x" * 257):
+        with pytest.raises(openai.BadRequestError, match="request_id"):
+            client.completions.create(prompt=PROMPT, extra_body={"request_id": bad}, **kw)
+    assert client.completions.create(prompt=PROMPT, **kw).id.startswith("cmpl-")
+
+
 def test_n2_and_seed_reproducibility(client):
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, n=2,
               extra_body={"ignore_eos": True})

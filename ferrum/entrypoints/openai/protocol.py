@@ -118,6 +118,9 @@ class _SamplingFields(_Strict):
     return_token_ids: bool = False
     # vLLM: keep the prompt's last k tokens (-1: max_model_len of them); the start is dropped
     truncate_prompt_tokens: int | None = None
+    # vLLM: the answer's id is "cmpl-<request_id>" / "chatcmpl-<request_id>" (else the
+    # X-Request-Id header's, else a random one), for tracing a request across services
+    request_id: str | None = None
     # vLLM: each prompt token's logprob with the top-N (0..20) (completions: on each choice;
     # chat: on the response, as vLLM puts them)
     prompt_logprobs: int | None = None

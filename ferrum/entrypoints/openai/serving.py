@@ -186,6 +186,23 @@ class OpenAIServing:
                 if need_text and self.tokenizer else None)
         return _Prompt(text, list(p))
 
+    @staticmethod
+    def _response_id(prefix: str, req, raw: Request | None) -> str:
+        """The answer's id: `prefix`-<the body's request_id, else the X-Request-Id header's, else
+        a random hex>, as vLLM names it. The engine's own ids stay unique (`_start` adds to a
+        random one), so two requests may share a client's id. Raises InvalidRequestError for an
+        id of more than 256 characters or with control characters (it goes into logs)."""
+        given = req.request_id
+        param = "request_id"
+        if given is None and raw is not None and (given := raw.headers.get("x-request-id")) is not None:
+            param = "X-Request-Id"
+        if given is None:
+            return f"{prefix}-{uuid.uuid4().hex}"
+        if not 1 <= len(given) <= 256 or not given.isprintable():
+            raise InvalidRequestError(f"{param} must be 1 to 256 printable characters, got {given[:40]!r}"
+                                      f"{'...' if len(given) > 40 else ''}", param=param)
+        return f"{prefix}-{given}"
+
     def _truncate(self, req, prompt: _Prompt, encoded: bool = False) -> _Prompt:
         """vLLM's truncate_prompt_tokens k: the prompt's last k tokens (-1: max_model_len of
         them), its text decoded from them when it had one (echo shows what the model read).
@@ -358,8 +375,8 @@ class OpenAIServing:
         params = [req.sampling_params(self._max_tokens(len(p.token_ids), max_tokens, "max_tokens", name,
                                                        p.cut_from), self.sampling_defaults)
                   for p, name in zip(prompts, names)]
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self._start(rid, prompts, params, names)
+        rid = self._response_id("cmpl", req, raw)
+        streams = await self._start(f"cmpl-{uuid.uuid4().hex}", prompts, params, names)
         if req.stream:
             return EventStream(self._stream_errors(
                 self._completion_stream(rid, model, req, prompts, streams, t0)), streams)
@@ -501,8 +518,8 @@ class OpenAIServing:
         params = chat.sampling_params(req.sampling_params(
             self._max_tokens(len(ids), requested, param, "messages", prompts[0].cut_from),
             self.sampling_defaults))
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self._start(rid, prompts, [params])
+        rid = self._response_id("chatcmpl", req, raw)
+        streams = await self._start(f"chatcmpl-{uuid.uuid4().hex}", prompts, [params])
         top_n = req.top_logprobs or 0
         if req.stream:
             return EventStream(self._stream_errors(
