@@ -312,7 +312,7 @@ def test_truncated_prompt_that_leaves_no_room_names_truncate_prompt_tokens(clien
     assert e.value.body["param"] == "max_tokens"
 
 
-def test_request_id_names_the_answer(client, server):
+def test_request_id_names_the_answer_and_priority_0_is_accepted(client, server):
     """vLLM's request_id (a 400 before) and the X-Request-Id header name the answer's id
     (cmpl-<id>, chatcmpl-<id>, on every chunk of a stream); two requests may share one."""
     kw = dict(model=MODEL, max_tokens=2)
@@ -330,6 +330,11 @@ def test_request_id_names_the_answer(client, server):
         with pytest.raises(openai.BadRequestError, match="request_id"):
             client.completions.create(prompt=PROMPT, extra_body={"request_id": bad}, **kw)
     assert client.completions.create(prompt=PROMPT, **kw).id.startswith("cmpl-")
+    # vLLM's priority: 0 is its first-come-first-served default; another value needs its
+    # priority policy, which ferrum's scheduler does not have (vLLM's default refuses it too)
+    assert client.completions.create(prompt=PROMPT, extra_body={"priority": 0}, **kw).choices
+    with pytest.raises(openai.BadRequestError, match="priority scheduling is not enabled"):
+        client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], extra_body={"priority": 1}, **kw)
 
 
 def test_n2_and_seed_reproducibility(client):

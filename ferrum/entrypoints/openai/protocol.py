@@ -121,6 +121,9 @@ class _SamplingFields(_Strict):
     # vLLM: the answer's id is "cmpl-<request_id>" / "chatcmpl-<request_id>" (else the
     # X-Request-Id header's, else a random one), for tracing a request across services
     request_id: str | None = None
+    # vLLM: the request's rank under --scheduling-policy priority; ferrum's scheduler is first
+    # come first served (vLLM's default, which refuses any other value too)
+    priority: int = 0
     # vLLM: each prompt token's logprob with the top-N (0..20) (completions: on each choice;
     # chat: on the response, as vLLM puts them)
     prompt_logprobs: int | None = None
@@ -160,6 +163,10 @@ class _SamplingFields(_Strict):
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed with stream: true",
                                       param="stream_options")
+        if self.priority != 0:
+            raise InvalidRequestError("priority scheduling is not enabled: the scheduler serves "
+                                      "requests first come first served (send priority 0 or leave it out)",
+                                      param="priority")
         if self.prompt_logprobs is not None and self.stream:   # vLLM refuses them there too
             raise InvalidRequestError("prompt_logprobs is not available with stream: true; send "
                                       "the request without stream", param="prompt_logprobs")
