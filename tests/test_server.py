@@ -337,6 +337,22 @@ def test_request_id_names_the_answer_and_priority_0_is_accepted(client, server):
         client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], extra_body={"priority": 1}, **kw)
 
 
+def test_chat_echo_starts_the_answer_with_the_message_it_continues(client):
+    """vLLM's chat `echo` (a 400 before): with continue_final_message the answer holds the whole
+    assistant message, whole and streamed; a last message of another role is not echoed."""
+    msgs = [{"role": "user", "content": "Greet me"}, {"role": "assistant", "content": "Hello"}]
+    kw = dict(model=MODEL, messages=msgs, temperature=0, max_tokens=4, extra_body={
+        "ignore_eos": True, "continue_final_message": True, "add_generation_prompt": False})
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    echo = {**kw, "extra_body": {**kw["extra_body"], "echo": True}}
+    assert client.chat.completions.create(**echo).choices[0].message.content == "Hello" + plain
+    chunks = list(client.chat.completions.create(stream=True, **echo))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Hello" + plain
+    user_last = client.chat.completions.create(model=MODEL, messages=msgs[:1], temperature=0, max_tokens=4,
+                                               extra_body={"ignore_eos": True, "echo": True})
+    assert not user_last.choices[0].message.content.startswith("Greet me")
+
+
 def test_n2_and_seed_reproducibility(client):
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, n=2,
               extra_body={"ignore_eos": True})

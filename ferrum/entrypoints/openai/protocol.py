@@ -294,6 +294,10 @@ class ChatCompletionRequest(_SamplingFields):
     # tokens (false); null: the server's --[no-]split-special-tokens
     split_special_tokens: bool | None = None
     continue_final_message: bool = False    # vLLM: continue the last (assistant) message
+    # vLLM: the answer starts with the last message's text when that message has the answer's
+    # role (assistant; with add_generation_prompt false, the last message's own), e.g. the
+    # message continue_final_message continues
+    echo: bool = False
     # vLLM: BOS etc. as the tokenizer's encode adds them, on top of the template's own markup
     add_special_tokens: bool = False
     # vLLM: extra variables for the chat template, e.g. {"enable_thinking": false}
@@ -303,6 +307,20 @@ class ChatCompletionRequest(_SamplingFields):
     safety_identifier: str | None = None    # accepted; unused (as in /v1/responses)
     prompt_cache_key: str | None = None     # accepted; the prefix cache needs no key
     service_tier: ServiceTier | None = None
+
+    def echoed_text(self) -> str:
+        """What `echo` puts before the answer: the last message's text (its text parts joined
+        with newlines, as vLLM's echo) when it has the answer's role, else "". Call it after
+        prepare_chat has checked the messages."""
+        if not self.echo:
+            return ""
+        last = self.messages[-1]
+        if last.get("role") != ("assistant" if self.add_generation_prompt else last.get("role")):
+            return ""
+        content = last.get("content") or ""
+        if isinstance(content, list):
+            content = "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        return content if isinstance(content, str) else ""
 
     def requested_max_tokens(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None:

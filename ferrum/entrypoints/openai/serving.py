@@ -526,7 +526,8 @@ class OpenAIServing:
                 self._chat_stream(rid, model, req, prompts, streams, t0, top_n, chat.tool_parser)),
                 streams)
         (out,) = await self._collect(streams, t0, raw)
-        choices = [{"index": c.index, **chat_message(chat.tool_parser, c.text, c.finish_reason),
+        echoed = req.echoed_text()
+        choices = [{"index": c.index, **chat_message(chat.tool_parser, c.text, c.finish_reason, echoed),
                     "stop_reason": c.stop_reason, **_token_ids(req, {"token_ids": c.token_ids}),
                     "logprobs": (chat_logprobs(
                         self.fmt, c.token_ids, c.logprobs or [],
@@ -565,8 +566,11 @@ class OpenAIServing:
                                       "finish_reason": finish_reason, "stop_reason": stop_reason, **ids}],
                          **self._chunk_usage(req, prompts[0], latest[0], completion_tokens)})
 
-        for j in range(req.n):  # the role comes first, as OpenAI sends it
+        echoed = req.echoed_text()
+        for j in range(req.n):  # the role comes first, as OpenAI sends it (then vLLM's echo)
             yield chunk(j, {"role": "assistant", "content": ""})
+            if echoed:
+                yield chunk(j, {"content": echoed})
         streamers = {j: ToolCallStreamer(tool_parser) for j in range(req.n)} if tool_parser else {}
         sent_tokens: dict[int, int] = {}
         streamed: dict[int, int] = {}       # choice index -> characters already streamed
@@ -622,10 +626,12 @@ def _token_ids(req, ids: dict[str, list[int]]) -> dict:
     return {k: (list(v) if req.return_token_ids else None) for k, v in ids.items()}
 
 
-def chat_message(tool_parser: ToolParser | None, text: str, finish_reason: str | None) -> dict:
+def chat_message(tool_parser: ToolParser | None, text: str, finish_reason: str | None,
+                 echoed: str = "") -> dict:
     """{"message": {...}, "finish_reason": ...} of a finished chat choice: with a tool parser,
     the calls found in `text` go to message.tool_calls (content: the rest, or null; see
-    `ToolParser.extract`) and the finish_reason is `ToolParser.finish_reason`'s."""
+    `ToolParser.extract`) and the finish_reason is `ToolParser.finish_reason`'s. `echoed`
+    (vLLM's echo) goes before the content."""
     message = {"role": "assistant", "content": text}
     if tool_parser is not None:
         content, calls = tool_parser.extract(text)
@@ -633,4 +639,6 @@ def chat_message(tool_parser: ToolParser | None, text: str, finish_reason: str |
         if calls:
             message["tool_calls"] = [call.to_openai() for call in calls]
             finish_reason = tool_parser.finish_reason(finish_reason, called=True)
+    if echoed:
+        message["content"] = echoed + (message["content"] or "")
     return {"message": message, "finish_reason": finish_reason}
