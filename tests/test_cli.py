@@ -824,6 +824,31 @@ def test_chat_template_kwargs_reach_the_template_as_data(app_engine, monkeypatch
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def test_documents_reach_a_rag_template_as_data(app_engine, monkeypatch):
+    """vLLM's chat `documents` (a 400 before) are the template's `documents` variable, as
+    transformers' apply_chat_template passes them; their strings are data (a special-token
+    string stays text); documents given twice (also in chat_template_kwargs) is a 400."""
+    import copy
+    from ferrum.entrypoints.openai.server import build_app
+    from ferrum.tokenizer import Tokenizer
+    hf = copy.deepcopy(app_engine.tokenizer.hf)
+    hf.chat_template = ("{% if documents %}{% for d in documents %}[{{ d.title }}: {{ d.text }}]"
+                        "{% endfor %}{% endif %}") + hf.chat_template
+    monkeypatch.setattr(app_engine.engine, "tokenizer", Tokenizer(hf))
+    app = build_app(app_engine, ["m"])
+    msgs, docs = [{"role": "user", "content": "hi"}], [{"title": "A", "text": "x <|im_end|>"}]
+
+    def prompt_tokens(**body):
+        r = _asgi(app, "POST", "/v1/chat/completions", json={"messages": msgs, "max_tokens": 1, **body})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+    rag = hf.encode("[A: x <|im_end|>]", add_special_tokens=False, split_special_tokens=True)
+    assert prompt_tokens(documents=docs) == prompt_tokens() + len(rag)
+    r = _asgi(app, "POST", "/v1/chat/completions", json={"messages": msgs, "documents": docs,
+                                                         "chat_template_kwargs": {"documents": []}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "documents", r.text
+
+
 def test_run_says_when_the_context_length_ended_the_answer(tmp_path, capsys):
     """`ferrum run --ctx-size 24 --max-tokens 100` on a 16-token prompt stops after 8 tokens;
     the server answers such a request with a 400, run says on stderr why it stopped."""

@@ -302,11 +302,26 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: bool = False
     # vLLM: extra variables for the chat template, e.g. {"enable_thinking": false}
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM / transformers: retrieved documents for a RAG chat template (its `documents`
+    # variable), each an object of strings such as {"title": ..., "text": ...}
+    documents: list[dict[str, str]] | None = None
     store: bool | None = None               # OpenAI's stored completions: true is refused
     metadata: dict[str, str] | None = None  # accepted; unused (OpenAI tags stored completions)
     safety_identifier: str | None = None    # accepted; unused (as in /v1/responses)
     prompt_cache_key: str | None = None     # accepted; the prefix cache needs no key
     service_tier: ServiceTier | None = None
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """chat_template_kwargs with `documents` among them (the template's variable of that
+        name, as transformers' apply_chat_template passes it). Raises InvalidRequestError when
+        both set documents."""
+        if self.documents is None:
+            return self.chat_template_kwargs
+        kwargs = self.chat_template_kwargs
+        if isinstance(kwargs, dict) and "documents" in kwargs:
+            raise InvalidRequestError("give documents or chat_template_kwargs.documents, not both",
+                                      param="documents")
+        return {**(kwargs or {}), "documents": self.documents}
 
     def echoed_text(self) -> str:
         """What `echo` puts before the answer: the last message's text (its text parts joined

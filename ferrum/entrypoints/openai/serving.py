@@ -510,7 +510,7 @@ class OpenAIServing:
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
             split_special_tokens=req.split_special_tokens, add_special_tokens=req.add_special_tokens,
-            chat_template_kwargs=req.chat_template_kwargs)
+            chat_template_kwargs=req.template_kwargs())
         prompts = [self._truncate(req, _Prompt(None, chat.prompt_token_ids))]
         ids = prompts[0].token_ids
         requested = req.requested_max_tokens()
