@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from ferrum.engine.block_manager import BlockManager
+from ferrum.engine.block_manager import BlockManager, salt_root
 from ferrum.errors import OutOfKvCacheError
 
 
@@ -77,6 +77,30 @@ def test_hash_chain_depends_on_the_whole_prefix():
     assert bm.lookup_prefix([3, 3, 2, 2, 5]) == 0
     assert bm.lookup_prefix([1, 1, 2, 2, 5]) == 4
     assert bm.lookup_prefix([1, 1, 2, 3, 5]) == 2
+
+
+def test_cache_salt_shares_blocks_only_under_the_same_salt():
+    """vLLM's cache_salt: a prefix cached under one salt is a miss under another or none (one
+    tenant cannot time another's prompts), a hit under the same; blocks committed later, a
+    forked child's and the hashes memoised for a reused token list follow the salt."""
+    bm = BlockManager(num_blocks=16, block_size=2)
+    t1, t2 = salt_root("tenant-1"), salt_root("tenant-2")
+    assert salt_root(None) == b"" and len(t1) == 24 and t1 != t2
+    prompt = [1, 2, 3, 4, 5]
+    assert bm.allocate("a", prompt, 5, root=t1) == 0
+    bm.commit_full_blocks("a", prompt, 5)
+    assert bm.lookup_prefix(prompt) == 0 and bm.lookup_prefix(prompt, root=t2) == 0
+    assert bm.lookup_prefix(prompt, root=t1) == 4 and bm.can_allocate(prompt, 1, root=t1)
+    bm.fork("a", "a1", 5)
+    bm.append_slots("a1", 7)
+    bm.commit_full_blocks("a1", prompt + [6, 7], 7)      # the child's own block, under t1 too
+    assert bm.lookup_prefix(prompt + [6, 7, 8], root=t1) == 6
+    assert bm.lookup_prefix(prompt + [6, 7, 8]) == 0
+    # one token list looked up under t2 first, then t1: its memoised t2 hashes are not reused
+    same = list(prompt)
+    assert bm.lookup_prefix(same, root=t2) == 0 and bm.lookup_prefix(same, root=t1) == 4
+    assert bm.allocate("b", same, 5, root=t1) == 4
+    bm.check_invariants()
 
 
 def test_lru_eviction_order_and_reverse_free_order():

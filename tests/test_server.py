@@ -353,6 +353,22 @@ def test_chat_echo_starts_the_answer_with_the_message_it_continues(client):
     assert not user_last.choices[0].message.content.startswith("Greet me")
 
 
+def test_cache_salt_keeps_prefix_cache_hits_within_a_tenant(client):
+    """vLLM's cache_salt (a 400 before): a prompt cached under one salt is computed again
+    under another salt or none, and served from the cache under the same salt."""
+    prompt = [7 + (i * 13) % 3000 for i in range(96)]    # six 16-token blocks, unseen before
+    kw = dict(model=MODEL, max_tokens=1)
+
+    def cached(salt=None):
+        extra = {} if salt is None else {"extra_body": {"cache_salt": salt}}
+        return client.completions.create(prompt=prompt, **kw, **extra).usage.prompt_tokens_details.cached_tokens
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0 and cached() == 0
+    assert cached("tenant-a") > 0
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        client.completions.create(prompt=prompt, **kw, extra_body={"cache_salt": ""})
+
+
 def test_n2_and_seed_reproducibility(client):
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, n=2,
               extra_body={"ignore_eos": True})

@@ -185,8 +185,10 @@ class AsyncLLMEngine:
     # ---- asyncio side ---------------------------------------------------------------------------
     async def add_request(self, request_id: str | None, prompt: str | None,
                           params: SamplingParams | None = None,
-                          prompt_token_ids: list[int] | None = None) -> RequestStream:
-        """Queue a request (text `prompt` or `prompt_token_ids`) and return its output stream.
+                          prompt_token_ids: list[int] | None = None,
+                          cache_salt: str | None = None) -> RequestStream:
+        """Queue a request (text `prompt` or `prompt_token_ids`) and return its output stream;
+        cache_salt: see LLMEngine.add_request.
 
         Raises what LLMEngine.add_request raises (InvalidRequestError, PromptTooLongError,
         OutOfKvCacheError, QueueFullError, ...) and EngineDeadError once the engine failed."""
@@ -204,7 +206,7 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         stream = _Stream(request_id, loop)
         accepted = loop.create_future()
-        self._send(("add", (request_id, prompt, params, prompt_token_ids), stream, accepted))
+        self._send(("add", (request_id, prompt, params, prompt_token_ids, cache_salt), stream, accepted))
         self._open.add(stream)
         self._pending.add(accepted)
         try:
@@ -335,7 +337,9 @@ class AsyncLLMEngine:
         if kind == "add":
             _, args, stream, fut = cmd
             try:
-                self.engine.add_request(*args, queue_limit=True)
+                request_id, prompt, params, prompt_token_ids, cache_salt = args
+                self.engine.add_request(request_id, prompt, params, prompt_token_ids, queue_limit=True,
+                                        cache_salt=cache_salt)
             except Exception as e:  # bad request: the caller gets it, the engine goes on
                 _resolve(fut, e)
                 return

@@ -34,7 +34,8 @@ from typing import Sequence
 from ferrum.errors import OutOfKvCacheError
 
 # Parent "hash" of block 0. Root inputs are 8*block_size bytes and non-root inputs
-# 16 + 8*block_size bytes, so a root block can never collide with a child block by layout.
+# 16 + 8*block_size bytes, so a root block can never collide with a child block by layout;
+# a salted root (`salt_root`, 24 bytes) makes a third layout.
 _ROOT = b""
 
 # How many waiting prompts keep their block hashes memoised between `can_allocate` calls.
@@ -56,15 +57,27 @@ def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
     return h.digest()
 
 
+def salt_root(cache_salt: str | None) -> bytes:
+    """The parent "hash" of block 0 for a request with vLLM's `cache_salt`: requests share
+    cached prefix blocks only when their salts are equal (None: the unsalted root), so one
+    tenant cannot find out by timing which prompts another sent. blake2b-192 of the salt's
+    UTF-8 bytes, 24 bytes long so that a salted root block has a layout of its own."""
+    if cache_salt is None:
+        return _ROOT
+    return hashlib.blake2b(cache_salt.encode("utf-8"), digest_size=24, person=b"ferrum-salt").digest()
+
+
 class _Seq:
     """Per-sequence state. `block_hashes[i]` is the chain hash of full block i (computed
     lazily, may run ahead of `num_committed`); blocks `[0, num_committed)` have been offered
-    to the prefix cache, so `commit_full_blocks` only looks at blocks after them."""
+    to the prefix cache, so `commit_full_blocks` only looks at blocks after them. `root`: the
+    parent hash of block 0 (`salt_root`)."""
 
-    __slots__ = ("block_table", "block_hashes", "num_committed", "num_cached_tokens", "num_released")
+    __slots__ = ("block_table", "block_hashes", "num_committed", "num_cached_tokens", "num_released", "root")
 
     def __init__(self, block_table: list[int], block_hashes: list[bytes], num_committed: int,
-                 num_cached_tokens: int):
+                 num_cached_tokens: int, root: bytes = _ROOT):
+        self.root = root
         self.block_table = block_table
         self.block_hashes = block_hashes
         self.num_committed = num_committed
@@ -108,11 +121,11 @@ class BlockManager:
         self._hash_to_block: dict[bytes, int] = {}
         self._block_hash: list[bytes | None] = [None] * num_blocks
         self._seqs: dict[str, _Seq] = {}
-        # id(token list) -> (copy of its hashed tokens, their block hashes), so a prompt that
+        # id(token list) -> (root, copy of its hashed tokens, their block hashes), so a prompt that
         # waits for blocks is hashed once, not on every step. The copy is compared before use
         # (a C-speed list compare, far cheaper than hashing), so a reused id or a list edited
         # in place only costs a rehash, never a wrong hit.
-        self._memo: OrderedDict[int, tuple[list[int], list[bytes]]] = OrderedDict()
+        self._memo: OrderedDict[int, tuple[bytes, list[int], list[bytes]]] = OrderedDict()
 
         self.prefix_cache_queries = 0  # full prompt blocks eligible for a hit, over allocations
         self.prefix_cache_hits = 0  # of those, blocks found in the cache
@@ -150,24 +163,26 @@ class BlockManager:
         `allocate`, or the shared prefix given by `fork`. A multiple of block_size."""
         return self._seqs[seq_id].num_cached_tokens
 
-    def lookup_prefix(self, token_ids: Sequence[int], reuse: bool = True) -> int:
+    def lookup_prefix(self, token_ids: Sequence[int], reuse: bool = True, root: bytes = _ROOT) -> int:
         """Prefix-cache hit length in tokens that `allocate(…, token_ids, …)` would return now.
 
         No side effects on the cache or the stats. At most `len(token_ids) - 1` rounded down to
         a block boundary, so the last prompt token is always computed (it yields the logits).
         reuse=False: 0 (a sequence that must compute every position, e.g. for prompt logprobs;
-        its blocks still enter the cache through `commit_full_blocks`).
+        its blocks still enter the cache through `commit_full_blocks`). root: the request's
+        `salt_root` (only blocks cached under the same root are hits; the same in every method).
         """
-        return len(self._match(token_ids, reuse)[1]) * self.block_size
+        return len(self._match(token_ids, reuse, root)[1]) * self.block_size
 
-    def can_allocate(self, token_ids: Sequence[int], num_new_tokens: int, reuse: bool = True) -> bool:
+    def can_allocate(self, token_ids: Sequence[int], num_new_tokens: int, reuse: bool = True,
+                     root: bytes = _ROOT) -> bool:
         """Whether `allocate(seq_id, token_ids, cached + num_new_tokens, reuse)` would succeed now.
 
         `num_new_tokens` are the prompt tokens scheduled this step beyond the prefix-cache hit.
         Passing a larger number (e.g. the whole chunk including cached tokens) is safe: it only
         asks for more blocks than needed.
         """
-        _, hits = self._match(token_ids, reuse)
+        _, hits = self._match(token_ids, reuse, root)
         return self._blocks_needed(hits, len(hits) * self.block_size + num_new_tokens) \
             <= self.num_free_blocks
 
@@ -178,7 +193,8 @@ class BlockManager:
 
     # ------------------------------------------------------------------ mutations
 
-    def allocate(self, seq_id: str, token_ids: Sequence[int], num_tokens: int, reuse: bool = True) -> int:
+    def allocate(self, seq_id: str, token_ids: Sequence[int], num_tokens: int, reuse: bool = True,
+                 root: bytes = _ROOT) -> int:
         """First scheduling of a sequence: build its block table, reusing cached prefix blocks.
 
         Looks up the full blocks of `token_ids` in the prefix cache along the hash chain and
@@ -196,7 +212,7 @@ class BlockManager:
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already allocated; free it first")
-        hashes, hits = self._match(token_ids, reuse)
+        hashes, hits = self._match(token_ids, reuse, root)
         num_blocks = max(len(hits), self._num_blocks_for(num_tokens))
         needed = self._blocks_needed(hits, num_blocks * self.block_size)
         if needed > self.num_free_blocks:
@@ -215,7 +231,7 @@ class BlockManager:
 
         # The hashes now belong to the sequence (and grow with its output blocks).
         self._memo.pop(id(token_ids), None)
-        self._seqs[seq_id] = _Seq(table, hashes, num_hit, num_hit * self.block_size)
+        self._seqs[seq_id] = _Seq(table, hashes, num_hit, num_hit * self.block_size, root)
         if self.enable_prefix_caching and reuse:
             self.prefix_cache_queries += self._max_hit_blocks(token_ids)
             self.prefix_cache_hits += num_hit
@@ -263,7 +279,7 @@ class BlockManager:
         hashes = seq.block_hashes
         for i in range(seq.num_committed, num_full):
             if i == len(hashes):
-                hashes.append(hash_block(hashes[i - 1] if i else _ROOT, token_ids[i * bs:(i + 1) * bs]))
+                hashes.append(hash_block(hashes[i - 1] if i else seq.root, token_ids[i * bs:(i + 1) * bs]))
             h = hashes[i]
             b = seq.block_table[i]
             if b == NULL_BLOCK:  # released before its commit (sliding window): nothing to cache
@@ -301,7 +317,8 @@ class BlockManager:
         for b in shared:
             if b != NULL_BLOCK:
                 self._ref_count[b] += 1  # parent holds them, so none is free or evictable
-        child = _Seq(shared, parent.block_hashes[:k], min(parent.num_committed, k), k * self.block_size)
+        child = _Seq(shared, parent.block_hashes[:k], min(parent.num_committed, k), k * self.block_size,
+                     parent.root)
         child.num_released = min(parent.num_released, k)
         self._seqs[child_id] = child
         return k * self.block_size
@@ -380,20 +397,23 @@ class BlockManager:
         live_hits = sum(1 for b in hits if self._ref_count[b] > 0)
         return total - live_hits
 
-    def _match(self, token_ids: Sequence[int], reuse: bool = True) -> tuple[list[bytes], list[int]]:
-        """Chain hashes of token_ids' full blocks (computed up to the first miss) and the
-        physical blocks of the longest cached prefix, capped by `_max_hit_blocks`. Without
-        `reuse`: no hashes (`commit_full_blocks` computes them) and no hits."""
+    def _match(self, token_ids: Sequence[int], reuse: bool = True,
+               root: bytes = _ROOT) -> tuple[list[bytes], list[int]]:
+        """Chain hashes of token_ids' full blocks from `root` (computed up to the first miss)
+        and the physical blocks of the longest cached prefix, capped by `_max_hit_blocks`.
+        Without `reuse`: no hashes (`commit_full_blocks` computes them) and no hits."""
         if not self.enable_prefix_caching or not reuse:
             return [], []
         key = id(token_ids)
         entry = self._memo.get(key)
-        if entry is not None and list(token_ids[:len(entry[0])]) == entry[0]:
-            seen, hashes = entry
+        # the memo holds the root too: a reused id with the same tokens under another salt
+        # must not take the other salt's hashes
+        if entry is not None and entry[0] == root and list(token_ids[:len(entry[1])]) == entry[1]:
+            _, seen, hashes = entry
             self._memo.move_to_end(key)
         else:
             seen, hashes = [], []
-            self._memo[key] = (seen, hashes)
+            self._memo[key] = (root, seen, hashes)
             if len(self._memo) > _MEMO_SIZE:
                 self._memo.popitem(last=False)
         bs = self.block_size
@@ -401,7 +421,7 @@ class BlockManager:
         for i in range(self._max_hit_blocks(token_ids)):
             if i == len(hashes):
                 block = list(token_ids[i * bs:(i + 1) * bs])
-                hashes.append(hash_block(hashes[i - 1] if i else _ROOT, block))
+                hashes.append(hash_block(hashes[i - 1] if i else root, block))
                 seen.extend(block)
             b = self._hash_to_block.get(hashes[i])
             if b is None:

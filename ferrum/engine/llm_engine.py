@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ferrum.config import EngineConfig, format_size, resolve_max_model_len, resolve_sampling_defaults
-from ferrum.engine.block_manager import BlockManager
+from ferrum.engine.block_manager import BlockManager, salt_root
 from ferrum.engine.scheduler import Scheduler
 from ferrum.engine.sequence import Request, Sequence, SequenceStatus
 from ferrum.engine.output_state import SequenceOutputState
@@ -183,10 +183,12 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int] | None,
                     params: SamplingParams | None = None,
-                    prompt_token_ids: list[int] | None = None, queue_limit: bool = False) -> str:
+                    prompt_token_ids: list[int] | None = None, queue_limit: bool = False,
+                    cache_salt: str | None = None) -> str:
         """Queue a request. `prompt` is text (tokenized here) or token ids. queue_limit: refuse
         it when `max_waiting` requests wait (the server's back-pressure; an offline batch
-        queues every prompt it was given).
+        queues every prompt it was given). cache_salt (vLLM's): the request shares cached
+        prefix blocks only with requests of the same salt (`block_manager.salt_root`).
 
         Raises InvalidRequestError (empty prompt, token id out of range, duplicate id, a
         structured-outputs schema / regex / grammar that does not compile),
@@ -220,6 +222,8 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer", param="stop")
         total = min(self.max_model_len, n + (params.max_tokens or self.max_model_len))
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequestError("cache_salt must be a non-empty string", param="cache_salt")
         if -(-total // self.block_size) > self.num_blocks:
             raise OutOfKvCacheError(f"request needs {total} tokens of KV cache but the pool holds "
                                     f"{self.num_blocks * self.block_size}; lower max_tokens or "
@@ -230,7 +234,8 @@ class LLMEngine:
                 raise QueueFullError(f"{waiting} requests are waiting (limit {limit}); retry later")
         grammar = (self.structured.compile(params.structured_outputs)
                    if params.structured_outputs is not None else None)
-        req = Request(request_id, text, list(prompt_token_ids), params, grammar=grammar)
+        req = Request(request_id, text, list(prompt_token_ids), params, grammar=grammar,
+                      cache_root=salt_root(cache_salt))
         self._new_seq(req, 0)
         self.requests[request_id] = req  # only once nothing above can raise
         self.stats["prompt_tokens"] += n

@@ -285,12 +285,12 @@ class Scheduler:
                 break
             # A prefix-cache hit means fewer tokens to compute; the budget counts computed ones.
             reuse = not seq.needs_prompt_logprobs
-            cached = self.bm.lookup_prefix(seq.token_ids, reuse)
+            cached = self.bm.lookup_prefix(seq.token_ids, reuse, seq.request.cache_root)
             n = self._chunk(seq.num_tokens - cached, budget, first=not out.prefills)
             if not n or not self._room_for(seq, cached, n, demands):
                 break
             self.waiting.popleft()
-            cached = self.bm.allocate(seq.seq_id, seq.token_ids, cached + n, reuse)
+            cached = self.bm.allocate(seq.seq_id, seq.token_ids, cached + n, reuse, seq.request.cache_root)
             seq.num_computed_tokens = cached
             if seq.num_cached_tokens is None:   # not a re-admission after preemption
                 seq.num_cached_tokens = cached
@@ -324,7 +324,8 @@ class Scheduler:
         running sequences and it fit the pool at their peak (`Footprints.peak_blocks`), each
         generating that share of what it may. Admitted, it joins `demands`."""
         rest = seq.num_tokens - cached - n if self.running else 0
-        if not self.bm.can_allocate(seq.token_ids, n + rest, not seq.needs_prompt_logprobs):
+        if not self.bm.can_allocate(seq.token_ids, n + rest, not seq.needs_prompt_logprobs,
+                                    seq.request.cache_root):
             return False
         if demands is None:
             return True
@@ -339,7 +340,7 @@ class Scheduler:
         if not self.waiting:
             return False
         seq = self.waiting[0]
-        cached = self.bm.lookup_prefix(seq.token_ids, not seq.needs_prompt_logprobs)
+        cached = self.bm.lookup_prefix(seq.token_ids, not seq.needs_prompt_logprobs, seq.request.cache_root)
         n = self._chunk(seq.num_tokens - cached, self.config.max_num_batched_tokens, first=True)
         return self._room_for(seq, cached, n, self._demands())
 

@@ -89,6 +89,9 @@ class Request:
     forked: bool = False                    # n > 1: children created after the first prefill
     error: str | None = None                # why a step running it failed (it is then finished)
     grammar: object | None = None           # structured outputs: a CompiledGrammar
+    # the parent hash of its first KV block (`block_manager.salt_root` of vLLM's cache_salt):
+    # requests share cached prefix blocks only under equal salts
+    cache_root: bytes = b""
     # With params.prompt_logprobs: entry i is {token id: logprob} for prompt token i (None for
     # token 0, which has no context), filled as prefill chunks finish; prompt_logprob_pos is
     # the next prompt position whose logits are still to be computed.

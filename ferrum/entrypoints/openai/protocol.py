@@ -124,6 +124,9 @@ class _SamplingFields(_Strict):
     # vLLM: the request's rank under --scheduling-policy priority; ferrum's scheduler is first
     # come first served (vLLM's default, which refuses any other value too)
     priority: int = 0
+    # vLLM: the request shares cached prompt blocks only with requests of the same salt (a
+    # tenant's secret), so another tenant cannot learn by timing which prompts it sent
+    cache_salt: str | None = None
     # vLLM: each prompt token's logprob with the top-N (0..20) (completions: on each choice;
     # chat: on the response, as vLLM puts them)
     prompt_logprobs: int | None = None

@@ -258,7 +258,8 @@ class OpenAIServing:
         return requested
 
     async def _start(self, request_id: str, prompts: list[_Prompt], params: list[SamplingParams],
-                     names: list[str] | None = None) -> list[AsyncIterator[RequestOutput]]:
+                     names: list[str] | None = None,
+                     cache_salt: str | None = None) -> list[AsyncIterator[RequestOutput]]:
         """Add one engine request per prompt; if one is refused, abort those already added.
         More prompts than the queue holds could never all be admitted: InvalidRequestError
         (400), not QueueFullError's 503 "retry later". names: each prompt's field ("prompt[1]"),
@@ -276,7 +277,8 @@ class OpenAIServing:
             for i, (p, sp) in enumerate(zip(prompts, params)):
                 with prompt_named(names[i] if names else "prompt"):
                     streams.append(await self.engine.add_request(f"{request_id}-{i}", None, sp,
-                                                                 prompt_token_ids=p.token_ids))
+                                                                 prompt_token_ids=p.token_ids,
+                                                                 cache_salt=cache_salt))
         except BaseException:
             for i in range(len(streams)):
                 self.engine.abort(f"{request_id}-{i}")
@@ -376,7 +378,7 @@ class OpenAIServing:
                                                        p.cut_from), self.sampling_defaults)
                   for p, name in zip(prompts, names)]
         rid = self._response_id("cmpl", req, raw)
-        streams = await self._start(f"cmpl-{uuid.uuid4().hex}", prompts, params, names)
+        streams = await self._start(f"cmpl-{uuid.uuid4().hex}", prompts, params, names, req.cache_salt)
         if req.stream:
             return EventStream(self._stream_errors(
                 self._completion_stream(rid, model, req, prompts, streams, t0)), streams)
@@ -519,7 +521,8 @@ class OpenAIServing:
             self._max_tokens(len(ids), requested, param, "messages", prompts[0].cut_from),
             self.sampling_defaults))
         rid = self._response_id("chatcmpl", req, raw)
-        streams = await self._start(f"chatcmpl-{uuid.uuid4().hex}", prompts, [params])
+        streams = await self._start(f"chatcmpl-{uuid.uuid4().hex}", prompts, [params],
+                                    cache_salt=req.cache_salt)
         top_n = req.top_logprobs or 0
         if req.stream:
             return EventStream(self._stream_errors(
