@@ -338,14 +338,16 @@ BASE_PROMPT = [0, 1, 0, 0, 1, 1, 0, 1, 2, 0, 0, 1, 2, 2, 1, 0]
 
 
 class _SeqModel:
-    def __init__(self, tokens: list[int], computed: int):
+    def __init__(self, tokens: list[int], computed: int, salt: str | None = None):
         self.tokens = tokens
         self.computed = computed
+        self.salt = salt
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
     """Random engine traffic. `shadow[b][j]` models the K/V in slot j of block b as the whole
-    token prefix it was computed from (K/V of position p depends on tokens[: p + 1])."""
+    token prefix it was computed from (K/V of position p depends on tokens[: p + 1]) and the
+    cache_salt of the request that computed it (a hit must come from the same salt)."""
 
     @initialize(num_blocks=st.integers(8, 16), block_size=st.integers(2, 4),
                 caching=st.sampled_from([True, True, True, False]))
@@ -380,26 +382,27 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for p in range(s.computed, s.computed + n):
             b = table[p // self.bs]
             assert self._holders(b) == 1, f"write into block {b} shared with another sequence"
-            self.shadow[b][p % self.bs] = tuple(s.tokens[:p + 1])
+            self.shadow[b][p % self.bs] = (s.salt, tuple(s.tokens[:p + 1]))
         s.computed += n
         self.bm.commit_full_blocks(sid, s.tokens, s.computed)
 
     # -- rules
 
     @rule(cut=st.integers(0, len(BASE_PROMPT)), suffix=st.lists(st.integers(0, 2), max_size=5),
-          chunk_seed=st.integers(0, 1000))
-    def new_sequence(self, cut, suffix, chunk_seed):
+          chunk_seed=st.integers(0, 1000), salt=st.sampled_from([None, None, "a", "b"]))
+    def new_sequence(self, cut, suffix, chunk_seed, salt):
         prompt = BASE_PROMPT[:cut] + suffix
         if not prompt:
             prompt = [0]
         sid = f"s{self.next_id}"
         self.next_id += 1
-        cached_pred = self.bm.lookup_prefix(prompt)
+        root = salt_root(salt)
+        cached_pred = self.bm.lookup_prefix(prompt, root=root)
         n_new = 1 + chunk_seed % (len(prompt) - cached_pred)
-        can = self.bm.can_allocate(prompt, n_new)
+        can = self.bm.can_allocate(prompt, n_new, root=root)
         before = snapshot(self.bm)
         try:
-            cached = self.bm.allocate(sid, prompt, cached_pred + n_new)
+            cached = self.bm.allocate(sid, prompt, cached_pred + n_new, root=root)
         except OutOfKvCacheError:
             assert not can
             assert snapshot(self.bm) == before
@@ -412,10 +415,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         table = self.bm.block_table(sid)
         assert len(table) * self.bs >= cached + n_new
         k = cached // self.bs
-        for i in range(k):  # a hit must hold the K/V of exactly this prompt prefix
-            want = [tuple(prompt[:p + 1]) for p in range(i * self.bs, (i + 1) * self.bs)]
+        for i in range(k):  # a hit must hold the K/V of exactly this prompt prefix, of this salt
+            want = [(salt, tuple(prompt[:p + 1])) for p in range(i * self.bs, (i + 1) * self.bs)]
             assert self.shadow[table[i]] == want, f"hit block {table[i]} holds {self.shadow[table[i]]}"
-        self.model[sid] = _SeqModel(list(prompt), cached)
+        self.model[sid] = _SeqModel(list(prompt), cached, salt)
         self._take_fresh(sid, table[k:])
         self._compute(sid, n_new)
 
@@ -456,7 +459,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert shared == k * self.bs == self.bm.num_cached_tokens(cid)
         assert self.bm.block_table(cid) == self.bm.block_table(pid)[:k]
         assert self.bm.num_free_blocks == free_before
-        self.model[cid] = _SeqModel(list(parent.tokens[:num_tokens]), shared)
+        self.model[cid] = _SeqModel(list(parent.tokens[:num_tokens]), shared, parent.salt)
 
     @precondition(lambda self: self.model)
     @rule(seed=st.integers(0, 1000))
