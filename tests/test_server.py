@@ -278,13 +278,11 @@ def test_truncating_a_text_prompt_keeps_its_bos():
     from types import SimpleNamespace as NS
 
     from ferrum.entrypoints.openai.serving import OpenAIServing, _Prompt
-    serving = NS(engine=NS(max_model_len=64), tokenizer=NS(bos_token_id=1, decode=lambda ids, **kw: str(ids)))
-    req = NS(truncate_prompt_tokens=3)
+    serving = NS(tokenizer=NS(bos_token_id=1, decode=lambda ids, **kw: str(ids)))
     ids = [1, 10, 11, 12, 13]
-    assert OpenAIServing._truncate(serving, req, _Prompt("text", ids), encoded=True).token_ids == [1, 12, 13]
-    assert OpenAIServing._truncate(serving, req, _Prompt(None, ids)).token_ids == [11, 12, 13]
-    req.truncate_prompt_tokens = 1
-    assert OpenAIServing._truncate(serving, req, _Prompt("text", ids), encoded=True).token_ids == [13]
+    assert OpenAIServing._truncate(serving, 3, _Prompt("text", ids), encoded=True).token_ids == [1, 12, 13]
+    assert OpenAIServing._truncate(serving, 3, _Prompt(None, ids)).token_ids == [11, 12, 13]
+    assert OpenAIServing._truncate(serving, 1, _Prompt("text", ids), encoded=True).token_ids == [13]
 
 
 def test_truncated_prompt_that_leaves_no_room_names_truncate_prompt_tokens(client, tok):

@@ -203,21 +203,23 @@ class OpenAIServing:
                                       f"{'...' if len(given) > 40 else ''}", param=param)
         return f"{prefix}-{given}"
 
-    def _truncate(self, req, prompt: _Prompt, encoded: bool = False) -> _Prompt:
-        """vLLM's truncate_prompt_tokens k: the prompt's last k tokens (-1: max_model_len of
-        them), its text decoded from them when it had one (echo shows what the model read).
-        encoded: the ids are the tokenizer's encoding of a text prompt, whose BOS stays first
-        (k tokens in all), as vLLM's left truncation inside the tokenizer keeps it; a prompt
-        of token ids, or a rendered chat, keeps just its last k.
-        Raises InvalidRequestError for k of 0, below -1 or above max_model_len."""
+    def _truncation(self, req) -> int | None:
+        """vLLM's truncate_prompt_tokens as a token count (-1: max_model_len), checked before
+        any prompt is tokenized. Raises InvalidRequestError for 0, below -1 or above
+        max_model_len."""
         k, limit = req.truncate_prompt_tokens, self.engine.max_model_len
-        if k is None:
-            return prompt
-        if k == 0 or k < -1 or k > limit:
+        if k is not None and (k == 0 or k < -1 or k > limit):
             raise InvalidRequestError(f"truncate_prompt_tokens must be -1 (max_model_len) or in [1, "
                                       f"max_model_len {limit}], got {k}", param="truncate_prompt_tokens")
-        k = limit if k == -1 else k
-        if len(prompt.token_ids) <= k:
+        return limit if k == -1 else k
+
+    def _truncate(self, k: int | None, prompt: _Prompt, encoded: bool = False) -> _Prompt:
+        """The prompt's last k tokens (`_truncation`; None: the prompt as it is), its text
+        decoded from them when it had one (echo shows what the model read). encoded: the ids
+        are the tokenizer's encoding of a text prompt, whose BOS stays first (k tokens in all),
+        as vLLM's left truncation inside the tokenizer keeps it; a prompt of token ids, or a
+        rendered chat, keeps just its last k."""
+        if k is None or len(prompt.token_ids) <= k:
             return prompt
         ids = prompt.token_ids[-k:]
         bos = getattr(self.tokenizer, "bos_token_id", None)
@@ -368,9 +370,10 @@ class OpenAIServing:
         # tokenizing a long prompt takes seconds: in a thread, so the event loop serves on
         many = isinstance(req.prompt, list) and bool(req.prompt) and not isinstance(req.prompt[0], int)
         given = req.prompts()
+        keep = self._truncation(req)
         names = [f"prompt[{i}]" if many else "prompt" for i in range(len(given))]
         prompts = await asyncio.to_thread(lambda: [
-            self._truncate(req, self._prompt(p, req.echo, name), isinstance(p, str))
+            self._truncate(keep, self._prompt(p, req.echo, name), isinstance(p, str))
             for p, name in zip(given, names)])
         max_tokens = 1 if req.echo_only else req.max_tokens
         # a prompt too long is named as its other errors are: prompt[i] of a batch of prompts
@@ -505,6 +508,7 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         t0 = time.perf_counter()
         model = self.check_model(req.model)
+        keep = self._truncation(req)
         chat = await asyncio.to_thread(   # rendering + tokenizing, off the event loop
             prepare_chat, self.tokenizer, req.messages, tools=req.tools,
             tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
@@ -513,7 +517,7 @@ class OpenAIServing:
             continue_final_message=req.continue_final_message,
             split_special_tokens=req.split_special_tokens, add_special_tokens=req.add_special_tokens,
             chat_template_kwargs=req.template_kwargs())
-        prompts = [self._truncate(req, _Prompt(None, chat.prompt_token_ids))]
+        prompts = [self._truncate(keep, _Prompt(None, chat.prompt_token_ids))]
         ids = prompts[0].token_ids
         requested = req.requested_max_tokens()
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
