@@ -496,7 +496,9 @@ class OpenAIServing:
                 if c.finished:
                     finished.add(idx)
                     ntok += len(c.token_ids)
-                new_ids = c.token_ids[sent_ids.get(idx, 0):ready if req.logprobs is not None else None]
+                # only when asked: a slice from the choice's start, per chunk, grows with the answer
+                new_ids = (c.token_ids[sent_ids.get(idx, 0):ready if req.logprobs is not None else None]
+                           if req.return_token_ids else ())
                 yield chunk(idx, c.delta_text, lp, c.finish_reason, c.stop_reason, len(c.token_ids), new_ids)
         if req.include_usage:
             yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
@@ -618,7 +620,8 @@ class OpenAIServing:
                     delta["tool_calls"] = calls
                 if not delta and not c.finished and lp is None:
                     continue
-                new_ids = c.token_ids[sent_ids.get(c.index, 0):ready if req.logprobs else None]
+                new_ids = (c.token_ids[sent_ids.get(c.index, 0):ready if req.logprobs else None]
+                           if req.return_token_ids else ())
                 yield chunk(c.index, delta, lp, finish_reason, c.stop_reason, len(c.token_ids), new_ids)
         if req.include_usage:
             yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
