@@ -62,8 +62,9 @@ def _bad(param: str, msg: str) -> InvalidRequestError:
     return InvalidRequestError(f"{param}: {msg}", param=param)
 
 
-def _content_text(content, where: str) -> str | None:
-    """A message's content as text: a string, None, or a list of text parts."""
+def content_text(content, where: str) -> str | None:
+    """A message's content as text: a string, None, or a list of text parts (joined with
+    newlines). Raises InvalidRequestError naming `where` for anything else."""
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -138,7 +139,7 @@ def parse_messages(messages) -> list[dict]:
         role = m.get("role")
         if role not in ROLES:
             raise _bad(f"{where}.role", f"must be one of {', '.join(ROLES)}; got {role!r}")
-        content = _content_text(m.get("content"), f"{where}.content")
+        content = content_text(m.get("content"), f"{where}.content")
         msg = {"role": "system" if role == "developer" else role, "content": content}
         if m.get("name") is not None:
             if not isinstance(m["name"], str):

@@ -30,7 +30,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from ferrum.entrypoints.chat_utils import PARALLEL_TOOL_CALLS, response_format_constraint
+from ferrum.entrypoints.chat_utils import PARALLEL_TOOL_CALLS, content_text, response_format_constraint
 from ferrum.errors import InvalidRequestError
 from ferrum.sampling_params import MAX_LOGPROBS, SamplingParams
 from ferrum.structured_output import StructuredOutputsParams
@@ -335,10 +335,7 @@ class ChatCompletionRequest(_SamplingFields):
         last = self.messages[-1]
         if last.get("role") != ("assistant" if self.add_generation_prompt else last.get("role")):
             return ""
-        content = last.get("content") or ""
-        if isinstance(content, list):
-            content = "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-        return content if isinstance(content, str) else ""
+        return content_text(last.get("content"), f"messages[{len(self.messages) - 1}].content") or ""
 
     def requested_max_tokens(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None:
